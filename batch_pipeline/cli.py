@@ -1,0 +1,191 @@
+"""`batch-pipeline`: validate a batch file, run one through the Dagster assets, prepare the model.
+
+    batch-pipeline validate INPUT
+    batch-pipeline run INPUT --output-dir DIR [--date YYYY-MM-DD]
+    batch-pipeline model prepare
+
+`run` executes the same assets as the Dagster UI, in-process; with DAGSTER_HOME set the run is
+recorded in that instance and shows up in the UI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+EXIT_OK, EXIT_INVALID_LINES, EXIT_FAILED = 0, 1, 2
+
+
+def _err(message: str) -> None:
+    print(f"batch-pipeline: error: {message}", file=sys.stderr)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from batch_pipeline.defs.resources import LLMResource
+    from batch_pipeline.lib import storage
+    from batch_pipeline.lib.validation import ValidationSettings, validate_stream
+
+    settings = LLMResource().validation_settings()
+    if args.served_model_name:
+        settings = ValidationSettings(args.served_model_name, settings.embedding_model_name)
+    shown = 0
+
+    def on_invalid(bad: Any) -> None:
+        nonlocal shown
+        shown += 1
+        if args.max_errors <= 0 or shown <= args.max_errors:
+            who = f" custom_id={bad.custom_id!r}" if bad.custom_id else ""
+            print(f"  line {bad.line} [{bad.code}]{who}: {bad.message.split(': ', 1)[-1]}")
+
+    print(f"validating {args.input} (served model: {settings.served_model_name})")
+    try:
+        with storage.open_read(args.input) as f:
+            summary = validate_stream(f, settings, lambda _r: None, on_invalid)
+    except FileNotFoundError as e:
+        _err(str(e))
+        return EXIT_FAILED
+    if 0 < args.max_errors < shown:
+        print(f"  ... and {shown - args.max_errors} more invalid lines")
+    by_code = ", ".join(f"{k}={v}" for k, v in sorted(summary.errors_by_code.items())) or "none"
+    print(f"{summary.lines} requests: {summary.valid} valid, {summary.invalid} invalid ({by_code})")
+    file_error = summary.file_error()
+    if file_error:
+        print(f"the batch would fail: {file_error.message}")
+    return EXIT_INVALID_LINES if summary.invalid or file_error else EXIT_OK
+
+
+def _instance() -> Any:
+    import dagster as dg
+
+    if os.environ.get("DAGSTER_HOME"):
+        return dg.DagsterInstance.get()
+    return dg.DagsterInstance.ephemeral()
+
+
+def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[str, Any] | None = None,
+              instance: Any = None, log_level: str = "INFO") -> Any:
+    """Materialize the batch assets for one input file in-process; returns Dagster's result."""
+    import dagster as dg
+
+    from batch_pipeline.defs import assets
+    from batch_pipeline.defs.resources import LLMResource, StorageResource
+
+    chain = [assets.validated_requests, assets.inference_results, assets.batch_outputs, assets.throughput_metrics]
+    config = {"input_uri": input_uri, "output_uri": output_dir}
+    run_config = {
+        "ops": {a.key.to_user_string(): {"config": config} for a in chain},
+        "loggers": {"console": {"config": {"log_level": log_level}}},
+    }
+    return dg.materialize(
+        chain,
+        run_config=run_config,
+        partition_key=partition,
+        resources=resources or {"llm": LLMResource(), "storage": StorageResource()},
+        instance=instance if instance is not None else _instance(),
+        raise_on_error=False,
+        tags={"batch_pipeline/source": "cli"},
+    )
+
+
+def _failure_reason(result: Any) -> str:
+    for event in result.all_events:
+        if event.is_step_failure and event.step_failure_data and event.step_failure_data.error:
+            error = event.step_failure_data.error
+            while error.cause is not None and "Failure" not in error.cls_name:
+                error = error.cause
+            return error.message.strip().splitlines()[-1] if error.message.strip() else error.cls_name
+    return "the run failed"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from batch_pipeline.lib import storage
+
+    input_uri = args.input if args.input.startswith("s3://") else os.path.abspath(args.input)
+    output_dir = args.output_dir if args.output_dir.startswith("s3://") else os.path.abspath(args.output_dir)
+    if not storage.exists(input_uri):
+        _err(f"input not found: {input_uri}")
+        return EXIT_FAILED
+    result = run_batch(input_uri, output_dir, args.date)
+    batch_uri = storage.join(output_dir, "batch.json")
+    batch = json.loads(storage.read_text(batch_uri)) if storage.exists(batch_uri) else None
+    if batch is None or (not result.success and batch.get("status") == "completed"):
+        _err(_failure_reason(result))
+        return EXIT_FAILED
+    counts = batch["request_counts"]
+    print(
+        f"batch {batch['id']} {batch['status']}: {counts['total']} requests, "
+        f"{counts['completed']} completed, {counts['failed']} failed"
+    )
+    if storage.exists(storage.join(output_dir, "metrics.json")):
+        m = json.loads(storage.read_text(storage.join(output_dir, "metrics.json")))
+        print(
+            f"inference {m['inference_seconds']:.1f}s ({m['requests_per_second']:.2f} req/s, "
+            f"{m['output_tokens_per_second']:.1f} output tok/s), model load {m['model_load_seconds']:.1f}s"
+        )
+    print(f"results in {output_dir}: output.jsonl errors.jsonl batch.json metrics.json")
+    if batch["status"] != "completed":
+        errors = (batch.get("errors") or {}).get("data") or [{"message": batch["status"]}]
+        _err(f"batch {batch['status']}: {errors[0]['message']}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_model_prepare(args: argparse.Namespace) -> int:
+    from batch_pipeline.lib import models
+
+    path = models.prepare_bundled_model(log=lambda m: print(m, file=sys.stderr))
+    models.embedding_model_dir()
+    print(path)
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="batch-pipeline", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="check a batch file against the contract; no model needed")
+    p.add_argument("input", help="batch file: a local path or s3://bucket/key")
+    p.add_argument("--served-model-name", default="", help="model name body.model must say (default: SERVED_MODEL_NAME)")
+    p.add_argument("--max-errors", type=int, default=100, help="invalid lines to print (0 = all)")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("run", help="run a batch file through the pipeline")
+    p.add_argument("input", help="batch file: a local path or s3://bucket/key")
+    p.add_argument("--output-dir", required=True, help="folder or s3:// prefix for the four result files")
+    p.add_argument(
+        "--date",
+        default=dt.datetime.now(dt.timezone.utc).date().isoformat(),
+        help="partition date the run is recorded under (default: today, UTC)",
+    )
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("model", help="manage the bundled model")
+    model_sub = p.add_subparsers(dest="model_command", required=True)
+    prep = model_sub.add_parser("prepare", help="build the bundled SmolLM2 checkpoint if missing; prints its folder")
+    prep.set_defaults(func=cmd_model_prepare)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
+    except Exception as e:  # noqa: BLE001 - a one-line reason instead of a traceback for users
+        from batch_pipeline.lib.settings import ConfigError
+
+        if isinstance(e, (ConfigError, FileNotFoundError, PermissionError)):
+            _err(str(e))
+            return EXIT_FAILED
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Dagster wiring only: every module here is loaded by `batch_pipeline.definitions`."""

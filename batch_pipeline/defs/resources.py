@@ -1,0 +1,127 @@
+"""Resources: the vLLM engines (`llm`) and where batches are read and written (`storage`).
+
+Every field left blank in the launchpad falls back to the environment variable of the same name
+(README.md, "Configuration"), read when the run starts, never at import.
+"""
+
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+import dagster as dg
+from pydantic import Field
+
+from batch_pipeline.lib import models
+from batch_pipeline.lib.engine import Engines, build_llm, configure_runtime_env, engine_kwargs, vllm_version
+from batch_pipeline.lib.settings import EngineSettings, StorageSettings, engine_settings_from_env, storage_settings_from_env
+from batch_pipeline.lib.validation import ValidationSettings
+
+BUNDLED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
+
+
+class LLMResource(dg.ConfigurableResource):
+    """vLLM offline engines: one generation model (chat, completions) and one embedding model."""
+
+    model_path: str = Field(default="", description="MODEL_PATH: model folder; blank = bundled SmolLM2-135M-Instruct")
+    served_model_name: str = Field(
+        default="", description="SERVED_MODEL_NAME: what body.model must say; blank = the model folder's name"
+    )
+    tensor_parallel_size: Optional[int] = Field(default=None, description="TENSOR_PARALLEL_SIZE: GPUs per engine")
+    max_model_len: Optional[int] = Field(default=None, description="MAX_MODEL_LEN: context length in tokens")
+    batch_size: Optional[int] = Field(default=None, description="BATCH_SIZE: vLLM max_num_seqs")
+    dtype: str = Field(default="", description="DTYPE: auto, float32, bfloat16, float16")
+    gpu_memory_utilization: Optional[float] = Field(default=None, description="GPU_MEMORY_UTILIZATION: 0-1")
+    max_num_batched_tokens: Optional[int] = Field(default=None, description="MAX_NUM_BATCHED_TOKENS")
+    enable_prefix_caching: Optional[bool] = Field(default=None, description="ENABLE_PREFIX_CACHING")
+    seed: Optional[int] = Field(default=None, description="SEED: engine seed")
+    shard_size: Optional[int] = Field(default=None, description="SHARD_SIZE: requests per engine call/checkpoint")
+
+    def settings(self) -> EngineSettings:
+        overrides = {k: v for k, v in self.__dict__.items() if k in EngineSettings.__dataclass_fields__}
+        return engine_settings_from_env(**overrides)
+
+    # -- names and identity (no model loading) ---------------------------------------------
+
+    def generation_model(self) -> tuple[Optional[str], str]:
+        """(model folder or None when the bundled one is not built yet, served name)."""
+        s = self.settings()
+        if s.model_path:
+            path = Path(s.model_path)
+            return str(path), s.served_model_name or path.name
+        bundled = models.bundled_model_dir()
+        return None, s.served_model_name or bundled.name
+
+    def embedding_model(self) -> tuple[Optional[str], Optional[str]]:
+        s = self.settings()
+        if s.embedding_model_path:
+            path = Path(s.embedding_model_path)
+            return str(path), s.embedding_served_model_name or path.name
+        try:
+            path = models.embedding_model_dir()
+        except RuntimeError:
+            return None, None  # package not installed: /v1/embeddings lines get model_not_found
+        return str(path), s.embedding_served_model_name or BUNDLED_EMBEDDING_NAME
+
+    def validation_settings(self) -> ValidationSettings:
+        _, served = self.generation_model()
+        _, embedding = self.embedding_model()
+        return ValidationSettings(served_model_name=served, embedding_model_name=embedding)
+
+    def identity(self) -> dict[str, Any]:
+        """What answers depend on: recorded in batch.json and used to key checkpoints."""
+        s = self.settings()
+        path, served = self.generation_model()
+        path = path or str(models.bundled_model_dir())
+        kwargs = engine_kwargs(s, path, served, "generate")
+        ident = models.model_identity(Path(path)) if Path(path).exists() else {"model_path": path}
+        return {
+            "model_path": ident.get("model_path", path),
+            "model_revision": ident.get("revision", ""),
+            "served_model_name": served,
+            "engine": vllm_version(),
+            "max_model_len": s.max_model_len or "",
+            "dtype": kwargs["dtype"],
+            "seed": s.seed,
+        }
+
+    # -- engine lifetime ---------------------------------------------------------------------
+
+    def build_engine(self, kwargs: dict[str, Any]) -> Any:
+        return build_llm(kwargs)
+
+    def owns_engines(self) -> bool:
+        return True
+
+    @contextmanager
+    def open(self, log: Callable[[str], None]) -> Iterator[Engines]:
+        """Engines built on first use and always shut down (a leaked engine core hangs the process)."""
+        configure_runtime_env(models.cache_root())
+        s = self.settings()
+        path, served = self.generation_model()
+        if path is None:
+            path = str(models.prepare_bundled_model(log=log))
+        emb_path, emb_name = self.embedding_model()
+        engines = Engines(s, path, served, emb_path, emb_name, log=log, builder=self.build_engine)
+        try:
+            yield engines
+        finally:
+            if self.owns_engines():
+                engines.close()
+
+
+class StorageResource(dg.ConfigurableResource):
+    """Where batch files arrive and results go: local folders or s3:// URIs (standard AWS_* variables)."""
+
+    input_path: str = Field(default="", description="STORAGE_INPUT_PATH: folder or s3://bucket/prefix of batch files")
+    output_path: str = Field(default="", description="STORAGE_OUTPUT_PATH: folder or s3://bucket/prefix for results")
+
+    def settings(self) -> StorageSettings:
+        env = storage_settings_from_env()
+        return StorageSettings(input_path=self.input_path or env.input_path, output_path=self.output_path or env.output_path)
+
+
+@dg.definitions
+def resources() -> dg.Definitions:
+    return dg.Definitions(resources={"llm": LLMResource(), "storage": StorageResource()})

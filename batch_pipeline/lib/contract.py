@@ -1,0 +1,261 @@
+"""The OpenAI Batch contract as pydantic models (see ../shared/BATCH_CONTRACT.md).
+
+Input request bodies are validated strictly where OpenAI is strict (ranges, types, roles) and
+leniently where it is lenient (unknown extra fields are kept and ignored). Output lines, error lines
+and the Batch object are modelled so that what we write round-trips through these models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+EMBEDDINGS_URL = "/v1/embeddings"
+SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+
+MAX_CUSTOM_ID_LENGTH = 64
+
+# Error codes used in error lines (BATCH_CONTRACT.md, "Error file").
+INVALID_JSON = "invalid_json"
+INVALID_REQUEST = "invalid_request"
+DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
+UNSUPPORTED_URL = "unsupported_url"
+INVALID_METHOD = "invalid_method"
+MODEL_NOT_FOUND = "model_not_found"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+BATCH_EXPIRED = "batch_expired"
+BATCH_CANCELLED = "batch_cancelled"
+
+BATCH_STATUSES = (
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
+    "cancelled",
+)
+
+
+class _Lenient(BaseModel):
+    """Request parts: unknown fields are accepted and ignored, like the online endpoint does."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Request bodies
+# --------------------------------------------------------------------------------------------
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_present(self) -> "ChatMessage":
+        # Only an assistant turn that carries tool calls may omit its content.
+        if self.content is None and not (self.role == "assistant" and getattr(self, "tool_calls", None)):
+            raise ValueError("content is required")
+        return self
+
+    def text(self) -> str:
+        """The message content as one string (text parts joined by newlines, as vLLM does)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class JsonSchemaSpec(_Lenient):
+    name: str = Field(default="response", max_length=64)
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
+
+
+StopField = Union[str, Annotated[list[str], Field(max_length=4)], None]
+
+
+class _SamplingBody(_Lenient):
+    model: str = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stop: StopField = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    max_tokens: int | None = Field(default=None, ge=1)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatBody(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> "ChatBody":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionBody(_SamplingBody):
+    prompt: Union[str, Annotated[list[str], Field(min_length=1)]]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    response_format: ResponseFormat | None = None
+
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
+
+    def token_limit(self) -> int | None:
+        # OpenAI's legacy completions endpoint defaults to 16 tokens.
+        return self.max_tokens if self.max_tokens is not None else 16
+
+
+class EmbeddingBody(_Lenient):
+    model: str = Field(min_length=1)
+    input: Union[str, Annotated[list[str], Field(min_length=1)]]
+    dimensions: int | None = Field(default=None, ge=1)
+    encoding_format: Literal["float", "base64"] = "float"
+
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else list(self.input)
+
+
+BODY_MODELS: dict[str, type[BaseModel]] = {
+    CHAT_URL: ChatBody,
+    COMPLETIONS_URL: CompletionBody,
+    EMBEDDINGS_URL: EmbeddingBody,
+}
+
+Body = Union[ChatBody, CompletionBody, EmbeddingBody]
+
+
+class BatchRequest(BaseModel):
+    """One valid input line, as carried from validation to inference."""
+
+    line: int
+    custom_id: str
+    url: str
+    body: dict[str, Any]
+
+    def parsed_body(self) -> Body:
+        return BODY_MODELS[self.url].model_validate(self.body)  # type: ignore[return-value]
+
+
+# --------------------------------------------------------------------------------------------
+# Output and error lines
+# --------------------------------------------------------------------------------------------
+
+
+class LineError(BaseModel):
+    """The `error` of a line that could not be run."""
+
+    code: str
+    message: str
+    line: int | None = None
+
+
+class ResponseEnvelope(BaseModel):
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class OutputLine(BaseModel):
+    id: str
+    custom_id: str | None
+    response: ResponseEnvelope | None
+    error: LineError | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Batch object
+# --------------------------------------------------------------------------------------------
+
+
+class RequestCounts(BaseModel):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class Usage(BaseModel):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    total_tokens: int = 0
+
+
+class BatchFileError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchFileError] = Field(default_factory=list)
+
+
+class Batch(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    model: str | None = None
+    input_file_id: str
+    completion_window: str = "24h"
+    status: Literal[
+        "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+    ]
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    errors: BatchErrors | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    expires_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = Field(default_factory=RequestCounts)
+    usage: Usage = Field(default_factory=Usage)
+    metadata: dict[str, str] = Field(default_factory=dict)

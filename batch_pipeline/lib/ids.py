@@ -1,0 +1,29 @@
+"""Deterministic identifiers, so that re-running a batch writes the same ids for the same lines."""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def _digest(*parts: object, size: int = 12) -> str:
+    h = hashlib.blake2b(digest_size=size)
+    for part in parts:
+        h.update(str(part).encode("utf-8", "surrogatepass"))
+        h.update(b"\x00")
+    return h.hexdigest()
+
+
+def batch_id(seed: str) -> str:
+    return "batch_" + _digest("batch", seed)
+
+
+def request_line_id(batch_seed: str, line: int) -> str:
+    return "batch_req_" + _digest("line", batch_seed, line)
+
+
+def request_id(batch_seed: str, line: int) -> str:
+    return "req_" + _digest("request", batch_seed, line)
+
+
+def completion_id(prefix: str, batch_seed: str, line: int) -> str:
+    return f"{prefix}-" + _digest("completion", batch_seed, line)

@@ -1,0 +1,127 @@
+"""Configuration by the names users know from deployment guides, resolved when a run starts.
+
+Every knob has an environment variable (the table in README.md) and a typed default. Dagster
+resources expose the same fields in the launchpad; a value set there wins over the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+# Environment variable -> EngineSettings field.
+ENGINE_ENV = {
+    "MODEL_PATH": "model_path",
+    "SERVED_MODEL_NAME": "served_model_name",
+    "TENSOR_PARALLEL_SIZE": "tensor_parallel_size",
+    "MAX_MODEL_LEN": "max_model_len",
+    "BATCH_SIZE": "batch_size",
+    "DTYPE": "dtype",
+    "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
+    "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
+    "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
+    "SEED": "seed",
+    "KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes",
+    "ENFORCE_EAGER": "enforce_eager",
+    "ENGINE_ARGS": "extra_engine_args",
+    "EMBEDDING_MODEL_PATH": "embedding_model_path",
+    "EMBEDDING_SERVED_MODEL_NAME": "embedding_served_model_name",
+    "SHARD_SIZE": "shard_size",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be used; the message names the variable."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything needed to build the engines; empty/None means "the default for this machine"."""
+
+    model_path: str = ""  # empty: the bundled SmolLM2-135M-Instruct checkpoint
+    served_model_name: str = ""  # empty: the model folder's name
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    batch_size: int | None = None  # vLLM's max_num_seqs
+    dtype: str = "auto"  # auto: float32 on CPU (bfloat16 ran ~10x slower there), the model's dtype on GPU
+    gpu_memory_utilization: float = 0.90
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    seed: int = 0
+    kv_cache_memory_bytes: int | None = None  # CPU default set in engine.py
+    enforce_eager: bool | None = None  # None: eager on CPU (compiled mode took ~50 s to start here)
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    embedding_model_path: str = ""  # empty: the bundled all-MiniLM-L6-v2
+    embedding_served_model_name: str = ""
+    shard_size: int = 1024  # requests handed to the engine at once; also the progress cadence
+
+    def __post_init__(self) -> None:
+        checks = {
+            "TENSOR_PARALLEL_SIZE": self.tensor_parallel_size >= 1,
+            "MAX_MODEL_LEN": self.max_model_len is None or self.max_model_len >= 16,
+            "BATCH_SIZE": self.batch_size is None or self.batch_size >= 1,
+            "GPU_MEMORY_UTILIZATION": 0 < self.gpu_memory_utilization <= 1,
+            "MAX_NUM_BATCHED_TOKENS": self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "SHARD_SIZE": self.shard_size >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                value = getattr(self, ENGINE_ENV[name])
+                raise ConfigError(f"{name}={value!r} is out of range")
+
+    def with_overrides(self, **overrides: Any) -> "EngineSettings":
+        values = asdict(self)
+        values.update({k: v for k, v in overrides.items() if v is not None and v != ""})
+        return EngineSettings(**values)
+
+
+def _coerce(name: str, raw: str, target: Any) -> Any:
+    try:
+        if target in (int, "int", "int | None"):
+            return int(raw)
+        if target in (float, "float"):
+            return float(raw)
+        if target in (bool, "bool", "bool | None"):
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if target == "dict[str, Any]":
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            return value
+    except ValueError as e:
+        raise ConfigError(f"{name}={raw!r} is not a valid {target}: {e}") from e
+    return raw
+
+
+def engine_settings_from_env(env: dict[str, str] | None = None, **overrides: Any) -> EngineSettings:
+    """Read ENGINE_ENV from the environment (at run time, never at import), then apply overrides."""
+    env = os.environ if env is None else env
+    types = {f.name: f.type for f in fields(EngineSettings)}
+    values: dict[str, Any] = {}
+    for var, attr in ENGINE_ENV.items():
+        raw = env.get(var, "")
+        if raw.strip():
+            values[attr] = _coerce(var, raw.strip(), types[attr])
+    return EngineSettings(**values).with_overrides(**overrides)
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    input_path: str
+    output_path: str
+
+
+def storage_settings_from_env(env: dict[str, str] | None = None) -> StorageSettings:
+    env = os.environ if env is None else env
+    return StorageSettings(
+        input_path=env.get("STORAGE_INPUT_PATH") or str(Path("data/input").absolute()),
+        output_path=env.get("STORAGE_OUTPUT_PATH") or str(Path("data/output").absolute()),
+    )

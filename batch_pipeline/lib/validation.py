@@ -1,0 +1,276 @@
+"""Streaming validation of OpenAI Batch input files.
+
+Every physical line of the input is either passed on as a `BatchRequest` or answered with an error
+line that names the line number, the code and the field. The file is read line by line, so memory
+does not grow with the file's size (only the set of custom_ids seen, a fixed-size digest each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from pydantic import ValidationError
+
+from batch_pipeline.lib import contract as c
+from batch_pipeline.lib.ids import request_line_id
+
+_BOM = b"\xef\xbb\xbf"
+_CUSTOM_ID_RE = re.compile(rb'"custom_id"\s*:\s*"((?:[^"\\]|\\.){0,256})"')
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    """What a line is checked against: the served model names and the configurable limits."""
+
+    served_model_name: str
+    embedding_model_name: str | None = None
+    max_custom_id_length: int = c.MAX_CUSTOM_ID_LENGTH
+    max_line_bytes: int = 10 * 2**20
+
+    def models_for(self, url: str) -> tuple[str, ...]:
+        if url == c.EMBEDDINGS_URL:
+            return (self.embedding_model_name,) if self.embedding_model_name else ()
+        return (self.served_model_name,)
+
+
+@dataclass
+class ValidationSummary:
+    lines: int = 0  # non-blank lines
+    valid: int = 0
+    invalid: int = 0
+    bytes_read: int = 0
+    sha256: str = ""
+    errors_by_code: Counter = field(default_factory=Counter)
+    endpoints: Counter = field(default_factory=Counter)
+    models: Counter = field(default_factory=Counter)
+
+    @property
+    def endpoint(self) -> str:
+        """The batch's endpoint: the most common one among valid lines (OpenAI allows one per file)."""
+        if self.endpoints:
+            return self.endpoints.most_common(1)[0][0]
+        return c.CHAT_URL
+
+    def file_error(self) -> c.BatchFileError | None:
+        """A file-level problem that makes the whole batch `failed`, or None."""
+        if self.lines == 0:
+            return c.BatchFileError(code="empty_file", message="the input file has no requests")
+        if self.valid == 0:
+            codes = ", ".join(f"{code}: {n}" for code, n in sorted(self.errors_by_code.items()))
+            return c.BatchFileError(
+                code="no_valid_lines", message=f"every one of the {self.lines} lines is invalid ({codes})"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class InvalidLine:
+    line: int
+    custom_id: str | None
+    code: str
+    message: str
+
+    def to_error_line(self, batch_seed: str) -> dict[str, Any]:
+        return {
+            "id": request_line_id(batch_seed, self.line),
+            "custom_id": self.custom_id,
+            "response": None,
+            "error": {"code": self.code, "message": self.message, "line": self.line},
+        }
+
+
+def iter_physical_lines(stream: BinaryIO, hasher: Any | None = None) -> Iterator[tuple[int, bytes]]:
+    """Yield (line number, bytes) of each non-blank line; tolerates a BOM, CRLF and no final newline."""
+    for number, raw in enumerate(stream, start=1):
+        if hasher is not None:
+            hasher.update(raw)
+        if number == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM) :]
+        raw = raw.rstrip(b"\r\n")
+        if raw.strip():
+            yield number, raw
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _loc(loc: Iterable[Any]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _clean_loc(loc: Iterable[Any]) -> list[Any]:
+    # Drop the synthetic parts pydantic adds for union branches ("str", "list[...]", "function-after[...]").
+    return [p for p in loc if isinstance(p, int) or not (any(ch in str(p) for ch in "[]-") or p in ("str", "none"))]
+
+
+def _most_specific(errors: list[dict[str, Any]]) -> dict[str, Any]:
+    """For a union (a string or a list...) the useful error is the deepest one that is not a type mismatch."""
+
+    def score(e: dict[str, Any]) -> tuple[int, int]:
+        return (0 if e["type"].endswith("_type") or e["type"] == "none_required" else 1, len(_clean_loc(e["loc"])))
+
+    return max(errors, key=score)
+
+
+def _describe_pydantic(err: ValidationError, prefix: str) -> str:
+    first = _most_specific(err.errors(include_url=False))
+    loc = _clean_loc(first["loc"])
+    where = _loc([prefix, *loc]) if prefix else _loc(loc)
+    msg = first["msg"]
+    if first["type"] == "missing":
+        return f"{where}: required field is missing"
+    if first["type"] not in ("value_error", "model_type") and "input" in first:
+        return f"{where}: {msg} (got {_short(first['input'])})"
+    return f"{where}: {msg.removeprefix('Value error, ')}"
+
+
+class LineValidator:
+    """Validates lines one at a time, remembering custom_ids to answer repeats as duplicates."""
+
+    def __init__(self, settings: ValidationSettings):
+        self.settings = settings
+        self._seen: set[bytes] = set()
+
+    def _remember(self, custom_id: str) -> bool:
+        """Record a custom_id; False when it was seen before."""
+        digest = hashlib.blake2b(custom_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        if digest in self._seen:
+            return False
+        self._seen.add(digest)
+        return True
+
+    def validate(self, line: int, raw: bytes) -> c.BatchRequest | InvalidLine:
+        def bad(code: str, message: str, custom_id: str | None = None) -> InvalidLine:
+            return InvalidLine(line=line, custom_id=custom_id, code=code, message=f"line {line}: {message}")
+
+        if len(raw) > self.settings.max_line_bytes:
+            return bad(
+                c.INVALID_REQUEST,
+                f"the line is {len(raw)} bytes, over the limit of {self.settings.max_line_bytes} (MAX_LINE_BYTES)",
+                _salvage_custom_id(raw[:4096]),
+            )
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return bad(c.INVALID_JSON, f"not valid UTF-8 (byte {e.start})", _salvage_custom_id(raw))
+        try:
+            obj = json.loads(text, parse_constant=_reject_constant)
+        except RecursionError:
+            return bad(c.INVALID_JSON, "not valid JSON: nested too deeply", _salvage_custom_id(raw))
+        except ValueError as e:
+            detail = f"{e.msg} (column {e.colno})" if isinstance(e, json.JSONDecodeError) else str(e)
+            return bad(c.INVALID_JSON, f"not valid JSON: {detail}", _salvage_custom_id(raw))
+        if not isinstance(obj, dict):
+            kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
+            return bad(c.INVALID_REQUEST, f"expected a JSON object, got {kind}")
+
+        custom_id = obj.get("custom_id")
+        if custom_id is None:
+            return bad(c.INVALID_REQUEST, "custom_id: required field is missing")
+        if not isinstance(custom_id, str) or not custom_id:
+            return bad(c.INVALID_REQUEST, f"custom_id: must be a non-empty string (got {_short(custom_id)})")
+        if len(custom_id) > self.settings.max_custom_id_length:
+            return bad(
+                c.INVALID_REQUEST,
+                f"custom_id: {len(custom_id)} characters, over the limit of {self.settings.max_custom_id_length}",
+                custom_id,
+            )
+        if not self._remember(custom_id):
+            return bad(c.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} was already used by an earlier line", custom_id)
+
+        method = obj.get("method")
+        if not isinstance(method, str) or method.upper() != "POST":
+            return bad(c.INVALID_METHOD, f"method: must be POST (got {_short(method)})", custom_id)
+        url = obj.get("url")
+        if url not in c.SUPPORTED_URLS:
+            return bad(
+                c.UNSUPPORTED_URL,
+                f"url: {_short(url)} is not supported; supported endpoints are {', '.join(c.SUPPORTED_URLS)}",
+                custom_id,
+            )
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            if body is None:
+                return bad(c.INVALID_REQUEST, "body: required field is missing", custom_id)
+            return bad(c.INVALID_REQUEST, f"body: must be a JSON object (got {_short(body)})", custom_id)
+        try:
+            parsed = c.BODY_MODELS[url].model_validate(body)
+        except ValidationError as e:
+            return bad(c.INVALID_REQUEST, _describe_pydantic(e, "body"), custom_id)
+        served = self.settings.models_for(url)
+        if parsed.model not in served:  # type: ignore[attr-defined]
+            serving = f"{served[0]!r}" if served else "no model"
+            return bad(
+                c.MODEL_NOT_FOUND,
+                f"body.model: {parsed.model!r} is not served here; {url} serves {serving}",  # type: ignore[attr-defined]
+                custom_id,
+            )
+        return c.BatchRequest(line=line, custom_id=custom_id, url=url, body=body)
+
+
+def _salvage_custom_id(raw: bytes) -> str | None:
+    """Best effort: find the custom_id in a line that does not parse, so the error can name it."""
+    match = _CUSTOM_ID_RE.search(raw)
+    if not match:
+        return None
+    try:
+        return json.loads(b'"' + match.group(1) + b'"')
+    except ValueError:
+        return None
+
+
+def validate_stream(
+    stream: BinaryIO,
+    settings: ValidationSettings,
+    on_valid: Callable[[c.BatchRequest], None],
+    on_invalid: Callable[[InvalidLine], None],
+) -> ValidationSummary:
+    """Validate every line of `stream`, handing each result to a callback; returns the counts."""
+    summary = ValidationSummary()
+    hasher = hashlib.sha256()
+    validator = LineValidator(settings)
+    counting = _CountingReader(stream)
+    for number, raw in iter_physical_lines(counting, hasher):
+        summary.lines += 1
+        result = validator.validate(number, raw)
+        if isinstance(result, InvalidLine):
+            summary.invalid += 1
+            summary.errors_by_code[result.code] += 1
+            on_invalid(result)
+        else:
+            summary.valid += 1
+            summary.endpoints[result.url] += 1
+            summary.models[result.body.get("model")] += 1
+            on_valid(result)
+    summary.sha256 = hasher.hexdigest()
+    summary.bytes_read = counting.count
+    return summary
+
+
+class _CountingReader:
+    def __init__(self, stream: BinaryIO):
+        self._stream = stream
+        self.count = 0
+
+    def __iter__(self) -> Iterator[bytes]:
+        for raw in self._stream:
+            self.count += len(raw)
+            yield raw

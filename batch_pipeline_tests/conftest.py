@@ -1,0 +1,86 @@
+"""Shared fixtures: real vLLM engines built once per test session, and a real S3 server.
+
+vLLM is imported and each engine is built at most once per session (a tiny random Llama for most
+tests, the bundled SmolLM2 only where a test checks real answers), then shared through a resource
+that hands the same engine to every run instead of building a new one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Share the bundled model with `make demo`; the Makefile sets the same folder.
+os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
+
+from batch_pipeline.defs.resources import LLMResource  # noqa: E402
+from batch_pipeline.lib import models  # noqa: E402
+from batch_pipeline.lib.engine import build_llm, configure_runtime_env, shutdown_llm  # noqa: E402
+
+pytest_plugins = ["batch_pipeline_tests.s3_server"]
+
+TINY_NAME = "tiny-llama"
+EMBED_NAME = "all-MiniLM-L6-v2"
+TINY_MAX_MODEL_LEN = 512
+# Small KV cache: enough for the tests' batches, quick to allocate.
+TEST_KV_BYTES = 256 * 2**20
+
+_ENGINES: dict[tuple[str, str], Any] = {}
+
+
+def _session_engine(kwargs: dict[str, Any]) -> Any:
+    key = (str(kwargs["model"]), kwargs.get("runner", "generate"))
+    if key not in _ENGINES:
+        _ENGINES[key] = build_llm(kwargs)
+    return _ENGINES[key]
+
+
+class SessionLLM(LLMResource):
+    """The real LLMResource, except that engines outlive a run: built once, shared by every test."""
+
+    def build_engine(self, kwargs: dict[str, Any]) -> Any:
+        return _session_engine(kwargs)
+
+    def owns_engines(self) -> bool:
+        return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _runtime_env():
+    configure_runtime_env(models.cache_root())
+    yield
+    for llm in _ENGINES.values():
+        shutdown_llm(llm)
+    _ENGINES.clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return models.build_tiny_llama(models.cache_root() / "test-models" / TINY_NAME)
+
+
+@pytest.fixture(scope="session")
+def bundled_model_dir() -> Path:
+    return models.prepare_bundled_model(log=lambda _m: None)
+
+
+@pytest.fixture
+def tiny_llm(tiny_model_dir, monkeypatch) -> SessionLLM:
+    """The LLM resource on the tiny random model (answers are gibberish; shapes and counts are real)."""
+    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "MAX_MODEL_LEN", "SHARD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KV_CACHE_MEMORY_BYTES", str(TEST_KV_BYTES))
+    return SessionLLM(model_path=str(tiny_model_dir), served_model_name=TINY_NAME, max_model_len=TINY_MAX_MODEL_LEN)
+
+
+@pytest.fixture
+def smollm2_llm(bundled_model_dir, monkeypatch) -> SessionLLM:
+    """The LLM resource on the bundled SmolLM2-135M-Instruct (real answers)."""
+    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "SHARD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KV_CACHE_MEMORY_BYTES", str(512 * 2**20))
+    return SessionLLM(max_model_len=2048)

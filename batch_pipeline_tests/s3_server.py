@@ -1,0 +1,176 @@
+"""A local S3 for tests: moto's standalone server (`moto_server`) on 127.0.0.1, over real HTTP.
+
+Covers: starting/stopping the server on a free port, the standard AWS environment pointing at it
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY`` = ``testing``,
+``AWS_REGION`` = ``us-east-1``), and a fresh bucket per test. Does not touch real AWS, does not
+mock boto3, and does not read ~/.aws (the config/credentials files are pointed at nothing).
+
+Use from a test module::
+
+    from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
+
+    def test_x(s3_bucket):            # env set, storage clients reset, bucket created
+        uri = f"s3://{s3_bucket}/a.jsonl"
+
+Or, for a subprocess, ``with running_moto_server() as server: env = {**os.environ, **server.env()}``.
+
+The server runs in its own process, not as moto's ThreadedMotoServer: that would import Flask into
+the test process, and vLLM's kernel registration walks every module's attributes and trips over
+Flask's `current_app` proxy ("Working outside of application context"). Each test gets its own
+bucket name.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import boto3
+import pytest
+
+REGION = "us-east-1"
+
+# Variables that could point boto3 somewhere else than the test server; removed in s3_env.
+_FOREIGN_AWS_VARS = (
+    "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS",
+    "AWS_ROLE_ARN",
+    "AWS_WEB_IDENTITY_TOKEN_FILE",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "S3_SSE",
+    "S3_SSE_KMS_KEY_ID",
+)
+
+
+@dataclass
+class MotoS3:
+    process: subprocess.Popen
+    host: str
+    port: int
+    buckets: list[str] = field(default_factory=list)
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """The environment a process needs to talk to this server (merge into os.environ)."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": REGION,
+            "AWS_DEFAULT_REGION": REGION,
+            "AWS_CONFIG_FILE": os.devnull,
+            "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+
+    def client(self) -> Any:
+        """A boto3 client for assertions, independent of the code under test."""
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            region_name=REGION,
+        )
+
+    def create_bucket(self, name: str | None = None) -> str:
+        name = name or f"test-{uuid.uuid4().hex[:16]}"
+        self.client().create_bucket(Bucket=name)
+        self.buckets.append(name)
+        return name
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto_server(timeout: float = 30.0) -> MotoS3:
+    """Start `moto_server` on 127.0.0.1 and a free port; returns once it answers HTTP."""
+    port = _free_port()
+    moto = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    process = subprocess.Popen(
+        [moto, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,  # werkzeug logs every request
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"moto_server exited with {process.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return MotoS3(process=process, host="127.0.0.1", port=port)
+        except OSError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"moto_server did not start within {timeout:.0f}s")
+
+
+@contextmanager
+def running_moto_server() -> Iterator[MotoS3]:
+    server = start_moto_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def apply_env(monkeypatch: pytest.MonkeyPatch, server: MotoS3) -> dict[str, str]:
+    """Point this process at ``server`` (undone by monkeypatch) and drop cached storage clients."""
+    from batch_pipeline.lib import storage
+
+    for name in _FOREIGN_AWS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    env = server.env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    storage.reset_clients()
+    return env
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoS3]:
+    with running_moto_server() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(moto_server: MotoS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
+    """The AWS environment for the test server, set for the duration of one test."""
+    from batch_pipeline.lib import storage
+
+    env = apply_env(monkeypatch, moto_server)
+    yield env
+    storage.reset_clients()  # runs before monkeypatch restores the environment
+
+
+@pytest.fixture
+def s3_bucket(moto_server: MotoS3, s3_env: dict[str, str]) -> str:
+    """A fresh, empty bucket on the test server (with s3_env applied)."""
+    return moto_server.create_bucket()

@@ -1,0 +1,161 @@
+"""The vLLM engine wrapper (lib/engine.py) against real vLLM on the CPU, with the tiny random Llama.
+
+Covers the mapping of body fields to sampling parameters, the OpenAI response bodies (parsed with
+the official `openai` SDK types), context-length handling and per-request failure isolation. Does
+not touch Dagster or storage; answers are gibberish here (real answers: test_e2e_smollm2.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+
+import pytest
+from openai.types import Completion, CreateEmbeddingResponse
+from openai.types.chat import ChatCompletion
+
+from batch_pipeline.lib import contract as c
+from batch_pipeline.lib.engine import Engines
+from batch_pipeline_tests.conftest import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
+
+
+@pytest.fixture
+def engines(tiny_llm):
+    with tiny_llm.open(log=lambda _m: None) as e:
+        yield e
+
+
+def req(line: int, url: str = c.CHAT_URL, **body) -> c.BatchRequest:
+    if url == c.CHAT_URL:
+        body.setdefault("messages", [{"role": "user", "content": "hello there"}])
+    body.setdefault("model", EMBED_NAME if url == c.EMBEDDINGS_URL else TINY_NAME)
+    return c.BatchRequest(line=line, custom_id=f"id-{line}", url=url, body=body)
+
+
+def run(engines: Engines, *requests: c.BatchRequest) -> dict[int, dict]:
+    answers = engines.run("batch_test", list(requests), created=1_700_000_000)
+    assert sorted(a.line for a in answers) == sorted(r.line for r in requests)  # exactly once
+    return {a.line: a.record for a in answers}
+
+
+def body_of(record: dict) -> dict:
+    assert record["error"] is None and record["response"]["status_code"] == 200, record
+    return record["response"]["body"]
+
+
+def test_chat_body_parses_with_openai_types_and_counts_tokens(engines):
+    record = run(engines, req(1, max_tokens=7, temperature=0))[1]
+    assert record["custom_id"] == "id-1" and record["id"].startswith("batch_req_")
+    assert record["response"]["request_id"].startswith("req_")
+    completion = ChatCompletion.model_validate(body_of(record))
+    assert completion.object == "chat.completion" and completion.model == TINY_NAME
+    assert completion.choices[0].message.role == "assistant"
+    assert 1 <= completion.usage.completion_tokens <= 7
+    assert completion.usage.prompt_tokens > 3
+    assert completion.usage.total_tokens == completion.usage.prompt_tokens + completion.usage.completion_tokens
+
+
+def test_n_gives_n_choices_and_seed_makes_sampling_repeatable(engines):
+    ask = dict(n=3, max_tokens=8, temperature=1.0, seed=1234)
+    first, second = run(engines, req(1, **ask), req(2, **ask)).values()
+    a, b = ChatCompletion.model_validate(body_of(first)), ChatCompletion.model_validate(body_of(second))
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert [ch.message.content for ch in a.choices] == [ch.message.content for ch in b.choices]
+
+
+def test_max_tokens_and_stop_are_honoured(engines):
+    greedy = ChatCompletion.model_validate(body_of(run(engines, req(1, max_tokens=12, temperature=0))[1]))
+    text = greedy.choices[0].message.content
+    assert greedy.choices[0].finish_reason == "length" and greedy.usage.completion_tokens == 12
+    stop = text[0]  # the random model's greedy text is mostly newlines: stop on its first character
+    stopped = ChatCompletion.model_validate(body_of(run(engines, req(2, max_tokens=12, temperature=0, stop=[stop]))[2]))
+    assert stop not in stopped.choices[0].message.content
+    assert stopped.usage.completion_tokens < 12
+
+
+def test_chat_logprobs_have_top_k_alternatives(engines):
+    body = body_of(run(engines, req(1, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3))[1])
+    completion = ChatCompletion.model_validate(body)
+    content = completion.choices[0].logprobs.content
+    assert len(content) == completion.usage.completion_tokens
+    for token in content:
+        assert len(token.top_logprobs) == 3
+        assert token.logprob <= 0
+        # Greedy: the chosen token is the most likely one.
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob, abs=1e-4)
+
+
+def test_completions_with_list_prompt_echo_and_logprobs(engines):
+    body = body_of(
+        run(engines, req(1, url=c.COMPLETIONS_URL, prompt=["The sky", "Rivers"], max_tokens=3, echo=True, logprobs=2, n=2))[1]
+    )
+    completion = Completion.model_validate(body)
+    assert completion.object == "text_completion"
+    assert [ch.index for ch in completion.choices] == [0, 1, 2, 3]
+    assert completion.choices[0].text.startswith("The sky") and completion.choices[2].text.startswith("Rivers")
+    assert len(completion.choices[0].logprobs.tokens) == len(completion.choices[0].logprobs.token_logprobs)
+    assert all(len(top) >= 2 for top in completion.choices[0].logprobs.top_logprobs)
+
+
+def test_completions_default_to_16_tokens_like_openai(engines):
+    body = body_of(run(engines, req(1, url=c.COMPLETIONS_URL, prompt="Once upon", temperature=0, ignore_eos=True))[1])
+    assert Completion.model_validate(body).usage.completion_tokens <= 16
+
+
+def test_prompt_over_max_model_len_is_an_error_line_not_an_exception(engines):
+    long = "word " * (TINY_MAX_MODEL_LEN * 2)
+    records = run(engines, req(1, messages=[{"role": "user", "content": long}]), req(2, max_tokens=2))
+    assert records[1]["response"] is None
+    assert records[1]["error"]["code"] == c.CONTEXT_LENGTH_EXCEEDED and records[1]["error"]["line"] == 1
+    assert f"MAX_MODEL_LEN is {TINY_MAX_MODEL_LEN}" in records[1]["error"]["message"]
+    body_of(records[2])  # the neighbour still ran
+
+
+def test_max_tokens_beyond_the_room_left_is_clamped(engines):
+    tokenizer = engines.generation.tokenizer
+    prompt = "a b c d " * 20
+    prompt_tokens = len(tokenizer.encode(prompt))
+    room = TINY_MAX_MODEL_LEN - prompt_tokens
+    body = body_of(
+        run(engines, req(1, url=c.COMPLETIONS_URL, prompt=prompt, max_tokens=TINY_MAX_MODEL_LEN * 4, temperature=0, ignore_eos=True))[1]
+    )
+    usage = Completion.model_validate(body).usage
+    assert usage.prompt_tokens == prompt_tokens
+    assert usage.completion_tokens == room
+
+
+def test_a_request_the_engine_rejects_fails_alone(engines):
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    records = run(engines, req(1, max_tokens=3), req(2, max_tokens=3, response_format=bad_schema), req(3, max_tokens=3))
+    body_of(records[1]), body_of(records[3])
+    rejected = records[2]
+    assert rejected["response"]["status_code"] == 400
+    assert rejected["response"]["body"]["error"]["type"] == "invalid_request_error"
+    assert rejected["response"]["body"]["error"]["message"]
+
+
+def test_json_object_output_is_constrained(engines):
+    body = body_of(run(engines, req(1, max_tokens=40, temperature=0, response_format={"type": "json_object"}))[1])
+    text = ChatCompletion.model_validate(body).choices[0].message.content.strip()
+    assert text.startswith("{")
+
+
+def test_embeddings_float_and_base64(engines):
+    records = run(
+        engines,
+        req(1, url=c.EMBEDDINGS_URL, input=["hello", "world"]),
+        req(2, url=c.EMBEDDINGS_URL, input="hello", encoding_format="base64"),
+    )
+    floats = CreateEmbeddingResponse.model_validate(body_of(records[1]))
+    assert [d.index for d in floats.data] == [0, 1] and len(floats.data[0].embedding) == 384
+    assert floats.usage.prompt_tokens > 0
+    raw = base64.b64decode(body_of(records[2])["data"][0]["embedding"])
+    vector = struct.unpack(f"<{len(raw) // 4}f", raw)
+    assert vector == pytest.approx(floats.data[0].embedding, abs=1e-5)
+    assert sum(v * v for v in vector) == pytest.approx(1.0, abs=1e-3)  # normalised like sentence-transformers
+
+
+def test_embedding_dimensions_the_model_cannot_do_is_a_400(engines):
+    record = run(engines, req(1, url=c.EMBEDDINGS_URL, input="x", dimensions=8))[1]
+    assert record["response"]["status_code"] == 400
+    assert "dimensions" in record["response"]["body"]["error"]["message"]
