@@ -72,17 +72,16 @@ def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[s
     """Materialize the batch assets for one input file in-process; returns Dagster's result."""
     import dagster as dg
 
-    from batch_pipeline.defs import assets
+    from batch_pipeline.defs.assets import BATCH_ASSETS
+    from batch_pipeline.defs.jobs import batch_run_config
     from batch_pipeline.defs.resources import LLMResource, StorageResource
 
-    chain = [assets.validated_requests, assets.inference_results, assets.batch_outputs, assets.throughput_metrics]
-    config = {"input_uri": input_uri, "output_uri": output_dir}
     run_config = {
-        "ops": {a.key.to_user_string(): {"config": config} for a in chain},
+        **batch_run_config(input_uri, output_dir),
         "loggers": {"console": {"config": {"log_level": log_level}}},
     }
     return dg.materialize(
-        chain,
+        BATCH_ASSETS,
         run_config=run_config,
         partition_key=partition,
         resources=resources or {"llm": LLMResource(), "storage": StorageResource()},

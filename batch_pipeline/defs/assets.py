@@ -167,3 +167,6 @@ def throughput_metrics(
 ) -> dg.MaterializeResult:
     per_batch = [b.batch_metrics(loc) for loc in locate(context, config, storage)]
     return dg.MaterializeResult(metadata=b.aggregate_metrics(per_batch))
+
+
+BATCH_ASSETS = [validated_requests, inference_results, batch_outputs, throughput_metrics]

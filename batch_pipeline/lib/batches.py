@@ -13,6 +13,7 @@ own (a Dagster re-execution, the CLI again) and finds what the step before it le
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import heapq
 import itertools
@@ -60,24 +61,41 @@ def batch_name(input_uri: str) -> str:
     return name
 
 
+def upload_date(info: storage.ObjectInfo) -> str:
+    """The UTC date an object was uploaded (last modified): the partition of an undated batch file."""
+    return dt.datetime.fromtimestamp(info.modified, tz=dt.timezone.utc).date().isoformat()
+
+
+def partition_inputs(input_root: str, partition: str) -> list[storage.ObjectInfo]:
+    """Batch files of one date: everything under `<root>/<date>/`, plus files directly under the
+    root that were uploaded on that date (UTC)."""
+    dated = storage.list_objects(storage.join(input_root, partition), recursive=False)
+    undated = [o for o in storage.list_objects(input_root, recursive=False) if upload_date(o) == partition]
+    return [o for o in dated + undated if o.uri.endswith(INPUT_SUFFIXES)]
+
+
 def resolve_batches(input_uri: str, output_uri: str, input_root: str, output_root: str, partition: str) -> list[BatchLocation]:
     """The batches of one run.
 
-    With an explicit input file, that file (results in `output_uri`, or the partition's folder of
-    the output root). With an explicit folder/prefix or none, every batch file under it (default:
-    `<input_root>/<partition>/`), each into `<output_root>/<partition>/<batch name>/`.
+    With an explicit input file: that file, into `output_uri` (default
+    `<output_root>/<partition>/<batch name>/`). With an explicit folder/prefix: every batch file
+    directly in it. With neither: the partition's files (`partition_inputs`). Each folder batch goes
+    to `<output_uri or output_root/partition>/<batch name>/`.
     """
-    source = input_uri or storage.join(input_root, partition)
-    is_file = source.endswith(INPUT_SUFFIXES) and storage.exists(source)
-    if is_file:
-        name = batch_name(source)
+    if input_uri and input_uri.endswith(INPUT_SUFFIXES) and storage.exists(input_uri):
+        name = batch_name(input_uri)
         target = output_uri or storage.join(output_root, partition, name)
-        return [BatchLocation(name=name, input_uri=source, output_uri=target, partition=partition)]
+        return [BatchLocation(name=name, input_uri=input_uri, output_uri=target, partition=partition)]
+    if input_uri:
+        found = [o for o in storage.list_objects(input_uri, recursive=False) if o.uri.endswith(INPUT_SUFFIXES)]
+        if not found and not storage.list_objects(input_uri):
+            raise FileNotFoundError(f"no batch file or folder at {input_uri}")
+    else:
+        found = partition_inputs(input_root, partition)
     base = output_uri or storage.join(output_root, partition)
-    found = [o.uri for o in storage.list_objects(source, recursive=False) if o.uri.endswith(INPUT_SUFFIXES)]
     return [
-        BatchLocation(name=batch_name(uri), input_uri=uri, output_uri=storage.join(base, batch_name(uri)), partition=partition)
-        for uri in found
+        BatchLocation(name=batch_name(o.uri), input_uri=o.uri, output_uri=storage.join(base, batch_name(o.uri)), partition=partition)
+        for o in found
     ]
 
 

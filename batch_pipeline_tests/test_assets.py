@@ -1,0 +1,182 @@
+"""The Dagster assets end to end in-process (`dg.materialize`) on the tiny model with real vLLM.
+
+Covers: the four assets and the failed_line_rate check on a partition's batch files, the result
+files against the contract (exactly one answer per line), metadata, a file-level failure, re-runs
+reusing finished shards (no engine load), S3 input and output over a real S3 server, and the whole
+Definitions object. Does not start a Dagster daemon or web server (test_dagster_e2e.py does).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.defs.assets import BATCH_ASSETS
+from batch_pipeline.defs.jobs import batch_run_config
+from batch_pipeline.defs.resources import StorageResource
+from batch_pipeline.lib import storage
+from batch_pipeline_tests.conftest import REPO, TINY_NAME
+
+DATE = "2026-11-29"
+
+
+def chat_line(custom_id: str, content: str = "hello", **body) -> str:
+    payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": payload})
+
+
+def write_batch(folder: Path, name: str, lines: list[str]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def materialize(llm, input_root: str, output_root: str, partition: str = DATE, run_config=None, instance=None):
+    return dg.materialize(
+        BATCH_ASSETS,
+        partition_key=partition,
+        resources={"llm": llm, "storage": StorageResource(input_path=input_root, output_path=output_root)},
+        run_config=run_config,
+        instance=instance or dg.DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
+
+
+def read_jsonl(uri: str) -> list[dict]:
+    return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
+
+
+def metadata_of(result, asset: str) -> dict:
+    [event] = [e for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == asset]
+    return {k: v.value for k, v in event.materialization.metadata.items()}
+
+
+@pytest.fixture
+def partition_with_two_batches(tmp_path):
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    write_batch(inbox / DATE, "alpha.jsonl", [chat_line(f"a-{i}") for i in range(5)] + ["{not json", chat_line("a-0")])
+    write_batch(inbox / DATE, "beta.jsonl", [chat_line("b-1"), chat_line("b-2", temperature=9)])
+    write_batch(inbox / "2026-11-28", "other-day.jsonl", [chat_line("x")])
+    return inbox, out
+
+
+def test_partition_run_answers_every_line_once(tiny_llm, partition_with_two_batches):
+    inbox, out = partition_with_two_batches
+    result = materialize(tiny_llm, str(inbox), str(out))
+    assert result.success
+
+    alpha = out / DATE / "alpha"
+    outputs, errors = read_jsonl(str(alpha / "output.jsonl")), read_jsonl(str(alpha / "errors.jsonl"))
+    assert sorted(o["custom_id"] for o in outputs) == [f"a-{i}" for i in range(5)]
+    assert [(e["error"]["code"], e["error"]["line"]) for e in errors] == [("invalid_json", 6), ("duplicate_custom_id", 7)]
+    batch = json.loads((alpha / "batch.json").read_text())
+    assert batch["status"] == "completed" and batch["object"] == "batch"
+    assert batch["request_counts"] == {"total": 7, "completed": 5, "failed": 2}
+    assert batch["usage"]["output_tokens"] == sum(o["response"]["body"]["usage"]["completion_tokens"] for o in outputs)
+    assert batch["metadata"]["partition"] == DATE and batch["metadata"]["served_model_name"] == TINY_NAME
+    assert batch["output_file_id"].endswith("alpha/output.jsonl")
+    metrics = json.loads((alpha / "metrics.json").read_text())
+    assert metrics["requests_completed"] == 5 and metrics["inference_seconds"] > 0
+    assert metrics["output_tokens_per_second"] > 0 and metrics["peak_memory_mb"] > 0
+
+    beta = json.loads((out / DATE / "beta" / "batch.json").read_text())
+    assert beta["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    assert not (out / "2026-11-28").exists()  # another date's file is not this partition's work
+
+    validated = metadata_of(result, "validated_requests")
+    assert (validated["batches"], validated["lines"], validated["valid"], validated["invalid"]) == (2, 9, 6, 3)
+    throughput = metadata_of(result, "throughput_metrics")
+    assert throughput["requests_completed"] == 6 and throughput["requests_failed"] == 3
+    assert throughput["requests_per_second"] > 0 and throughput["engine"].startswith("vllm")
+
+    [check] = result.get_asset_check_evaluations()
+    assert check.check_name == "failed_line_rate" and check.passed is False  # 3 of 9 > 10%
+    assert check.metadata["failed"].value == 3
+
+
+def test_rerun_reuses_finished_shards_without_loading_a_model(tiny_llm, partition_with_two_batches, monkeypatch):
+    inbox, out = partition_with_two_batches
+    assert materialize(tiny_llm, str(inbox), str(out)).success
+    first = (out / DATE / "alpha" / "output.jsonl").read_bytes()
+
+    def no_engine(_kwargs):
+        raise AssertionError("a re-run of finished shards must not build an engine")
+
+    monkeypatch.setattr(type(tiny_llm), "build_engine", lambda self, kwargs: no_engine(kwargs))
+    result = materialize(tiny_llm, str(inbox), str(out))
+    assert result.success
+    assert (out / DATE / "alpha" / "output.jsonl").read_bytes() == first
+    assert json.loads((out / DATE / "alpha" / "metrics.json").read_text())["shards_reused"] == 1
+
+
+def test_changed_model_does_not_reuse_stale_shards(tiny_llm, partition_with_two_batches):
+    inbox, out = partition_with_two_batches
+    assert materialize(tiny_llm, str(inbox), str(out)).success
+    # Built anew, not model_copy'd: Dagster re-creates resources from their original config.
+    fields = {k: v for k, v in tiny_llm.__dict__.items() if not k.startswith("_")}
+    other = type(tiny_llm)(**{**fields, "seed": 99})
+    assert materialize(other, str(inbox), str(out)).success
+    shard_dirs = list((out / DATE / "alpha" / "_work" / "shards").iterdir())
+    assert len(shard_dirs) == 2  # a new fingerprint, not the old checkpoint
+    assert json.loads((out / DATE / "alpha" / "batch.json").read_text())["metadata"]["seed"] == "99"
+
+
+def test_date_without_files_finishes_without_an_engine(tiny_llm, tmp_path, monkeypatch):
+    monkeypatch.setattr(type(tiny_llm), "build_engine", lambda self, kwargs: pytest.fail("engine built"))
+    result = materialize(tiny_llm, str(tmp_path / "empty-in"), str(tmp_path / "out"))
+    assert result.success
+    assert metadata_of(result, "throughput_metrics")["batches"] == 0
+
+
+def test_file_of_only_bad_lines_fails_the_batch_and_the_run(tiny_llm, tmp_path):
+    path = write_batch(tmp_path / "in", "bad.jsonl", ["[1]", "{oops", chat_line("x", temperature=-1)])
+    out = tmp_path / "out"
+    result = materialize(tiny_llm, "", "", run_config=batch_run_config(str(path), str(out)))
+    assert not result.success
+    batch = json.loads((out / "batch.json").read_text())
+    assert batch["status"] == "failed" and batch["failed_at"]
+    assert batch["errors"]["data"][0]["code"] == "no_valid_lines"
+    assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+    assert len(read_jsonl(str(out / "errors.jsonl"))) == 3 and read_jsonl(str(out / "output.jsonl")) == []
+
+
+def test_s3_input_and_output_over_a_real_s3_server(tiny_llm, s3_bucket, tmp_path):
+    lines = [chat_line("s-1"), chat_line("s-2", content="北京"), '{"custom_id": "s-3"']
+    storage.write_bytes(f"s3://{s3_bucket}/incoming/{DATE}/night.jsonl", ("\n".join(lines)).encode())
+    result = materialize(tiny_llm, f"s3://{s3_bucket}/incoming", f"s3://{s3_bucket}/output")
+    assert result.success
+    base = f"s3://{s3_bucket}/output/{DATE}/night"
+    assert sorted(o["custom_id"] for o in read_jsonl(f"{base}/output.jsonl")) == ["s-1", "s-2"]
+    assert [e["custom_id"] for e in read_jsonl(f"{base}/errors.jsonl")] == ["s-3"]
+    assert json.loads(storage.read_text(f"{base}/batch.json"))["request_counts"]["completed"] == 2
+    assert storage.exists(f"{base}/metrics.json")
+
+
+def test_runs_are_recorded_in_a_persistent_instance(tiny_llm, partition_with_two_batches, tmp_path):
+    inbox, out = partition_with_two_batches
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())  # the project's own instance config
+    with dg.instance_for_test(temp_dir=str(home)) as instance:
+        assert materialize(tiny_llm, str(inbox), str(out), instance=instance).success
+        event = instance.get_latest_materialization_event(dg.AssetKey("throughput_metrics"))
+        assert event is not None and event.asset_materialization.partition == DATE
+        assert event.asset_materialization.metadata["requests_completed"].value == 6
+
+
+def test_definitions_load_with_expected_assets_jobs_and_resources():
+    from batch_pipeline.definitions import defs
+
+    definitions = defs() if callable(defs) else defs
+    repo = definitions.get_repository_def()
+    keys = sorted(k.to_user_string() for k in repo.asset_graph.get_all_asset_keys())
+    assert {"validated_requests", "inference_results", "batch_outputs", "throughput_metrics"} <= set(keys)
+    job = definitions.resolve_job_def("batch_job")
+    assert job.partitions_def is not None
+    assert {"llm", "storage"} <= set(repo.get_top_level_resources())
+    inference = definitions.resolve_assets_def("inference_results")
+    assert inference.op.pool == "gpu"

@@ -1,0 +1,103 @@
+"""The `batch-pipeline` command line: validate, run and model prepare.
+
+`validate`, `model prepare` and failing runs are exercised in-process through `main()`; one test
+runs the real console script in a subprocess on the tiny model (a fresh process: its own vLLM import
+and engine), with DAGSTER_HOME set so the run must land in that instance.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+
+from batch_pipeline.cli import EXIT_FAILED, EXIT_INVALID_LINES, EXIT_OK, main
+from batch_pipeline_tests.conftest import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
+
+SAMPLE = REPO / "batch_pipeline" / "samples" / "sample_batch.jsonl"
+
+
+def chat_line(custom_id: str, **body) -> str:
+    payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": payload})
+
+
+def test_validate_reports_each_bad_line_and_exits_1(capsys):
+    code = main(["validate", str(SAMPLE)])
+    out = capsys.readouterr().out
+    assert code == EXIT_INVALID_LINES
+    assert "line 6 [invalid_json] custom_id='broken-001'" in out
+    assert "line 21 [invalid_request] custom_id='too-hot': body.temperature" in out
+    assert "30 requests: 25 valid, 5 invalid" in out
+
+
+def test_validate_clean_file_exits_0(tmp_path, capsys):
+    path = tmp_path / "ok.jsonl"
+    path.write_text(chat_line("a") + "\n" + chat_line("b") + "\n")
+    assert main(["validate", str(path), "--served-model-name", TINY_NAME]) == EXIT_OK
+    assert "2 requests: 2 valid, 0 invalid" in capsys.readouterr().out
+
+
+def test_validate_missing_file_is_a_one_line_error(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "nope.jsonl")]) == EXIT_FAILED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("batch-pipeline: error:") and "nope.jsonl" in err[0]
+
+
+def test_run_of_a_file_with_no_valid_line_fails_with_a_reason(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf[1]\r\n{oops\n")
+    out = tmp_path / "out"
+    assert main(["run", str(path), "--output-dir", str(out)]) == EXIT_FAILED
+    captured = capsys.readouterr()
+    assert "every one of the 2 lines is invalid" in captured.err
+    assert json.loads((out / "batch.json").read_text())["status"] == "failed"
+
+
+def test_run_of_a_missing_input_fails_fast(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "missing.jsonl"), "--output-dir", str(tmp_path / "o")]) == EXIT_FAILED
+    assert "input not found" in capsys.readouterr().err
+
+
+def test_model_prepare_prints_the_folder_last(bundled_model_dir, capsys):
+    assert main(["model", "prepare"]) == EXIT_OK
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert Path(last) == bundled_model_dir and (Path(last) / "config.json").is_file()
+
+
+def test_console_script_runs_a_batch_and_records_it_in_dagster_home(tiny_model_dir, tmp_path):
+    batch = tmp_path / "in.jsonl"
+    batch.write_text("\n".join([chat_line("c-1"), chat_line("c-2", n=2), '{"custom_id": "c-3", "method": "GET"}']))
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    (home / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
+    out = tmp_path / "results"
+    env = {
+        **os.environ,
+        "DAGSTER_HOME": str(home),
+        "MODEL_PATH": str(tiny_model_dir),
+        "SERVED_MODEL_NAME": TINY_NAME,
+        "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
+        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
+    }
+    script = Path(sys.executable).parent / "batch-pipeline"
+    proc = subprocess.run(
+        [str(script), "run", str(batch), "--output-dir", str(out), "--date", "2026-11-02"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "requests (100%)" in proc.stderr  # progress with a rate and an ETA
+    assert f"results in {out}" in proc.stdout
+    assert "3 requests, 2 completed, 1 failed" in proc.stdout
+    assert sorted(json.loads(line)["custom_id"] for line in (out / "output.jsonl").read_text().splitlines()) == ["c-1", "c-2"]
+
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        [run] = instance.get_runs()
+        assert run.is_success and run.tags.get("dagster/partition") == "2026-11-02"
+        event = instance.get_latest_materialization_event(dg.AssetKey("batch_outputs"))
+        assert event is not None and event.run_id == run.run_id
