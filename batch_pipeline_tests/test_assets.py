@@ -2,7 +2,7 @@
 
 Covers: the four assets and the failed_line_rate check on a partition's batch files, the result
 files against the contract (exactly one answer per line), metadata, a file-level failure, re-runs
-reusing finished shards (no engine load), S3 input and output over a real S3 server, and the whole
+reusing checkpointed answers (no engine load), S3 input and output over a real S3 server, and the whole
 Definitions object. Does not start a Dagster daemon or web server (test_dagster_e2e.py does).
 """
 
@@ -98,7 +98,7 @@ def test_partition_run_answers_every_line_once(tiny_llm, partition_with_two_batc
     assert check.metadata["failed"].value == 3
 
 
-def test_rerun_reuses_finished_shards_without_loading_a_model(tiny_llm, partition_with_two_batches, monkeypatch):
+def test_rerun_reuses_checkpointed_answers_without_loading_a_model(tiny_llm, partition_with_two_batches, monkeypatch):
     inbox, out = partition_with_two_batches
     assert materialize(tiny_llm, str(inbox), str(out)).success
     first = (out / DATE / "alpha" / "output.jsonl").read_bytes()
@@ -110,18 +110,18 @@ def test_rerun_reuses_finished_shards_without_loading_a_model(tiny_llm, partitio
     result = materialize(tiny_llm, str(inbox), str(out))
     assert result.success
     assert (out / DATE / "alpha" / "output.jsonl").read_bytes() == first
-    assert json.loads((out / DATE / "alpha" / "metrics.json").read_text())["shards_reused"] == 1
+    assert json.loads((out / DATE / "alpha" / "metrics.json").read_text())["resumed_requests"] == 5
 
 
-def test_changed_model_does_not_reuse_stale_shards(tiny_llm, partition_with_two_batches):
+def test_changed_model_does_not_reuse_stale_checkpoints(tiny_llm, partition_with_two_batches):
     inbox, out = partition_with_two_batches
     assert materialize(tiny_llm, str(inbox), str(out)).success
     # Built anew, not model_copy'd: Dagster re-creates resources from their original config.
     fields = {k: v for k, v in tiny_llm.__dict__.items() if not k.startswith("_")}
     other = type(tiny_llm)(**{**fields, "seed": 99})
     assert materialize(other, str(inbox), str(out)).success
-    shard_dirs = list((out / DATE / "alpha" / "_work" / "shards").iterdir())
-    assert len(shard_dirs) == 2  # a new fingerprint, not the old checkpoint
+    checkpoint_dirs = list((out / DATE / "alpha" / "_work" / "answers").iterdir())
+    assert len(checkpoint_dirs) == 2  # a new fingerprint, not the old checkpoint
     assert json.loads((out / DATE / "alpha" / "batch.json").read_text())["metadata"]["seed"] == "99"
 
 

@@ -76,7 +76,9 @@ def validated_requests(
     kinds={"vllm"},
     deps=[validated_requests],
     pool="gpu",
-    description="One answer per valid request from vLLM offline inference, checkpointed shard by shard.",
+    # A crashed engine fails the step; the retry resumes from the checkpoints instead of from zero.
+    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    description="One answer per valid request from vLLM offline inference, checkpointed as it goes.",
 )
 def inference_results(
     context: dg.AssetExecutionContext, config: BatchConfig, llm: LLMResource, storage: StorageResource
@@ -85,14 +87,21 @@ def inference_results(
     pending = [loc for loc in locations if b.read_json(loc.work("validation.json"))["valid"] > 0]
     rows, load_seconds, infer_seconds = [], 0.0, 0.0
     if pending:
-        shard_size = llm.settings().shard_size
+        checkpoint_every = llm.settings().shard_size
         with llm.open(log=context.log.info) as engines:
             identity = llm.identity()
-            for loc in pending:
-                info = b.infer_batch(loc, engines, identity, shard_size, log=context.log.info)
+            for i, loc in enumerate(pending):
+                try:
+                    info = b.infer_batch(loc, engines, identity, checkpoint_every, log=context.log.info)
+                except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
+                    # Terminated from the UI (or Ctrl-C): keep what is answered, say "cancelled".
+                    for cancelled in pending[i:]:
+                        b.finalize_batch(cancelled, {"dagster_run_id": context.run.run_id}, cancelled=True)
+                        context.log.warning(f"{cancelled.name}: cancelled; the next run resumes the rest")
+                    raise
                 load_seconds += info["model_load_seconds"]
                 infer_seconds += info["inference_seconds"]
-                rows.append({"batch": loc.name, "shards_reused": info["shards_reused"], "seconds": info["inference_seconds"]})
+                rows.append({"batch": loc.name, "resumed": info["resumed_requests"], "seconds": info["inference_seconds"]})
     return dg.MaterializeResult(
         metadata={
             "batches": len(rows),

@@ -36,7 +36,7 @@ class LLMResource(dg.ConfigurableResource):
     max_num_batched_tokens: Optional[int] = Field(default=None, description="MAX_NUM_BATCHED_TOKENS")
     enable_prefix_caching: Optional[bool] = Field(default=None, description="ENABLE_PREFIX_CACHING")
     seed: Optional[int] = Field(default=None, description="SEED: engine seed")
-    shard_size: Optional[int] = Field(default=None, description="SHARD_SIZE: requests per engine call/checkpoint")
+    shard_size: Optional[int] = Field(default=None, description="SHARD_SIZE: answers per checkpoint part (a crash loses at most one part)")
 
     def settings(self) -> EngineSettings:
         overrides = {k: v for k, v in self.__dict__.items() if k in EngineSettings.__dataclass_fields__}

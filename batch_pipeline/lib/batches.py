@@ -1,4 +1,4 @@
-"""The batch lifecycle without Dagster: locate, validate, infer in shards, finalize, measure.
+"""The batch lifecycle without Dagster: locate, validate, infer with checkpoints, finalize, measure.
 
 Each step reads and writes files under the batch's output folder, so any step can be re-run on its
 own (a Dagster re-execution, the CLI again) and finds what the step before it left:
@@ -7,7 +7,7 @@ own (a Dagster re-execution, the CLI again) and finds what the step before it le
     <output>/_work/requests.jsonl   valid requests, in input order
     <output>/_work/invalid.jsonl    lines that failed validation
     <output>/_work/validation.json  counts, checksum, batch id, timings
-    <output>/_work/shards/<fingerprint>/shard-NNNNN.jsonl   one answer per request, written atomically
+    <output>/_work/answers/<fingerprint>/part-*.jsonl   finished answers, each part written atomically
     <output>/_work/inference.json   engine identity and timings
 """
 
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
-import heapq
-import itertools
+import os
 import json
 import resource
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -191,85 +190,148 @@ def first_n_logger(log: Log, limit: int) -> Log:
 # --------------------------------------------------------------------------------------------
 
 
-def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    it = iter(items)
-    while chunk := list(itertools.islice(it, size)):
-        yield chunk
+CHECKPOINT_SECONDS = 30.0
+PROGRESS_SECONDS = 10.0
 
 
-def shard_fingerprint(validation: dict[str, Any], identity: dict[str, Any], shard_size: int) -> str:
-    """What a shard's answers depend on: a checkpoint made for other input or another model is never reused."""
-    payload = json.dumps({"sha256": validation["sha256"], "engine": identity, "shard_size": shard_size}, sort_keys=True)
+class LineSet:
+    """Input line numbers as a bitmap: 1M lines cost 125 KB, not the ~40 MB of a set of ints."""
+
+    def __init__(self) -> None:
+        self._bits = bytearray()
+        self.count = 0
+
+    def add(self, line: int) -> bool:
+        """Add a line; False when it was already there."""
+        byte, bit = divmod(line, 8)
+        if byte >= len(self._bits):
+            self._bits.extend(bytes(byte + 1 - len(self._bits) + 1024))
+        if self._bits[byte] & (1 << bit):
+            return False
+        self._bits[byte] |= 1 << bit
+        self.count += 1
+        return True
+
+    def __contains__(self, line: int) -> bool:
+        byte, bit = divmod(line, 8)
+        return byte < len(self._bits) and bool(self._bits[byte] & (1 << bit))
+
+
+def checkpoint_fingerprint(validation: dict[str, Any], identity: dict[str, Any]) -> str:
+    """What the answers depend on: a checkpoint made for other input or another model is never reused."""
+    payload = json.dumps({"sha256": validation["sha256"], "engine": identity}, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def _answer_parts(loc: BatchLocation, fingerprint: str) -> Iterator[dict[str, Any]]:
+    for obj in storage.list_objects(loc.work("answers", fingerprint), recursive=False):
+        yield from _iter_jsonl(obj.uri)
+
+
+class Checkpoint:
+    """Finished answers, written in parts: each part a complete object written atomically (a
+    temporary name then a rename locally, one PUT on S3), so a kill at any moment loses at most
+    the answers of the part being buffered, never corrupts one."""
+
+    def __init__(self, directory: str, every: int, seconds: float = CHECKPOINT_SECONDS):
+        self.directory, self.every, self.seconds = directory, every, seconds
+        self._tag = f"{time.time_ns():x}-{os.getpid()}"
+        self._buffer: list[bytes] = []
+        self._last = time.monotonic()
+        self.parts = 0
+
+    def add(self, answer: Answer) -> None:
+        self._buffer.append(_dumps(asdict(answer)))
+        if len(self._buffer) >= self.every or time.monotonic() - self._last >= self.seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._buffer:
+            name = f"part-{self._tag}-{self.parts:06d}.jsonl"
+            storage.write_bytes(storage.join(self.directory, name), b"".join(self._buffer))
+            self.parts += 1
+            self._buffer.clear()
+        self._last = time.monotonic()
+
+
 class Progress:
-    """Rate and ETA for long work, logged once per shard."""
+    """Rate and ETA for long work, logged at a steady cadence."""
 
-    def __init__(self, total: int, log: Log, label: str):
-        self.total, self.log, self.label = total, log, label
-        self.done = self.output_tokens = 0
-        self.started = time.perf_counter()
+    def __init__(self, total: int, done: int, log: Log, label: str, every: float = PROGRESS_SECONDS):
+        self.total, self.log, self.label, self.every = total, log, label, every
+        self.resumed = self.done = done
+        self.output_tokens = 0
+        self.started = self._last = time.monotonic()
+        self.excluded = 0.0  # model loading, kept out of the rate
 
-    def advance(self, requests: int, output_tokens: int, skipped: bool = False, excluded_seconds: float = 0.0) -> None:
-        """Count finished requests; `excluded_seconds` (model loading) is kept out of the rate."""
-        self.done += requests
-        self.output_tokens += output_tokens
-        elapsed = max(time.perf_counter() - self.started - excluded_seconds, 1e-9)
-        rate = self.done / elapsed
-        eta = (self.total - self.done) / rate if rate > 0 else 0.0
-        how = "resumed from checkpoint" if skipped else f"{rate:.2f} req/s, {self.output_tokens / elapsed:.1f} output tok/s"
+    def advance(self, answer: Answer) -> None:
+        self.done += 1
+        self.output_tokens += answer.completion_tokens
+        if time.monotonic() - self._last >= self.every or self.done == self.total:
+            self.report()
+
+    def report(self) -> None:
+        self._last = time.monotonic()
+        elapsed = max(self._last - self.started - self.excluded, 1e-9)
+        rate = (self.done - self.resumed) / elapsed
+        eta = f"{(self.total - self.done) / rate:.0f}s" if rate > 0 else "unknown"
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        self.log(f"{self.label}: {self.done}/{self.total} requests ({pct:.0f}%), {how}, ETA {eta:.0f}s")
+        resumed = f", {self.resumed} resumed from checkpoints" if self.resumed else ""
+        self.log(
+            f"{self.label}: {self.done}/{self.total} requests ({pct:.0f}%), {rate:.2f} req/s, "
+            f"{self.output_tokens / elapsed:.1f} output tok/s, ETA {eta}{resumed}"
+        )
+
+
+def answered(loc: BatchLocation, fingerprint: str) -> LineSet:
+    lines = LineSet()
+    for answer in _answer_parts(loc, fingerprint):
+        lines.add(answer["line"])
+    return lines
 
 
 def infer_batch(
-    loc: BatchLocation, engines: Engines, identity: dict[str, Any], shard_size: int, log: Log = _quiet
+    loc: BatchLocation, engines: Engines, identity: dict[str, Any], checkpoint_every: int, log: Log = _quiet
 ) -> dict[str, Any]:
-    """Answer every valid request, shard by shard; finished shards are reused, not recomputed."""
+    """Answer every valid request not answered by an earlier attempt, checkpointing as it goes."""
     validation = read_json(loc.work("validation.json"))
-    fingerprint = shard_fingerprint(validation, identity, shard_size)
-    shard_dir = loc.work("shards", fingerprint)
-    done = {storage.basename(o.uri) for o in storage.list_objects(shard_dir, recursive=False)}
-    started_at = now()
-    started = time.perf_counter()
-    load_before = engines.load_seconds
-    progress = Progress(validation["valid"], log, loc.name)
-    reused = 0
-    for index, chunk in enumerate(_chunks(_iter_jsonl(loc.work("requests.jsonl")), shard_size)):
-        name = f"shard-{index:05d}.jsonl"
-        if name in done:
-            reused += 1
-            progress.advance(len(chunk), 0, skipped=True)
-            continue
-        requests = [c.BatchRequest.model_validate(r) for r in chunk]
-        answers = engines.run(validation["batch_id"], requests, created=now())
-        _check_exactly_once(requests, answers)
-        storage.write_bytes(storage.join(shard_dir, name), b"".join(_dumps(asdict(a)) for a in answers))
-        progress.advance(
-            len(chunk), sum(a.completion_tokens for a in answers), excluded_seconds=engines.load_seconds - load_before
-        )
-    elapsed = time.perf_counter() - started
-    load_seconds = engines.load_seconds - load_before
-    info = {
+    fingerprint = checkpoint_fingerprint(validation, identity)
+    done = answered(loc, fingerprint)
+    info: dict[str, Any] = {
         "fingerprint": fingerprint,
         "engine": identity,
-        "shard_size": shard_size,
-        "shards_reused": reused,
-        "in_progress_at": started_at,
-        "finished_at": now(),
-        "model_load_seconds": round(load_seconds, 3),
-        "inference_seconds": round(max(elapsed - load_seconds, 0.0), 3),
+        "resumed_requests": done.count,
+        "in_progress_at": now(),
+        "finished_at": None,
     }
     _write_json(loc.work("inference.json"), info)
+    if done.count:
+        log(f"{loc.name}: {done.count} of {validation['valid']} requests already answered; resuming")
+    remaining = (c.BatchRequest.model_validate(r) for r in _iter_jsonl(loc.work("requests.jsonl")) if r["line"] not in done)
+    progress = Progress(validation["valid"], done.count, log, loc.name)
+    checkpoint = Checkpoint(loc.work("answers", fingerprint), checkpoint_every)
+    load_before = engines.load_seconds
+    started = time.monotonic()
+    try:
+        for answer in engines.stream(validation["batch_id"], remaining, created=now()):
+            if not done.add(answer.line):
+                raise RuntimeError(f"{loc.name}: line {answer.line} answered twice")
+            checkpoint.add(answer)
+            progress.excluded = engines.load_seconds - load_before
+            progress.advance(answer)
+    finally:
+        checkpoint.flush()  # keep every finished answer, also when cancelled or failing
+    if done.count != validation["valid"]:
+        raise RuntimeError(f"{loc.name}: {validation['valid']} valid requests but {done.count} answers")
+    load_seconds = engines.load_seconds - load_before
+    info.update(
+        finished_at=now(),
+        model_load_seconds=round(load_seconds, 3),
+        inference_seconds=round(max(time.monotonic() - started - load_seconds, 0.0), 3),
+        checkpoint_parts=checkpoint.parts,
+    )
+    _write_json(loc.work("inference.json"), info)
     return info
-
-
-def _check_exactly_once(requests: list[c.BatchRequest], answers: list[Answer]) -> None:
-    asked = sorted(r.line for r in requests)
-    answered = sorted(a.line for a in answers)
-    if asked != answered:
-        raise RuntimeError(f"engine answered lines {answered[:5]}... for requests {asked[:5]}...: not exactly once")
 
 
 # --------------------------------------------------------------------------------------------
@@ -277,38 +339,55 @@ def _check_exactly_once(requests: list[c.BatchRequest], answers: list[Answer]) -
 # --------------------------------------------------------------------------------------------
 
 
-def _shard_answers(loc: BatchLocation, fingerprint: str) -> Iterator[dict[str, Any]]:
-    shard_dir = loc.work("shards", fingerprint)
-    for obj in storage.list_objects(shard_dir, recursive=False):
-        yield from sorted(_iter_jsonl(obj.uri), key=lambda a: a["line"])
+def _cancelled_line(batch_seed: str, req: dict[str, Any]) -> dict[str, Any]:
+    line = req["line"]
+    return {
+        "id": ids.request_line_id(batch_seed, line),
+        "custom_id": req["custom_id"],
+        "response": None,
+        "error": {"code": c.BATCH_CANCELLED, "message": f"line {line}: the batch was cancelled before this request ran", "line": line},
+    }
 
 
-def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = None) -> dict[str, Any]:
-    """Write output.jsonl, errors.jsonl and batch.json from the validation and shard files."""
+def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = None, cancelled: bool = False) -> dict[str, Any]:
+    """Write output.jsonl, errors.jsonl and batch.json from the validation and checkpoint files.
+
+    Every input line is written exactly once: an answer that a concurrent or repeated attempt also
+    wrote is skipped. When `cancelled`, requests without an answer are reported as batch_cancelled
+    (the next run of the batch computes them and rewrites these files).
+    """
     started = time.perf_counter()
     validation = read_json(loc.work("validation.json"))
     batch_seed = validation["batch_id"]
-    inference = read_json(loc.work("inference.json")) if validation["valid"] else None
+    inference = read_json(loc.work("inference.json")) if validation["valid"] and storage.exists(loc.work("inference.json")) else None
     counts = {"output": 0, "error": 0, "input_tokens": 0, "output_tokens": 0}
-    answers = _shard_answers(loc, inference["fingerprint"]) if inference else iter(())
-    invalid = (
-        {"line": d["line"], "kind": "error", "record": InvalidLine(**d).to_error_line(batch_seed)}
-        for d in _iter_jsonl(loc.work("invalid.jsonl"))
-    )
+    seen = LineSet()
     with storage.open_write(loc.out("output.jsonl")) as out, storage.open_write(loc.out("errors.jsonl")) as err:
-        for answer in heapq.merge(invalid, answers, key=lambda a: a["line"]):
-            target = out if answer["kind"] == "output" else err
-            target.write(_dumps(answer["record"]))
+        for bad in _iter_jsonl(loc.work("invalid.jsonl")):
+            seen.add(bad["line"])
+            err.write(_dumps(InvalidLine(**bad).to_error_line(batch_seed)))
+            counts["error"] += 1
+        for answer in _answer_parts(loc, inference["fingerprint"]) if inference else ():
+            if not seen.add(answer["line"]):
+                continue
+            (out if answer["kind"] == "output" else err).write(_dumps(answer["record"]))
             counts[answer["kind"]] += 1
             counts["input_tokens"] += answer.get("prompt_tokens", 0)
             counts["output_tokens"] += answer.get("completion_tokens", 0)
-    if counts["output"] + counts["error"] != validation["lines"]:
-        raise RuntimeError(
-            f"{loc.name}: {validation['lines']} lines in, {counts['output']} answers + {counts['error']} errors out"
-        )
+        if cancelled:
+            for req in _iter_jsonl(loc.work("requests.jsonl")):
+                if seen.add(req["line"]):
+                    err.write(_dumps(_cancelled_line(batch_seed, req)))
+                    counts["error"] += 1
+        if counts["output"] + counts["error"] != validation["lines"]:
+            # Raised inside the writers: nothing is published, the old files (if any) stay.
+            raise RuntimeError(
+                f"{loc.name}: {validation['lines']} lines in, but {counts['output']} answers + "
+                f"{counts['error']} errors: inference has not finished (run inference_results first)"
+            )
     finished = now()
     file_error = validation["file_error"]
-    status = "failed" if file_error else "completed"
+    status = "failed" if file_error else "cancelled" if cancelled else "completed"
     batch = c.Batch(
         id=batch_seed,
         endpoint=validation["endpoint"],
@@ -320,9 +399,11 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
         errors=c.BatchErrors(data=[c.BatchFileError(**file_error)]) if file_error else None,
         created_at=validation["created_at"],
         in_progress_at=inference["in_progress_at"] if inference else None,
-        finalizing_at=inference["finished_at"] if inference else finished,
+        finalizing_at=(inference or {}).get("finished_at") or finished,
         completed_at=finished if status == "completed" else None,
         failed_at=finished if status == "failed" else None,
+        cancelling_at=finished if status == "cancelled" else None,
+        cancelled_at=finished if status == "cancelled" else None,
         expires_at=validation["created_at"] + 24 * 3600,
         request_counts=c.RequestCounts(total=validation["lines"], completed=counts["output"], failed=counts["error"]),
         usage=c.Usage(
@@ -376,7 +457,7 @@ def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
         "output_tokens_per_second": per_second(usage["output_tokens"]),
         "total_tokens_per_second": per_second(usage["total_tokens"]),
         "peak_memory_mb": peak_memory_mb(),
-        "shards_reused": int(inference.get("shards_reused", 0)),
+        "resumed_requests": int(inference.get("resumed_requests", 0)),
         **{k: v for k, v in inference.get("engine", {}).items()},
     }
     _write_json(loc.out("metrics.json"), metrics)

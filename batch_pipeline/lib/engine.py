@@ -9,10 +9,12 @@ whole shard, and `max_tokens` beyond the room left in the context is clamped to 
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 import struct
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +25,7 @@ from batch_pipeline.lib import ids
 from batch_pipeline.lib.settings import EngineSettings
 
 CPU_KV_CACHE_BYTES = 2 * 2**30
+EMBEDDING_CHUNK = 64
 VLLM_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens")
 
 
@@ -278,52 +281,67 @@ class GenerationEngine:
 
     # -- execution --------------------------------------------------------------------------
 
-    def _execute(self, url: str, prompts: list[Any], params: list[Any]) -> list[Any]:
-        if url == c.CHAT_URL:
-            return self.llm.chat(prompts, params, use_tqdm=False)
-        return self.llm.generate(prompts, params, use_tqdm=False)
+    def _enqueue(self, item: _Prepared) -> list[str]:
+        if item.req.url == c.CHAT_URL:
+            return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False)
+        return self.llm.enqueue(item.prompts, item.params, use_tqdm=False)
+
+    def window(self) -> int:
+        """Requests kept queued in the engine: enough that the scheduler always has a full batch."""
+        max_num_seqs = int(self.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+        return max(4 * max_num_seqs, 64)
+
+    def stream(self, batch_seed: str, requests: Iterable[c.BatchRequest], created: int) -> Iterator[Answer]:
+        """Answer requests as they finish, keeping the engine fed (continuous batching over the
+        whole batch, no shard boundaries). Each request is answered exactly once."""
+        engine = self.llm.llm_engine
+        window = self.window()
+        pending: dict[str, tuple[_Prepared, int]] = {}  # engine request id -> (item, prompt index)
+        collected: dict[int, list[Any]] = {}  # input line -> outputs per prompt
+        source = iter(requests)
+        exhausted = False
+        while True:
+            while not exhausted and len(pending) < window:
+                req = next(source, None)
+                if req is None:
+                    exhausted = True
+                    break
+                prepared = self.prepare(batch_seed, req)
+                if isinstance(prepared, Answer):
+                    yield prepared
+                    continue
+                try:
+                    request_ids = self._enqueue(prepared)
+                except Exception as e:  # noqa: BLE001 - the engine refused this request (e.g. its schema)
+                    yield engine_error(batch_seed, req, e)
+                    continue
+                collected[req.line] = [None] * len(request_ids)
+                for index, request_id in enumerate(request_ids):
+                    pending[_external_id(request_id)] = (prepared, index)
+            if not pending:
+                if exhausted:
+                    return
+                continue
+            if not engine.has_unfinished_requests():
+                lines = sorted(item.req.line for item, _ in pending.values())
+                raise RuntimeError(f"the engine dropped {len(pending)} requests (lines {lines[:10]})")
+            for out in engine.step():
+                if not out.finished or out.request_id not in pending:
+                    continue
+                item, index = pending.pop(out.request_id)
+                slots = collected[item.req.line]
+                slots[index] = out
+                if all(slot is not None for slot in slots):
+                    del collected[item.req.line]
+                    yield self._answer(batch_seed, item, slots, created)
 
     def run(self, batch_seed: str, requests: Sequence[c.BatchRequest], created: int) -> list[Answer]:
-        """Answer every request of a shard exactly once."""
-        answers: list[Answer] = []
-        groups: dict[str, list[_Prepared]] = {c.CHAT_URL: [], c.COMPLETIONS_URL: []}
-        for req in requests:
-            prepared = self.prepare(batch_seed, req)
-            if isinstance(prepared, Answer):
-                answers.append(prepared)
-            else:
-                groups[req.url].append(prepared)
-        for url, items in groups.items():
-            if items:
-                answers.extend(self._run_group(batch_seed, url, items, created))
-        return answers
-
-    def _run_group(self, batch_seed: str, url: str, items: list[_Prepared], created: int) -> list[Answer]:
-        prompts = [p for item in items for p in item.prompts]
-        params = [p for item in items for p in item.params]
-        try:
-            outputs = self._execute(url, prompts, params)
-        except Exception:  # noqa: BLE001 - isolate the request that the engine refused
-            if len(items) == 1:
-                raise
-            return [a for item in items for a in self._run_one(batch_seed, url, item, created)]
-        answers, pos = [], 0
-        for item in items:
-            mine = outputs[pos : pos + len(item.prompts)]
-            pos += len(item.prompts)
-            answers.append(self._answer(batch_seed, url, item, mine, created))
-        return answers
-
-    def _run_one(self, batch_seed: str, url: str, item: _Prepared, created: int) -> list[Answer]:
-        try:
-            return self._run_group(batch_seed, url, [item], created)
-        except Exception as e:  # noqa: BLE001 - one request's failure is that request's error line
-            return [engine_error(batch_seed, item.req, e)]
+        return list(self.stream(batch_seed, requests, created))
 
     # -- OpenAI response bodies -------------------------------------------------------------
 
-    def _answer(self, batch_seed: str, url: str, item: _Prepared, outputs: list[Any], created: int) -> Answer:
-        if url == c.CHAT_URL:
+    def _answer(self, batch_seed: str, item: _Prepared, outputs: list[Any], created: int) -> Answer:
+        if item.req.url == c.CHAT_URL:
             body, prompt_tokens, completion_tokens = self._chat_body(batch_seed, item, outputs[0], created)
         else:
             body, prompt_tokens, completion_tokens = self._completion_body(batch_seed, item, outputs, created)
@@ -382,6 +400,12 @@ class GenerationEngine:
             "system_fingerprint": None,
         }
         return body, prompt_tokens, completion_tokens
+
+
+def _external_id(request_id: str) -> str:
+    # enqueue() returns the engine's internal id ("<counter>-<random>"); outputs carry "<counter>".
+    head, _, tail = request_id.rpartition("-")
+    return head if head.isdigit() and tail.isalnum() else request_id
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -552,15 +576,35 @@ class Engines:
             self._embedding = EmbeddingEngine(llm, self.embedding_name, self.embedding_path)
         return self._embedding
 
+    def stream(self, batch_seed: str, requests: Iterable[c.BatchRequest], created: int) -> Iterator[Answer]:
+        """Answer a stream of mixed requests; an engine is built only when its first request comes."""
+        ready: deque[Answer] = deque()
+        embeddings: list[c.BatchRequest] = []
+
+        def generation_only() -> Iterator[c.BatchRequest]:
+            for req in requests:
+                if req.url != c.EMBEDDINGS_URL:
+                    yield req
+                    continue
+                embeddings.append(req)
+                if len(embeddings) >= EMBEDDING_CHUNK:
+                    ready.extend(self.embedding.run(batch_seed, embeddings, created))
+                    embeddings.clear()
+
+        generation = generation_only()
+        first = next(generation, None)
+        if first is not None:
+            for answer in self.generation.stream(batch_seed, itertools.chain([first], generation), created):
+                yield answer
+                while ready:
+                    yield ready.popleft()
+        if embeddings:
+            ready.extend(self.embedding.run(batch_seed, embeddings, created))
+        while ready:
+            yield ready.popleft()
+
     def run(self, batch_seed: str, requests: Sequence[c.BatchRequest], created: int) -> list[Answer]:
-        generate = [r for r in requests if r.url != c.EMBEDDINGS_URL]
-        embed = [r for r in requests if r.url == c.EMBEDDINGS_URL]
-        answers: list[Answer] = []
-        if generate:
-            answers.extend(self.generation.run(batch_seed, generate, created))
-        if embed:
-            answers.extend(self.embedding.run(batch_seed, embed, created))
-        return answers
+        return list(self.stream(batch_seed, requests, created))
 
     def close(self) -> None:
         for engine in (self._generation, self._embedding):

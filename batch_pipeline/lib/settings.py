@@ -56,7 +56,7 @@ class EngineSettings:
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
     embedding_model_path: str = ""  # empty: the bundled all-MiniLM-L6-v2
     embedding_served_model_name: str = ""
-    shard_size: int = 1024  # requests handed to the engine at once; also the progress cadence
+    shard_size: int = 256  # answers per checkpoint part (also flushed every 30 s); the engine is fed continuously
 
     def __post_init__(self) -> None:
         checks = {
