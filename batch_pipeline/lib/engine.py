@@ -296,44 +296,51 @@ class GenerationEngine:
         whole batch, no shard boundaries). Each request is answered exactly once."""
         engine = self.llm.llm_engine
         window = self.window()
-        pending: dict[str, tuple[_Prepared, int]] = {}  # engine request id -> (item, prompt index)
+        pending: dict[str, tuple[_Prepared, int, str]] = {}  # output id -> (item, prompt index, engine id)
         collected: dict[int, list[Any]] = {}  # input line -> outputs per prompt
         source = iter(requests)
         exhausted = False
-        while True:
-            while not exhausted and len(pending) < window:
-                req = next(source, None)
-                if req is None:
-                    exhausted = True
-                    break
-                prepared = self.prepare(batch_seed, req)
-                if isinstance(prepared, Answer):
-                    yield prepared
+        try:
+            while True:
+                while not exhausted and len(pending) < window:
+                    req = next(source, None)
+                    if req is None:
+                        exhausted = True
+                        break
+                    prepared = self.prepare(batch_seed, req)
+                    if isinstance(prepared, Answer):
+                        yield prepared
+                        continue
+                    try:
+                        request_ids = self._enqueue(prepared)
+                    except Exception as e:  # noqa: BLE001 - the engine refused this request (e.g. its schema)
+                        yield engine_error(batch_seed, req, e)
+                        continue
+                    collected[req.line] = [None] * len(request_ids)
+                    for index, request_id in enumerate(request_ids):
+                        pending[_external_id(request_id)] = (prepared, index, request_id)
+                if not pending:
+                    if exhausted:
+                        return
                     continue
+                if not engine.has_unfinished_requests():
+                    lines = sorted(item.req.line for item, _, _ in pending.values())
+                    raise RuntimeError(f"the engine dropped {len(pending)} requests (lines {lines[:10]})")
+                for out in engine.step():
+                    if not out.finished or out.request_id not in pending:
+                        continue
+                    item, index, _ = pending.pop(out.request_id)
+                    slots = collected[item.req.line]
+                    slots[index] = out
+                    if all(slot is not None for slot in slots):
+                        del collected[item.req.line]
+                        yield self._answer(batch_seed, item, slots, created)
+        finally:
+            if pending:  # interrupted: do not leave half-done requests running in the engine
                 try:
-                    request_ids = self._enqueue(prepared)
-                except Exception as e:  # noqa: BLE001 - the engine refused this request (e.g. its schema)
-                    yield engine_error(batch_seed, req, e)
-                    continue
-                collected[req.line] = [None] * len(request_ids)
-                for index, request_id in enumerate(request_ids):
-                    pending[_external_id(request_id)] = (prepared, index)
-            if not pending:
-                if exhausted:
-                    return
-                continue
-            if not engine.has_unfinished_requests():
-                lines = sorted(item.req.line for item, _ in pending.values())
-                raise RuntimeError(f"the engine dropped {len(pending)} requests (lines {lines[:10]})")
-            for out in engine.step():
-                if not out.finished or out.request_id not in pending:
-                    continue
-                item, index = pending.pop(out.request_id)
-                slots = collected[item.req.line]
-                slots[index] = out
-                if all(slot is not None for slot in slots):
-                    del collected[item.req.line]
-                    yield self._answer(batch_seed, item, slots, created)
+                    engine.abort_request([engine_id for _, _, engine_id in pending.values()], internal=True)
+                except Exception:  # noqa: BLE001 - best effort while already failing
+                    pass
 
     def run(self, batch_seed: str, requests: Sequence[c.BatchRequest], created: int) -> list[Answer]:
         return list(self.stream(batch_seed, requests, created))

@@ -1,0 +1,191 @@
+"""Crashes, cancellation and repeated runs: every input line is answered exactly once.
+
+- the real `batch-pipeline run` killed with SIGKILL (whole process group) mid-inference, then run
+  again: it resumes from the checkpoints and the result files hold each custom_id once;
+- a run interrupted as Dagster interrupts a terminated step (failure injection: an engine whose
+  step() raises after a few calls): batch.json says cancelled, answers so far are kept, the rest
+  are batch_cancelled, and the next run completes the batch;
+- hostile inputs through the whole pipeline.
+Runs the tiny model; real answers are test_e2e_smollm2.py's job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.cli import run_batch
+from batch_pipeline.defs.resources import StorageResource
+from batch_pipeline_tests.conftest import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME, SessionLLM
+
+
+def chat_line(custom_id: str, max_tokens: int = 4, **body) -> str:
+    payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": f"question {custom_id}"}],
+               "max_tokens": max_tokens, **body}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": payload})
+
+
+def results(out: Path) -> tuple[list[dict], list[dict], dict]:
+    outputs = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]
+    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    return outputs, errors, json.loads((out / "batch.json").read_text())
+
+
+def answered_once(outputs: list[dict], errors: list[dict], expected: list[str]) -> None:
+    ids = [r["custom_id"] for r in outputs + errors]
+    assert sorted(ids, key=str) == sorted(expected, key=str), "every custom_id exactly once"
+
+
+def part_files(out: Path) -> list[Path]:
+    return sorted((out / "_work" / "answers").glob("*/part-*.jsonl")) if (out / "_work" / "answers").exists() else []
+
+
+def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir, tmp_path):
+    ids = [f"k-{i:03d}" for i in range(300)]
+    batch = tmp_path / "big.jsonl"
+    batch.write_text("\n".join(chat_line(i, max_tokens=48, ignore_eos=True) for i in ids) + "\n")
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "MODEL_PATH": str(tiny_model_dir), "SERVED_MODEL_NAME": TINY_NAME, "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
+        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES), "SHARD_SIZE": "20", "BATCH_SIZE": "32",
+    }
+    env.pop("DAGSTER_HOME", None)
+    command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
+
+    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len(part_files(out)) < 2 and victim.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert victim.poll() is None, "the run finished before it could be killed: make the workload bigger"
+        os.killpg(victim.pid, signal.SIGKILL)
+    finally:
+        victim.wait(timeout=60)
+    saved = sum(len(p.read_text().splitlines()) for p in part_files(out))
+    assert 0 < saved < len(ids)
+    assert not (out / "batch.json").exists()  # nothing final was published by the killed run
+
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"{saved} of {len(ids)} requests already answered; resuming" in second.stderr
+    outputs, errors, batch_obj = results(out)
+    answered_once(outputs, errors, ids)
+    assert errors == [] and batch_obj["status"] == "completed"
+    assert batch_obj["request_counts"] == {"total": 300, "completed": 300, "failed": 0}
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["resumed_requests"] == saved
+
+
+class _InterruptingEngine:
+    """Failure injection: the real engine, but step() raises as a terminated Dagster step does."""
+
+    def __init__(self, llm: Any, after_steps: int):
+        self._llm, self._left = llm, after_steps
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    @property
+    def llm_engine(self) -> Any:
+        outer = self
+
+        class _Engine:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(outer._llm.llm_engine, name)
+
+            def step(self) -> Any:
+                outer._left -= 1
+                if outer._left < 0:
+                    raise dg.DagsterExecutionInterruptedError("terminated from the UI")
+                return outer._llm.llm_engine.step()
+
+        return _Engine()
+
+
+class InterruptedLLM(SessionLLM):
+    def build_engine(self, kwargs: dict[str, Any]) -> Any:
+        return _InterruptingEngine(super().build_engine(kwargs), after_steps=12)
+
+
+def test_terminated_run_says_cancelled_keeps_answers_and_next_run_resumes(tiny_llm, tmp_path):
+    ids = [f"c-{i:02d}" for i in range(40)]
+    batch = tmp_path / "cancel.jsonl"
+    batch.write_text("\n".join(chat_line(i, max_tokens=8, ignore_eos=True) for i in ids) + "\n" + '{"broken"\n')
+    out = tmp_path / "out"
+    fields = {k: v for k, v in tiny_llm.__dict__.items() if not k.startswith("_")}
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
+
+    interrupted = InterruptedLLM(**{**fields, "batch_size": 8, "shard_size": 4})
+    result = run_batch(str(batch), str(out), "2026-11-30", resources={"llm": interrupted, "storage": storage})
+    assert not result.success
+    outputs, errors, batch_obj = results(out)
+    assert batch_obj["status"] == "cancelled" and batch_obj["cancelled_at"]
+    answered_once(outputs, errors, ids + [None])
+    cancelled = [e for e in errors if e["error"] and e["error"]["code"] == "batch_cancelled"]
+    assert outputs and cancelled, (len(outputs), len(cancelled))
+    assert batch_obj["request_counts"] == {"total": 41, "completed": len(outputs), "failed": len(cancelled) + 1}
+
+    result = run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage})
+    assert result.success
+    outputs2, errors2, batch2 = results(out)
+    answered_once(outputs2, errors2, ids + [None])
+    assert batch2["status"] == "completed" and len(outputs2) == 40
+    kept = {o["custom_id"]: o["response"]["body"]["choices"] for o in outputs}
+    assert all(o["response"]["body"]["choices"] == kept[o["custom_id"]] for o in outputs2 if o["custom_id"] in kept)
+
+
+HOSTILE = {
+    "invalid utf-8": (b'{"custom_id": "u", "x": "\xc3\x28"}\n', "invalid_json"),
+    "NaN": (b'{"custom_id": "n", "method": "POST", "url": "/v1/chat/completions", "body": {"temperature": NaN}}\n', "invalid_json"),
+    "deep nesting": (b'{"custom_id": "d", "body": ' + b"[" * 50_000 + b"]" * 50_000 + b"}\n", "invalid_json"),
+    "long custom_id": ((chat_line("x" * 65) + "\n").encode(), "invalid_request"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE), ids=list(HOSTILE))
+def test_hostile_line_is_an_error_line_and_its_neighbours_run(case, tiny_llm, tmp_path):
+    data, code = HOSTILE[case]
+    batch = tmp_path / "hostile.jsonl"
+    batch.write_bytes((chat_line("before") + "\n").encode() + data + (chat_line("after") + "\n").encode())
+    out = tmp_path / "out"
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
+    assert run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage}).success
+    outputs, errors, batch_obj = results(out)
+    assert sorted(o["custom_id"] for o in outputs) == ["after", "before"]
+    assert [(e["error"]["code"], e["error"]["line"]) for e in errors] == [(code, 2)]
+    assert batch_obj["status"] == "completed" and batch_obj["request_counts"]["total"] == 3
+
+
+@pytest.mark.parametrize(
+    "data,code", [(b"", "empty_file"), (b"[1]\n{oops\n", "no_valid_lines")], ids=["empty file", "only bad lines"]
+)
+def test_file_level_failures_fail_the_batch_with_an_errors_list(data, code, tiny_llm, tmp_path):
+    batch = tmp_path / "f.jsonl"
+    batch.write_bytes(data)
+    out = tmp_path / "out"
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
+    assert not run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage}).success
+    batch_obj = json.loads((out / "batch.json").read_text())
+    assert batch_obj["status"] == "failed" and batch_obj["errors"]["data"][0]["code"] == code
+
+
+def test_repeated_runs_write_identical_results(tiny_llm, tmp_path):
+    batch = tmp_path / "same.jsonl"
+    batch.write_text("\n".join(chat_line(f"r-{i}") for i in range(6)))
+    out = tmp_path / "out"
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
+    for _ in range(2):
+        assert run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage}).success
+        outputs, errors, _ = results(out)
+        answered_once(outputs, errors, [f"r-{i}" for i in range(6)])
+    assert len(list((out / "_work" / "answers").iterdir())) == 1
