@@ -5,7 +5,8 @@
 - a run interrupted as Dagster interrupts a terminated step (failure injection: an engine whose
   step() raises after a few calls): batch.json says cancelled, answers so far are kept, the rest
   are batch_cancelled, and the next run completes the batch;
-- hostile inputs through the whole pipeline.
+- hostile inputs through the whole pipeline;
+- privacy: logs and Dagster events carry ids, counts and timings, never prompt or completion text.
 Runs the tiny model; real answers are test_e2e_smollm2.py's job.
 """
 
@@ -28,8 +29,8 @@ from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline_tests.conftest import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME, SessionLLM
 
 
-def chat_line(custom_id: str, max_tokens: int = 4, **body) -> str:
-    payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": f"question {custom_id}"}],
+def chat_line(custom_id: str, max_tokens: int = 4, content: str = "", **body) -> str:
+    payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": content or f"question {custom_id}"}],
                "max_tokens": max_tokens, **body}
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": payload})
 
@@ -189,3 +190,31 @@ def test_repeated_runs_write_identical_results(tiny_llm, tmp_path):
         outputs, errors, _ = results(out)
         answered_once(outputs, errors, [f"r-{i}" for i in range(6)])
     assert len(list((out / "_work" / "answers").iterdir())) == 1
+
+
+def test_logs_and_dagster_events_carry_no_prompt_or_completion_text(tiny_llm, tmp_path, capfd):
+    secret = "zebra-quartz-secret-7391"
+    lines = [chat_line(f"p-{i}", content=f"{secret} tell me about item {i}", max_tokens=12) for i in range(4)]
+    lines.append(chat_line("p-bad", content=secret, temperature=7))  # an invalid line carrying the secret
+    batch = tmp_path / "private.jsonl"
+    batch.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
+    with dg.instance_for_test() as instance:
+        result = run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage},
+                           instance=instance, log_level="DEBUG")
+        assert result.success
+        records = instance.all_logs(result.run_id)
+        event_text = "\n".join(str(r.user_message) + repr(r.dagster_event) for r in records)
+    captured = capfd.readouterr()
+    completions = [
+        choice["message"]["content"]
+        for o in results(out)[0]
+        for choice in o["response"]["body"]["choices"]
+        if len(choice["message"]["content"].strip()) >= 12
+    ]
+    for text in [event_text, captured.out, captured.err]:
+        assert secret not in text
+        for completion in completions:
+            assert completion not in text
+    assert "5 lines, 4 valid, 1 invalid" in event_text  # what is logged: ids, counts, timings
