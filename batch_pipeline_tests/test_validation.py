@@ -193,3 +193,13 @@ def test_validation_memory_does_not_grow_with_file_size():
     small, large = peak(500), peak(10_000)
     # The id set grows ~100 bytes per line; the parsed lines themselves must not accumulate.
     assert large - small < 10_000 * 400, (small, large)
+
+
+def test_id_set_finds_every_repeat_across_growth():
+    from batch_pipeline.lib.validation import IdSet
+
+    ids = IdSet(capacity=8)
+    assert all(ids.add(f"id-{i}") for i in range(5000))
+    assert len(ids) == 5000
+    assert not any(ids.add(f"id-{i}") for i in range(5000))
+    assert ids.add("id-5000") and not ids.add("id-5000")

@@ -2,7 +2,7 @@
 
 Every physical line of the input is either passed on as a `BatchRequest` or answered with an error
 line that names the line number, the code and the field. The file is read line by line, so memory
-does not grow with the file's size (only the set of custom_ids seen, a fixed-size digest each).
+does not grow with the file's size (only the custom_ids seen, 8-16 bytes each: IdSet).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -142,20 +143,61 @@ def _describe_pydantic(err: ValidationError, prefix: str) -> str:
     return f"{where}: {msg.removeprefix('Value error, ')}"
 
 
+class IdSet:
+    """custom_ids seen so far, as 64-bit digests in an open-addressing table: 16 bytes per id at
+    worst instead of ~80 for a set of digests, so memory stays near-flat on million-line files.
+    (A 64-bit collision among 10M ids has odds of about 3 in a million.)"""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self._table = array("Q", bytes(8 * capacity))
+        self._mask = capacity - 1
+        self._used = 0
+
+    @staticmethod
+    def _digest(custom_id: str) -> int:
+        raw = hashlib.blake2b(custom_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+        return int.from_bytes(raw, "little") or 1  # 0 marks an empty slot
+
+    def add(self, custom_id: str) -> bool:
+        """Record an id; False when it was seen before."""
+        return self._insert(self._digest(custom_id))
+
+    def _insert(self, value: int) -> bool:
+        table, mask = self._table, self._mask
+        slot = value & mask
+        while table[slot]:
+            if table[slot] == value:
+                return False
+            slot = (slot + 1) & mask
+        table[slot] = value
+        self._used += 1
+        if self._used * 2 > len(table):
+            self._grow()
+        return True
+
+    def _grow(self) -> None:
+        old = self._table
+        self._table = array("Q", bytes(16 * len(old)))
+        self._mask = len(self._table) - 1
+        self._used = 0
+        for value in old:
+            if value:
+                self._insert(value)
+
+    def __len__(self) -> int:
+        return self._used
+
+
 class LineValidator:
     """Validates lines one at a time, remembering custom_ids to answer repeats as duplicates."""
 
     def __init__(self, settings: ValidationSettings):
         self.settings = settings
-        self._seen: set[bytes] = set()
+        self._seen = IdSet()
 
     def _remember(self, custom_id: str) -> bool:
         """Record a custom_id; False when it was seen before."""
-        digest = hashlib.blake2b(custom_id.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        if digest in self._seen:
-            return False
-        self._seen.add(digest)
-        return True
+        return self._seen.add(custom_id)
 
     def validate(self, line: int, raw: bytes) -> c.BatchRequest | InvalidLine:
         def bad(code: str, message: str, custom_id: str | None = None) -> InvalidLine:
