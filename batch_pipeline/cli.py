@@ -11,6 +11,7 @@ recorded in that instance and shows up in the UI.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -28,11 +29,11 @@ def _err(message: str) -> None:
 def cmd_validate(args: argparse.Namespace) -> int:
     from batch_pipeline.defs.resources import LLMResource
     from batch_pipeline.lib import storage
-    from batch_pipeline.lib.validation import ValidationSettings, validate_stream
+    from batch_pipeline.lib.validation import validate_stream
 
     settings = LLMResource().validation_settings()
     if args.served_model_name:
-        settings = ValidationSettings(args.served_model_name, settings.embedding_model_name)
+        settings = dataclasses.replace(settings, served_model_name=args.served_model_name)
     shown = 0
 
     def on_invalid(bad: Any) -> None:

@@ -15,7 +15,13 @@ from pydantic import Field
 
 from batch_pipeline.lib import models
 from batch_pipeline.lib.engine import Engines, build_llm, configure_runtime_env, engine_kwargs, vllm_version
-from batch_pipeline.lib.settings import EngineSettings, StorageSettings, engine_settings_from_env, storage_settings_from_env
+from batch_pipeline.lib.settings import (
+    EngineSettings,
+    StorageSettings,
+    engine_settings_from_env,
+    storage_settings_from_env,
+    validation_limits_from_env,
+)
 from batch_pipeline.lib.validation import ValidationSettings
 
 BUNDLED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
@@ -67,7 +73,7 @@ class LLMResource(dg.ConfigurableResource):
     def validation_settings(self) -> ValidationSettings:
         _, served = self.generation_model()
         _, embedding = self.embedding_model()
-        return ValidationSettings(served_model_name=served, embedding_model_name=embedding)
+        return ValidationSettings(served_model_name=served, embedding_model_name=embedding, **validation_limits_from_env())
 
     def identity(self) -> dict[str, Any]:
         """What answers depend on: recorded in batch.json and used to key checkpoints."""

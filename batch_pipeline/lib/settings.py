@@ -97,7 +97,9 @@ def _coerce(name: str, raw: str, target: Any) -> Any:
                 raise ValueError("not a JSON object")
             return value
     except ValueError as e:
-        raise ConfigError(f"{name}={raw!r} is not a valid {target}: {e}") from e
+        kind = str(getattr(target, "__name__", target)).replace(" | None", "")
+        kind = {"int": "integer", "float": "number", "bool": "boolean (true/false)", "dict[str, Any]": "JSON object"}.get(kind, kind)
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from e
     return raw
 
 
@@ -125,3 +127,17 @@ def storage_settings_from_env(env: dict[str, str] | None = None) -> StorageSetti
         input_path=env.get("STORAGE_INPUT_PATH") or str(Path("data/input").absolute()),
         output_path=env.get("STORAGE_OUTPUT_PATH") or str(Path("data/output").absolute()),
     )
+
+
+def validation_limits_from_env(env: dict[str, str] | None = None) -> dict[str, int]:
+    """MAX_LINE_BYTES and MAX_CUSTOM_ID_LENGTH, where set (ValidationSettings keeps the defaults)."""
+    env = os.environ if env is None else env
+    limits = {}
+    for var, key in (("MAX_LINE_BYTES", "max_line_bytes"), ("MAX_CUSTOM_ID_LENGTH", "max_custom_id_length")):
+        raw = env.get(var, "").strip()
+        if raw:
+            value = _coerce(var, raw, int)
+            if value < 1:
+                raise ConfigError(f"{var}={raw!r} is out of range")
+            limits[key] = value
+    return limits

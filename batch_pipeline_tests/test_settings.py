@@ -1,0 +1,83 @@
+"""Configuration by environment variable (lib/settings.py) and the resources that expose it.
+
+Pure unit tests: no engine is built, no storage is touched.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from batch_pipeline.defs.resources import LLMResource, StorageResource
+from batch_pipeline.lib.engine import engine_kwargs
+from batch_pipeline.lib.settings import (
+    ConfigError,
+    EngineSettings,
+    engine_settings_from_env,
+    storage_settings_from_env,
+    validation_limits_from_env,
+)
+
+
+def test_deployment_guide_names_map_to_engine_settings():
+    env = {
+        "MODEL_PATH": "/models/llama", "SERVED_MODEL_NAME": "8b-instruct-model", "TENSOR_PARALLEL_SIZE": "2",
+        "MAX_MODEL_LEN": "4096", "BATCH_SIZE": "128", "ENABLE_PREFIX_CACHING": "true", "DTYPE": "bfloat16",
+        "GPU_MEMORY_UTILIZATION": "0.85", "MAX_NUM_BATCHED_TOKENS": "8192", "SEED": "7",
+        "ENGINE_ARGS": '{"enable_chunked_prefill": true}',
+    }
+    s = engine_settings_from_env(env)
+    assert (s.model_path, s.served_model_name, s.tensor_parallel_size, s.max_model_len, s.batch_size) == (
+        "/models/llama", "8b-instruct-model", 2, 4096, 128)
+    assert s.enable_prefix_caching is True and s.dtype == "bfloat16" and s.gpu_memory_utilization == 0.85
+    kwargs = engine_kwargs(s, s.model_path, s.served_model_name, "generate")
+    assert kwargs["max_num_seqs"] == 128 and kwargs["tensor_parallel_size"] == 2 and kwargs["max_model_len"] == 4096
+    assert kwargs["enable_chunked_prefill"] is True and kwargs["seed"] == 7
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"TENSOR_PARALLEL_SIZE": "two"}, "TENSOR_PARALLEL_SIZE='two' is not a valid integer"),
+        ({"TENSOR_PARALLEL_SIZE": "0"}, "TENSOR_PARALLEL_SIZE=0 is out of range"),
+        ({"GPU_MEMORY_UTILIZATION": "1.5"}, "GPU_MEMORY_UTILIZATION=1.5 is out of range"),
+        ({"ENABLE_PREFIX_CACHING": "maybe"}, "ENABLE_PREFIX_CACHING='maybe' is not a valid boolean"),
+        ({"ENGINE_ARGS": "[1]"}, "ENGINE_ARGS='[1]' is not a valid JSON object"),
+        ({"MAX_MODEL_LEN": "8"}, "MAX_MODEL_LEN=8 is out of range"),
+    ],
+)
+def test_bad_values_name_the_variable(env, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        engine_settings_from_env(env)
+
+
+def test_launchpad_values_win_over_the_environment(monkeypatch):
+    monkeypatch.setenv("MAX_MODEL_LEN", "1024")
+    monkeypatch.setenv("SERVED_MODEL_NAME", "from-env")
+    resource = LLMResource(max_model_len=2048)
+    assert resource.settings().max_model_len == 2048
+    assert resource.settings().served_model_name == "from-env"
+
+
+def test_served_name_defaults_to_the_model_folder(monkeypatch, tmp_path):
+    monkeypatch.delenv("SERVED_MODEL_NAME", raising=False)
+    monkeypatch.setenv("MODEL_PATH", str(tmp_path / "Llama-3.1-8B-Instruct"))
+    assert LLMResource().generation_model() == (str(tmp_path / "Llama-3.1-8B-Instruct"), "Llama-3.1-8B-Instruct")
+    monkeypatch.delenv("MODEL_PATH")
+    assert LLMResource().generation_model()[1] == "SmolLM2-135M-Instruct"
+
+
+def test_cpu_defaults_are_float32_and_eager():
+    kwargs = engine_kwargs(EngineSettings(), "/m", "m", "generate")
+    assert kwargs["dtype"] == "float32" and kwargs["enforce_eager"] is True
+    assert kwargs["kv_cache_memory_bytes"] == 2 * 2**30
+
+
+def test_storage_paths_and_validation_limits(monkeypatch):
+    env = {"STORAGE_INPUT_PATH": "s3://b/in", "STORAGE_OUTPUT_PATH": "s3://b/out"}
+    assert storage_settings_from_env(env).input_path == "s3://b/in"
+    monkeypatch.setenv("STORAGE_OUTPUT_PATH", "/data/out")
+    assert StorageResource(input_path="/x").settings().output_path == "/data/out"
+    assert validation_limits_from_env({"MAX_LINE_BYTES": "100", "MAX_CUSTOM_ID_LENGTH": "128"}) == {
+        "max_line_bytes": 100, "max_custom_id_length": 128}
+    with pytest.raises(ConfigError, match="MAX_LINE_BYTES"):
+        validation_limits_from_env({"MAX_LINE_BYTES": "0"})
