@@ -115,13 +115,15 @@ class _InterruptingEngine:
 
 class InterruptedLLM(SessionLLM):
     def build_engine(self, kwargs: dict[str, Any]) -> Any:
-        return _InterruptingEngine(super().build_engine(kwargs), after_steps=12)
+        return _InterruptingEngine(super().build_engine(kwargs), after_steps=10)
 
 
 def test_terminated_run_says_cancelled_keeps_answers_and_next_run_resumes(tiny_llm, tmp_path):
     ids = [f"c-{i:02d}" for i in range(40)]
     batch = tmp_path / "cancel.jsonl"
-    batch.write_text("\n".join(chat_line(i, max_tokens=8, ignore_eos=True) for i in ids) + "\n" + '{"broken"\n')
+    # Short requests finish within the first steps, long ones are still running when the "terminate" comes.
+    lines = [chat_line(i, max_tokens=2 if n % 2 else 40, ignore_eos=True) for n, i in enumerate(ids)]
+    batch.write_text("\n".join(lines) + "\n" + '{"broken"\n')
     out = tmp_path / "out"
     fields = {k: v for k, v in tiny_llm.__dict__.items() if not k.startswith("_")}
     storage = StorageResource(input_path=str(tmp_path), output_path=str(out))

@@ -13,9 +13,11 @@ import tracemalloc
 import pytest
 
 from batch_pipeline.lib import contract as c
+from batch_pipeline.lib import fastpath
 from batch_pipeline.lib.validation import (
     InvalidLine,
     LineValidator,
+    ValidLine,
     ValidationSettings,
     iter_physical_lines,
     validate_stream,
@@ -64,9 +66,10 @@ VALID = [
 @pytest.mark.parametrize("raw", [v[1] for v in VALID], ids=[v[0] for v in VALID])
 def test_valid_lines_pass(raw):
     result = check(raw)
-    assert isinstance(result, c.BatchRequest), result
-    assert result.line == 7
+    assert isinstance(result, ValidLine), result
+    assert result.line == 7 and result.raw == raw
     assert result.body == json.loads(raw)["body"]
+    assert json.loads(result.record()) == {"line": 7, "request": json.loads(raw)}
 
 
 INVALID = [
@@ -145,7 +148,7 @@ def test_repeated_custom_id_first_runs_later_are_duplicates():
     first = validator.validate(1, line(custom_id="same"))
     second = validator.validate(2, line(custom_id="same"))
     third = validator.validate(3, line(custom_id="same"))
-    assert isinstance(first, c.BatchRequest)
+    assert isinstance(first, ValidLine)
     assert isinstance(second, InvalidLine) and second.code == c.DUPLICATE_CUSTOM_ID and second.line == 2
     assert isinstance(third, InvalidLine) and third.code == c.DUPLICATE_CUSTOM_ID
 
@@ -203,3 +206,23 @@ def test_id_set_finds_every_repeat_across_growth():
     assert len(ids) == 5000
     assert not any(ids.add(f"id-{i}") for i in range(5000))
     assert ids.add("id-5000") and not ids.add("id-5000")
+
+
+@pytest.mark.parametrize("raw", [v[1] for v in INVALID], ids=[v[0] for v in INVALID])
+def test_fast_path_never_accepts_an_invalid_line(raw):
+    """The C fast path may only accept what the authoritative pydantic rules accept."""
+    fast = fastpath.accept(raw)
+    if fast is None:
+        return
+    # Accepted shapes must still fail the checks done beside the fast path (method, model, id length).
+    url = fastpath.URLS[type(fast)]
+    assert (
+        fast.method.upper() != "POST"
+        or fast.body.model not in SETTINGS.models_for(url)
+        or len(fast.custom_id) > SETTINGS.max_custom_id_length
+    ), raw
+
+
+@pytest.mark.parametrize("raw", [v[1] for v in VALID], ids=[v[0] for v in VALID])
+def test_fast_path_accepts_the_common_valid_lines(raw):
+    assert fastpath.accept(raw) is not None

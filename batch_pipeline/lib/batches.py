@@ -26,7 +26,7 @@ from typing import Any
 from batch_pipeline.lib import contract as c
 from batch_pipeline.lib import ids, storage
 from batch_pipeline.lib.engine import Answer, Engines
-from batch_pipeline.lib.validation import InvalidLine, ValidationSettings, validate_stream
+from batch_pipeline.lib.validation import InvalidLine, ValidationSettings, ValidLine, request_from_record, validate_stream
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".ndjson")
 Log = Callable[[str], None]
@@ -139,8 +139,8 @@ def validate_batch(loc: BatchLocation, settings: ValidationSettings, log: Log = 
         loc.work("invalid.jsonl")
     ) as invalid_out:
 
-        def on_valid(req: c.BatchRequest) -> None:
-            valid_out.write(_dumps(req.model_dump()))
+        def on_valid(valid: ValidLine) -> None:
+            valid_out.write(valid.record())
 
         def on_invalid(bad: InvalidLine) -> None:
             invalid_out.write(_dumps(asdict(bad)))
@@ -307,7 +307,7 @@ def infer_batch(
     _write_json(loc.work("inference.json"), info)
     if done.count:
         log(f"{loc.name}: {done.count} of {validation['valid']} requests already answered; resuming")
-    remaining = (c.BatchRequest.model_validate(r) for r in _iter_jsonl(loc.work("requests.jsonl")) if r["line"] not in done)
+    remaining = (request_from_record(r) for r in _iter_jsonl(loc.work("requests.jsonl")) if r["line"] not in done)
     progress = Progress(validation["valid"], done.count, log, loc.name)
     checkpoint = Checkpoint(loc.work("answers", fingerprint), checkpoint_every)
     load_before = engines.load_seconds
@@ -339,11 +339,11 @@ def infer_batch(
 # --------------------------------------------------------------------------------------------
 
 
-def _cancelled_line(batch_seed: str, req: dict[str, Any]) -> dict[str, Any]:
-    line = req["line"]
+def _cancelled_line(batch_seed: str, record: dict[str, Any]) -> dict[str, Any]:
+    line = record["line"]
     return {
         "id": ids.request_line_id(batch_seed, line),
-        "custom_id": req["custom_id"],
+        "custom_id": record["request"]["custom_id"],
         "response": None,
         "error": {"code": c.BATCH_CANCELLED, "message": f"line {line}: the batch was cancelled before this request ran", "line": line},
     }

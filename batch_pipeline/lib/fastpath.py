@@ -1,0 +1,130 @@
+"""A fast accept-only check of input lines, in C (msgspec), for the common case: a valid line.
+
+The rules mirror contract.py. A line this schema accepts is valid; a line it rejects goes to the
+pydantic validation in validation.py, which is authoritative and says exactly what is wrong. So
+the fast path may be stricter than the contract (then the slow path decides), never more lenient
+(test_validation.py checks every invalid case against it). Measured on 100k chat lines: the pydantic
+path alone took 3.8x as long as `json.loads` merely parsing them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+from batch_pipeline.lib import contract as c
+
+Temperature = Annotated[float, Meta(ge=0, le=2)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+Positive = Annotated[int, Meta(ge=1)]
+NonEmpty = Annotated[str, Meta(min_length=1)]
+
+
+class _TextPart(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class _Message(msgspec.Struct):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[_TextPart], None] = None
+    name: Union[str, None] = None
+    tool_calls: Any = None
+
+    def __post_init__(self) -> None:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required")
+
+
+class _JsonSchema(msgspec.Struct):
+    name: Annotated[str, Meta(max_length=64)] = "response"
+    schema: dict[str, Any] = {}
+    strict: Union[bool, None] = None
+
+
+class _ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Union[_JsonSchema, None] = None
+
+    def __post_init__(self) -> None:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required")
+
+
+class _Sampling(msgspec.Struct):
+    model: NonEmpty
+    temperature: Union[Temperature, None] = None
+    top_p: Union[TopP, None] = None
+    n: Annotated[int, Meta(ge=1, le=128)] = 1
+    stop: Union[str, Annotated[list[str], Meta(max_length=4)], None] = None
+    seed: Union[int, None] = None
+    presence_penalty: Union[Penalty, None] = None
+    frequency_penalty: Union[Penalty, None] = None
+    max_tokens: Union[Positive, None] = None
+
+
+class _ChatBody(_Sampling):
+    messages: Annotated[list[_Message], Meta(min_length=1)] = []
+    max_completion_tokens: Union[Positive, None] = None
+    logprobs: bool = False
+    top_logprobs: Union[Annotated[int, Meta(ge=0, le=20)], None] = None
+    response_format: Union[_ResponseFormat, None] = None
+
+    def __post_init__(self) -> None:
+        if not self.messages:
+            raise ValueError("messages are required")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs")
+
+
+class _CompletionBody(_Sampling):
+    prompt: Union[str, Annotated[list[str], Meta(min_length=1)], None] = None
+    echo: bool = False
+    logprobs: Union[Annotated[int, Meta(ge=0, le=5)], None] = None
+    response_format: Union[_ResponseFormat, None] = None
+
+    def __post_init__(self) -> None:
+        if self.prompt is None:
+            raise ValueError("prompt is required")
+
+
+class _EmbeddingBody(msgspec.Struct):
+    model: NonEmpty
+    input: Union[str, Annotated[list[str], Meta(min_length=1)]]
+    dimensions: Union[Positive, None] = None
+    encoding_format: Literal["float", "base64"] = "float"
+
+
+class _Line(msgspec.Struct):
+    custom_id: NonEmpty
+    method: str
+
+
+class ChatLine(_Line, tag_field="url", tag=c.CHAT_URL):
+    body: _ChatBody
+
+
+class CompletionLine(_Line, tag_field="url", tag=c.COMPLETIONS_URL):
+    body: _CompletionBody
+
+
+class EmbeddingLine(_Line, tag_field="url", tag=c.EMBEDDINGS_URL):
+    body: _EmbeddingBody
+
+
+FastLine = Union[ChatLine, CompletionLine, EmbeddingLine]
+URLS = {ChatLine: c.CHAT_URL, CompletionLine: c.COMPLETIONS_URL, EmbeddingLine: c.EMBEDDINGS_URL}
+
+decoder = msgspec.json.Decoder(FastLine)
+ERRORS = (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError)
+
+
+def accept(raw: bytes) -> FastLine | None:
+    """The parsed line when the fast schema accepts it, else None (ask the pydantic path)."""
+    try:
+        return decoder.decode(raw)
+    except ERRORS:
+        return None
