@@ -1,0 +1,930 @@
+#!/usr/bin/env python3
+"""Benchmark harness: batch_pipeline against raw vLLM `LLM.chat` and vLLM's own batch runner.
+
+A script, not a test. Run it with the project's venv from the repository root:
+
+    .venv/bin/python bench/run_bench.py                                   # chat, 192 x 32 tokens, 2 rounds
+    .venv/bin/python bench/run_bench.py --workload chat --num-requests 192 --output-len 32 \\
+        --repeats 2 --json /tmp/bench-chat.json
+    .venv/bin/python bench/run_bench.py --workload random --num-requests 128 --input-len 256 --output-len 64
+    .venv/bin/python bench/run_bench.py --workload shared-prefix --prefix-len 1024 --output-len 32
+    .venv/bin/python bench/run_bench.py --validate-only --validate-lines 100000 --json /tmp/bench-validate.json
+
+What it does (see bench/README.md for the caveats):
+
+1. Writes one workload file in the OpenAI Batch format (`/v1/chat/completions`, greedy
+   `temperature: 0`, `max_tokens` = --output-len).
+2. Runs it through three systems, each as a fresh subprocess timed from start to exit:
+     llm_chat   raw vLLM: a tiny script that builds `vllm.LLM` with exactly the engine arguments the
+                pipeline would use (`batch_pipeline.lib.engine.engine_kwargs`) and makes ONE
+                `llm.chat(all_conversations, params)` call;
+     run_batch  `python -m vllm.entrypoints.openai.run_batch -i IN -o OUT --model ...` with the same
+                engine arguments as command-line flags;
+     pipeline   `batch-pipeline run IN --output-dir OUT` (Dagster in-process, the real CLI).
+   Rounds alternate the systems (a, b, c, a, b, c, ...) so machine noise hits them alike; the table
+   shows the median and the minimum of --repeats rounds.
+3. Counts output tokens the same way for all three: the sum of `usage.completion_tokens` over the
+   successful lines of each system's output file.
+4. Records the peak RSS of each subprocess (os.wait4's ru_maxrss, and a /proc sampler that sums the
+   whole process tree, which matters when vLLM forks an engine-core process).
+
+`--validate-only` instead times, in this process and alternating, `json.loads` of every line of a
+generated file (>= 100k lines) against the pipeline's validator
+(`batch_pipeline.lib.validation.validate_stream` with callbacks that discard), plus what the pipeline
+does around it (writing the valid requests; re-parsing them before inference).
+
+Every subprocess gets the same environment: HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1,
+VLLM_NO_USAGE_STATS=1, DO_NOT_TRACK=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, TOKENIZERS_PARALLELISM=false,
+BATCH_PIPELINE_CACHE (default /work/main/.cache or the variable's value), VLLM_CACHE_ROOT and HF_HOME
+under it (the values the pipeline itself sets), TMPDIR under the work directory, DAGSTER_HOME unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE = REPO / ".cache"
+SYSTEMS = ("llm_chat", "run_batch", "pipeline")
+# Optional extra systems: the same as llm_chat / pipeline with vLLM's multiprocess engine core
+# (VLLM_ENABLE_V1_MULTIPROCESSING=1, as run_batch always uses), to separate "in-process engine" cost.
+EXTRA_SYSTEMS = ("llm_chat_mp", "pipeline_mp")
+MP_SYSTEMS = {"llm_chat_mp": "llm_chat", "pipeline_mp": "pipeline"}
+WORKLOAD_DEFAULTS = {
+    # workload: (num_requests, input_len, output_len, prefix_len)
+    "chat": (192, None, 32, None),
+    "random": (128, 256, 64, None),
+    "shared-prefix": (192, None, 32, 1024),
+}
+
+
+def say(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# =============================================================================================
+# Environment
+# =============================================================================================
+
+
+def child_env(cache: Path, tmpdir: Path) -> dict[str, str]:
+    """One environment for every subprocess; the same values batch_pipeline's configure_runtime_env sets."""
+    env = dict(os.environ)
+    env.pop("DAGSTER_HOME", None)  # the pipeline then uses an ephemeral instance, no SQLite writes
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    env.update(
+        {
+            "BATCH_PIPELINE_CACHE": str(cache),
+            "VLLM_CACHE_ROOT": str(cache / "vllm"),
+            "HF_HOME": str(cache / "hf"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "TMPDIR": str(tmpdir),
+            "PYTHONWARNINGS": env.get("PYTHONWARNINGS", ""),
+        }
+    )
+    if not env["PYTHONWARNINGS"]:
+        env.pop("PYTHONWARNINGS")
+    return env
+
+
+# =============================================================================================
+# Preflight: resolve model and engine arguments exactly as the pipeline does (untimed)
+# =============================================================================================
+
+PREFLIGHT = r"""
+import json, sys
+from pathlib import Path
+from batch_pipeline.defs.resources import LLMResource
+from batch_pipeline.lib import models
+from batch_pipeline.lib.engine import engine_kwargs, is_cpu, vllm_version
+
+res = LLMResource()                      # what `batch-pipeline run` uses: env vars, then defaults
+settings = res.settings()
+path, served = res.generation_model()
+if path is None:
+    path = str(models.prepare_bundled_model(log=lambda m: print(m, file=sys.stderr)))
+kwargs = engine_kwargs(settings, path, served, "generate")
+
+# vLLM picks scheduler defaults by "usage context": the LLM class (pipeline, raw LLM.chat) and the
+# batch runner (OPENAI_BATCH_RUNNER, not in vLLM's table, so the generic 128 seqs / 2048 tokens) differ.
+from vllm.engine.arg_utils import EngineArgs
+from vllm.usage.usage_lib import UsageContext
+world = int(kwargs.get("tensor_parallel_size", 1))
+tokens, seqs = EngineArgs.get_batch_defaults(world)
+llm_defaults = {
+    "max_num_seqs": kwargs.get("max_num_seqs") or seqs.get(UsageContext.LLM_CLASS),
+    "max_num_batched_tokens": kwargs.get("max_num_batched_tokens") or tokens.get(UsageContext.LLM_CLASS),
+}
+print("BENCH_PREFLIGHT " + json.dumps({
+    "model_path": path, "served_model_name": served, "engine_kwargs": kwargs, "cpu": is_cpu(),
+    "shard_size": settings.shard_size, "llm_class_scheduler": llm_defaults, "engine": vllm_version(),
+}))
+"""
+
+
+def preflight(python: str, env: dict[str, str]) -> dict[str, Any]:
+    say("preflight: resolving the model and the pipeline's engine arguments (untimed)")
+    proc = subprocess.run([python, "-c", PREFLIGHT], env=env, cwd=REPO, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH_PREFLIGHT "):
+            return json.loads(line.split(" ", 1)[1])
+    sys.stderr.write(proc.stdout + proc.stderr)
+    raise SystemExit("preflight failed")
+
+
+# =============================================================================================
+# Workloads
+# =============================================================================================
+
+COUNTRIES = (
+    "France Germany Italy Spain Portugal Japan Brazil Canada Kenya Egypt Norway Chile Peru India "
+    "Vietnam Mexico Greece Poland Turkey Australia Argentina Sweden Ireland Morocco Nepal Cuba"
+).split()
+CONCEPTS = (
+    "photosynthesis|gravity|inflation|recursion|entropy|democracy|a black hole|the water cycle|"
+    "machine learning|compound interest|plate tectonics|a vaccine|the immune system|supply and demand|"
+    "electricity|a rainbow|evolution|an eclipse|a blockchain|the internet|a volcano|the moon's phases"
+).split("|")
+ANIMALS = "cats dogs owls dolphins bees elephants penguins octopuses wolves horses frogs eagles".split()
+THINGS = "the sea|autumn|a city at night|coffee|mountains|the first snow|a train journey|friendship|rain".split("|")
+TASKS = (
+    "boil an egg|learn a new language|fall asleep faster|write a good email|save money|start running|"
+    "grow tomatoes|prepare for an interview|keep a plant alive|organize my desk|make bread"
+).split("|")
+PHRASES = "good morning|thank you very much|where is the station|I like books|see you tomorrow|the weather is nice".split("|")
+TEMPLATES = (
+    "What is the capital of {country}?",
+    "Explain {concept} in one sentence.",
+    "Name three facts about {animal}.",
+    "What is {a} plus {b}?",
+    "Write a short poem about {thing}.",
+    "How do I {task}?",
+    "Translate '{phrase}' into French.",
+    "Give me one tip to {task}.",
+    "Why do {animal} matter for the environment?",
+    "Describe {country} in two sentences.",
+    "What is the difference between {concept} and {concept2}?",
+    "Tell a child what {concept} is.",
+)
+
+
+def chat_question(rng: random.Random) -> str:
+    return rng.choice(TEMPLATES).format(
+        country=rng.choice(COUNTRIES),
+        concept=rng.choice(CONCEPTS),
+        concept2=rng.choice(CONCEPTS),
+        animal=rng.choice(ANIMALS),
+        thing=rng.choice(THINGS),
+        task=rng.choice(TASKS),
+        phrase=rng.choice(PHRASES),
+        a=rng.randint(2, 999),
+        b=rng.randint(2, 999),
+    )
+
+
+def _tokenizer(model_path: str) -> Any:
+    import tokenizers
+
+    return tokenizers.Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
+
+
+def random_prompt(tok: Any, rng: random.Random, length: int, special: set[int], vocab: int) -> str:
+    """Random tokens, decoded, re-encoded and cut to `length` tokens (as vLLM's benchmark RandomDataset)."""
+    ids = [rng.randrange(vocab) for _ in range(length + 8)]
+    ids = [i for i in ids if i not in special]
+    text = tok.decode(ids, skip_special_tokens=True)
+    again = tok.encode(text, add_special_tokens=False).ids[:length]
+    return tok.decode(again, skip_special_tokens=True)
+
+
+def handbook_prefix(tok: Any, length: int) -> str:
+    """A long, deterministic system prompt of about `length` tokens."""
+    rng = random.Random(1234)
+    parts = ["You are the support assistant of the Northwind Travel Company. Follow the handbook below."]
+    n = 1
+    while len(tok.encode(" ".join(parts), add_special_tokens=False).ids) < length:
+        parts.append(
+            f"Rule {n}: when a customer asks about {rng.choice(TASKS)} while visiting {rng.choice(COUNTRIES)}, "
+            f"explain {rng.choice(CONCEPTS)} politely, mention {rng.choice(THINGS)}, and never promise refunds."
+        )
+        n += 1
+    ids = tok.encode(" ".join(parts), add_special_tokens=False).ids[:length]
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def make_workload(args: argparse.Namespace, served: str, model_path: str, out: Path) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    lines: list[str] = []
+    tok = special = None
+    prefix = ""
+    if args.workload in ("random", "shared-prefix"):
+        tok = _tokenizer(model_path)
+        special = set(tok.get_added_tokens_decoder())
+    if args.workload == "shared-prefix":
+        prefix = handbook_prefix(tok, args.prefix_len)
+    for i in range(args.num_requests):
+        body: dict[str, Any] = {"model": served, "max_tokens": args.output_len, "temperature": 0}
+        if args.workload == "chat":
+            body["messages"] = [{"role": "user", "content": chat_question(rng)}]
+        elif args.workload == "random":
+            body["messages"] = [
+                {"role": "user", "content": random_prompt(tok, rng, args.input_len, special, tok.get_vocab_size())}
+            ]
+            body["ignore_eos"] = True  # a vLLM extension; all three systems pass it to SamplingParams
+        else:
+            body["messages"] = [{"role": "system", "content": prefix}, {"role": "user", "content": chat_question(rng)}]
+        line = {"custom_id": f"req-{i:06d}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        lines.append(json.dumps(line, ensure_ascii=False))
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    info = {"file": str(out), "lines": len(lines), "bytes": out.stat().st_size}
+    if tok is not None and args.workload == "shared-prefix":
+        info["prefix_tokens"] = len(tok.encode(prefix, add_special_tokens=False).ids)
+    return info
+
+
+# =============================================================================================
+# The three systems
+# =============================================================================================
+
+RAW_SCRIPT = r'''
+"""Raw vLLM: build LLM with the pipeline's engine kwargs, ONE llm.chat call for every conversation."""
+import json, sys, time
+t0 = time.perf_counter()
+spec = json.load(open(sys.argv[1]))
+from vllm import LLM, SamplingParams
+t_import = time.perf_counter()
+llm = LLM(**spec["engine_kwargs"])
+t_load = time.perf_counter()
+defaults = dict(llm.llm_engine.model_config.get_diff_sampling_param() or {})
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "ignore_eos", "min_tokens", "stop")
+reqs = [json.loads(l) for l in open(spec["input"], encoding="utf-8") if l.strip()]
+conversations, params = [], []
+for r in reqs:
+    b = r["body"]
+    conversations.append([{"role": m["role"], "content": m["content"]} for m in b["messages"]])
+    values = dict(defaults)
+    values.update({k: b[k] for k in SAMPLING if b.get(k) is not None})
+    values["max_tokens"] = b.get("max_completion_tokens") or b.get("max_tokens")
+    params.append(SamplingParams(**values))
+t_prep = time.perf_counter()
+outputs = llm.chat(conversations, params, use_tqdm=False)
+t_gen = time.perf_counter()
+with open(spec["output"], "w", encoding="utf-8") as f:
+    for r, out in zip(reqs, outputs):
+        p, c = len(out.prompt_token_ids or []), sum(len(o.token_ids) for o in out.outputs)
+        body = {"object": "chat.completion",
+                "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
+                             "finish_reason": o.finish_reason} for i, o in enumerate(out.outputs)],
+                "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+        f.write(json.dumps({"custom_id": r["custom_id"], "response": {"status_code": 200, "body": body},
+                            "error": None}) + "\n")
+t_write = time.perf_counter()
+sched = llm.llm_engine.vllm_config.scheduler_config
+json.dump({"import_s": t_import - t0, "load_s": t_load - t_import, "prepare_s": t_prep - t_load,
+           "generate_s": t_gen - t_prep, "write_s": t_write - t_gen,
+           "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens},
+          open(spec["timings"], "w"))
+try:
+    llm.llm_engine.engine_core.shutdown()
+except Exception:
+    pass
+'''
+
+
+def run_batch_flags(kwargs: dict[str, Any], scheduler: dict[str, Any] | None) -> list[str]:
+    """vLLM engine kwargs as run_batch command-line flags (EngineArgs names, dashes, --no-x for False)."""
+    flags: list[str] = []
+    merged = dict(kwargs)
+    if scheduler:
+        for key, value in scheduler.items():
+            merged.setdefault(key, value)
+    for key, value in merged.items():
+        if key in ("model", "served_model_name") or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            if key == "trust_remote_code":
+                if value:
+                    flags.append(flag)
+                continue
+            flags.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, (dict, list)):
+            flags += [flag, json.dumps(value)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def command_for(system: str, ctx: dict[str, Any], run_dir: Path) -> tuple[list[str], Path]:
+    """(command line, output file whose lines are counted)."""
+    py, inp = ctx["python"], ctx["input"]
+    system = MP_SYSTEMS.get(system, system)
+    if system == "llm_chat":
+        spec = {
+            "engine_kwargs": ctx["engine_kwargs"],
+            "input": inp,
+            "output": str(run_dir / "output.jsonl"),
+            "timings": str(run_dir / "timings.json"),
+        }
+        (run_dir / "spec.json").write_text(json.dumps(spec))
+        (run_dir / "raw_llm_chat.py").write_text(RAW_SCRIPT)
+        return [py, str(run_dir / "raw_llm_chat.py"), str(run_dir / "spec.json")], run_dir / "output.jsonl"
+    if system == "run_batch":
+        out = run_dir / "output.jsonl"
+        cmd = [py, "-m", "vllm.entrypoints.openai.run_batch", "-i", inp, "-o", str(out),
+               "--model", ctx["model_path"], "--served-model-name", ctx["served_model_name"]]
+        cmd += run_batch_flags(ctx["engine_kwargs"], ctx["run_batch_scheduler"])
+        if ctx["run_batch_disable_log_stats"]:
+            cmd.append("--disable-log-stats")  # the LLM class default (pipeline and raw run without it)
+        return cmd, out
+    if system == "pipeline":
+        out_dir = run_dir / "out"
+        return [ctx["batch_pipeline"], "run", inp, "--output-dir", str(out_dir)], out_dir / "output.jsonl"
+    raise ValueError(system)
+
+
+# =============================================================================================
+# Measuring one subprocess
+# =============================================================================================
+
+
+class TreeRss(threading.Thread):
+    """Samples the summed RSS of a process and all its descendants (via /proc) every `interval` s."""
+
+    def __init__(self, pid: int, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.pid, self.interval = pid, interval
+        self.peak_bytes = 0
+        self.max_procs = 0
+        self._halt = threading.Event()
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def _tree(self) -> list[int]:
+        pids, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as f:
+                        todo.extend(int(x) for x in f.read().split())
+            except OSError:
+                continue
+        return pids
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            total, procs = 0, 0
+            for pid in self._tree():
+                try:
+                    with open(f"/proc/{pid}/statm") as f:
+                        total += int(f.read().split()[1]) * self._page
+                        procs += 1
+                except OSError:
+                    continue
+            self.peak_bytes = max(self.peak_bytes, total)
+            self.max_procs = max(self.max_procs, procs)
+            self._halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=2)
+
+
+def measure(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> dict[str, Any]:
+    """Wall time from spawn to exit, exit code, CPU time and peak memory of one subprocess."""
+    with open(log_path, "wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        load_before = os.getloadavg()
+        started = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        sampler = TreeRss(proc.pid)
+        sampler.start()
+        timed_out = threading.Event()
+
+        def kill() -> None:
+            timed_out.set()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the process group of the child we started
+            except ProcessLookupError:
+                pass
+
+        timer = threading.Timer(timeout, kill)
+        timer.start()
+        try:
+            # os.wait4 gives this child's own rusage (ru_maxrss = its peak RSS, including children it reaped).
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # Ctrl-C / SIGTERM: take the child's process group down with us
+            timer.cancel()
+            kill()
+            os.wait4(proc.pid, 0)
+            sampler.stop()
+            raise
+        wall = time.perf_counter() - started
+        timer.cancel()
+        sampler.stop()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    return {
+        "wall_s": round(wall, 3),
+        "exit_code": proc.returncode,
+        "timed_out": timed_out.is_set(),
+        "cpu_user_s": round(usage.ru_utime, 2),
+        "cpu_sys_s": round(usage.ru_stime, 2),
+        "maxrss_mb": round(usage.ru_maxrss / 1024, 1),  # KiB on Linux
+        "tree_peak_rss_mb": round(sampler.peak_bytes / 2**20, 1),
+        "max_processes": sampler.max_procs,
+        "loadavg_1m_before": round(load_before[0], 2),
+        "log": str(log_path),
+    }
+
+
+def read_outputs(path: Path) -> dict[str, Any]:
+    """Successful lines, errors and usage.completion_tokens / prompt_tokens from an output file."""
+    ok = errors = completion = prompt = 0
+    texts: dict[str, str] = {}
+    if path.exists():
+        with open(path, encoding="utf-8") as f:
+            for raw in f:
+                if not raw.strip():
+                    continue
+                line = json.loads(raw)
+                resp = line.get("response") or {}
+                body = resp.get("body") or {}
+                if resp.get("status_code") == 200 and "usage" in body:
+                    ok += 1
+                    completion += int(body["usage"].get("completion_tokens") or 0)
+                    prompt += int(body["usage"].get("prompt_tokens") or 0)
+                    choices = body.get("choices") or [{}]
+                    texts[line.get("custom_id")] = ((choices[0].get("message") or {}).get("content")) or ""
+                else:
+                    errors += 1
+    return {"ok": ok, "error_lines": errors, "completion_tokens": completion, "prompt_tokens": prompt, "texts": texts}
+
+
+def inner_timings(system: str, run_dir: Path) -> dict[str, Any]:
+    """What the process itself says about where its time went (raw script timings, pipeline metrics.json)."""
+    system = MP_SYSTEMS.get(system, system)
+    try:
+        if system == "llm_chat":
+            t = json.loads((run_dir / "timings.json").read_text())
+            return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}
+        if system == "pipeline":
+            m = json.loads((run_dir / "out" / "metrics.json").read_text())
+            keys = ("model_load_seconds", "validation_seconds", "inference_seconds", "writing_seconds", "peak_memory_mb")
+            return {k: m.get(k) for k in keys}
+    except (OSError, ValueError):
+        pass
+    return {}
+
+
+# =============================================================================================
+# The benchmark
+# =============================================================================================
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="batch_pipeline_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = child_env(args.cache, work / "tmp")
+    source = pipeline_source(args, work, env)
+    pre = preflight(args.python, env)
+    workload_file = work / f"workload-{args.workload}.jsonl"
+    workload = make_workload(args, pre["served_model_name"], pre["model_path"], workload_file)
+    say(f"workload {args.workload}: {workload['lines']} requests -> {workload_file}")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    scheduler = pre["llm_class_scheduler"] if args.run_batch_scheduler == "match" else None
+    ctx = {
+        "python": args.python,
+        "batch_pipeline": str(Path(args.python).parent / "batch-pipeline"),
+        "input": str(workload_file),
+        "engine_kwargs": pre["engine_kwargs"],
+        "model_path": pre["model_path"],
+        "served_model_name": pre["served_model_name"],
+        "run_batch_scheduler": scheduler,
+        "run_batch_disable_log_stats": not args.run_batch_log_stats,
+    }
+    say("engine kwargs (all systems): " + json.dumps(pre["engine_kwargs"]))
+    if scheduler:
+        say(f"run_batch gets the LLM class's scheduler limits explicitly: {scheduler}")
+    runs: list[dict[str, Any]] = []
+    texts: dict[str, dict[str, str]] = {}
+    order = list(systems)
+    for round_no in range(1, args.repeats + 1):
+        if args.rotate and round_no > 1:
+            order = order[1:] + order[:1]
+        for system in order:
+            run_dir = work / f"r{round_no}-{system}"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            run_dir.mkdir(parents=True)
+            cmd, out_file = command_for(system, ctx, run_dir)
+            say(f"round {round_no}/{args.repeats}: {system} ...")
+            run_env = dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="1") if system in MP_SYSTEMS else env
+            m = measure(cmd, run_env, run_dir / "log.txt", args.timeout)
+            outputs = read_outputs(out_file)
+            texts.setdefault(system, outputs.pop("texts"))
+            record = {"round": round_no, "system": system, **m, **outputs, "inner": inner_timings(system, run_dir)}
+            runs.append(record)
+            status = "ok" if m["exit_code"] == 0 else f"EXIT {m['exit_code']} (see {m['log']})"
+            say(
+                f"  {system}: {m['wall_s']:.1f}s wall, {outputs['ok']} ok, {outputs['completion_tokens']} output tokens, "
+                f"peak RSS {m['maxrss_mb']:.0f} MB (tree {m['tree_peak_rss_mb']:.0f} MB), load {m['loadavg_1m_before']}: {status}"
+            )
+            if not args.keep:
+                for big in run_dir.glob("out/_work"):
+                    shutil.rmtree(big, ignore_errors=True)
+    summary = summarize(runs, systems, workload["lines"])
+    agreement = {}
+    if "llm_chat" in texts:
+        ref = texts["llm_chat"]
+        for system, got in texts.items():
+            same = sum(1 for k, v in ref.items() if got.get(k) == v)
+            agreement[system] = {"same_text_as_llm_chat": same, "of": len(ref)}
+    return {
+        "meta": {
+            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(),
+            "cpus": os.cpu_count(),
+            "python": args.python,
+            "engine": pre["engine"],
+            "workload": {
+                "kind": args.workload,
+                "num_requests": args.num_requests,
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "prefix_len": args.prefix_len,
+                "seed": args.seed,
+                **workload,
+            },
+            "engine_kwargs": pre["engine_kwargs"],
+            "llm_class_scheduler": pre["llm_class_scheduler"],
+            "run_batch_scheduler": scheduler or "vLLM's run_batch defaults",
+            "run_batch_disable_log_stats": ctx["run_batch_disable_log_stats"],
+            "pipeline_shard_size": pre["shard_size"],
+            "pipeline_source": source,
+            "repeats": args.repeats,
+            "work_dir": str(work),
+            "env": {k: env[k] for k in sorted(env) if k.startswith(("VLLM_", "HF_", "BATCH_PIPELINE", "TRANSFORMERS", "DO_NOT", "TOKENIZERS", "TMPDIR"))},
+        },
+        "runs": runs,
+        "summary": summary,
+        "agreement": agreement,
+    }
+
+
+def pipeline_source(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    """Which batch_pipeline code the pipeline runs: the working tree (installed editable) or a git revision.
+
+    With --pipeline-rev the revision is exported read-only (`git archive`) into the work folder and put
+    first on PYTHONPATH of every subprocess (the editable install's finder comes after PYTHONPATH).
+    """
+
+    def git(*cmd: str) -> str:
+        done = subprocess.run(["git", "-C", str(REPO), *cmd], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    if not args.pipeline_rev:
+        dirty = git("status", "--porcelain", "--", "batch_pipeline")
+        return {"tree": "working tree", "head": git("rev-parse", "--short", "HEAD"), "dirty_files": dirty.splitlines()}
+    commit = git("rev-parse", "--verify", f"{args.pipeline_rev}^{{commit}}")
+    if not commit:
+        raise SystemExit(f"--pipeline-rev {args.pipeline_rev!r}: not a commit of {REPO}")
+    dest = work / f"pipeline-src-{commit[:12]}"
+    if not (dest / "batch_pipeline").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "batch_pipeline"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(dest), env.get("PYTHONPATH", "")) if p)
+    say(f"pipeline code: {args.pipeline_rev} = {commit[:12]}, exported to {dest}")
+    return {"tree": args.pipeline_rev, "commit": commit, "path": str(dest)}
+
+
+def summarize(runs: list[dict[str, Any]], systems: list[str], total: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for system in systems:
+        mine = [r for r in runs if r["system"] == system]
+        good = [r for r in mine if r["exit_code"] == 0]
+        if not good:
+            out[system] = {"failed_runs": len(mine)}
+            continue
+        walls = [r["wall_s"] for r in good]
+        med = statistics.median(walls)
+        ok = int(statistics.median(r["ok"] for r in good))
+        tokens = int(statistics.median(r["completion_tokens"] for r in good))
+        inner: dict[str, float] = {}
+        for key in good[0]["inner"]:
+            vals = [r["inner"][key] for r in good if isinstance(r["inner"].get(key), (int, float))]
+            if vals:
+                inner[key] = round(statistics.median(vals), 3)
+        out[system] = {
+            "runs": len(mine),
+            "failed_runs": len(mine) - len(good),
+            "wall_s_median": round(med, 3),
+            "wall_s_min": round(min(walls), 3),
+            "wall_s_all": walls,
+            "requests_ok": ok,
+            "requests_total": total,
+            "completion_tokens": tokens,
+            "requests_per_s": round(ok / med, 3),
+            "output_tokens_per_s": round(tokens / med, 2),
+            "cpu_s_median": round(statistics.median(r["cpu_user_s"] + r["cpu_sys_s"] for r in good), 1),
+            "maxrss_mb_max": max(r["maxrss_mb"] for r in good),
+            "tree_peak_rss_mb_max": max(r["tree_peak_rss_mb"] for r in good),
+            "inner_median": inner,
+        }
+    ref = out.get("llm_chat", {}).get("wall_s_median")
+    for system, s in out.items():
+        if ref and "wall_s_median" in s:
+            s["ratio_to_llm_chat"] = round(s["wall_s_median"] / ref, 3)
+    if "run_batch" in out and "pipeline" in out and "wall_s_median" in out["run_batch"] and "wall_s_median" in out["pipeline"]:
+        out["pipeline"]["ratio_to_run_batch"] = round(out["pipeline"]["wall_s_median"] / out["run_batch"]["wall_s_median"], 3)
+    return out
+
+
+def print_table(result: dict[str, Any]) -> None:
+    s, meta = result["summary"], result["meta"]
+    w = meta["workload"]
+    print()
+    print(
+        f"workload {w['kind']}: {w['lines']} requests, output_len {w['output_len']}"
+        + (f", input_len {w['input_len']}" if w.get("input_len") else "")
+        + (f", prefix {w.get('prefix_tokens')} tokens" if w.get("prefix_tokens") else "")
+        + f"; {meta['repeats']} rounds; {meta['engine']}; {meta['cpus']} CPUs"
+    )
+    header = (
+        f"{'system':<10} {'wall s med':>10} {'wall s min':>10} {'req/s':>7} {'out tok/s':>9} {'vs LLM.chat':>11} "
+        f"{'out tokens':>10} {'ok/total':>9} {'CPU s':>7} {'RSS MB':>7} {'tree MB':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for system, r in s.items():
+        if "wall_s_median" not in r:
+            print(f"{system:<10} all {r['failed_runs']} runs failed")
+            continue
+        ratio = r.get("ratio_to_llm_chat")
+        print(
+            f"{system:<10} {r['wall_s_median']:>10.1f} {r['wall_s_min']:>10.1f} {r['requests_per_s']:>7.2f} "
+            f"{r['output_tokens_per_s']:>9.1f} {(f'{ratio:.2f}x' if ratio else '-'):>11} {r['completion_tokens']:>10} "
+            f"{str(r['requests_ok']) + '/' + str(r['requests_total']):>9} {r['cpu_s_median']:>7.0f} "
+            f"{r['maxrss_mb_max']:>7.0f} {r['tree_peak_rss_mb_max']:>8.0f}"
+        )
+    if "ratio_to_run_batch" in s.get("pipeline", {}):
+        print(f"pipeline / run_batch (median wall): {s['pipeline']['ratio_to_run_batch']:.2f}x")
+    inner = {k: v["inner_median"] for k, v in s.items() if v.get("inner_median")}
+    if inner:
+        print("in-process split (medians, s):")
+        for system, t in inner.items():
+            print(f"  {system:<10} " + ", ".join(f"{k}={v}" for k, v in t.items()))
+    if result.get("agreement"):
+        print(
+            "same answer text as LLM.chat: "
+            + ", ".join(f"{k} {v['same_text_as_llm_chat']}/{v['of']}" for k, v in result["agreement"].items())
+        )
+    print(f"all runs: {meta['work_dir']} (logs in each r<round>-<system>/log.txt)")
+
+
+# =============================================================================================
+# --validate-only
+# =============================================================================================
+
+
+def validate_bench(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="batch_pipeline_bench_"))
+    work.mkdir(parents=True, exist_ok=True)
+    source = pipeline_source(args, work, {})
+    if "path" in source:
+        sys.path.insert(0, source["path"])  # before batch_pipeline is first imported
+    from batch_pipeline.lib import contract as c
+    from batch_pipeline.lib import validation as v
+    from batch_pipeline.lib.validation import ValidationSettings, validate_stream
+
+    say(f"validator from {Path(v.__file__).parent.parent}")
+    # What validate_batch writes per valid request and how infer_batch reads it back differs between
+    # versions of the code: a BatchRequest dumped as JSON, or a ValidLine's own record() bytes.
+    to_request = getattr(v, "request_from_record", None) or c.BatchRequest.model_validate
+
+    def record_bytes(req: Any) -> bytes:
+        if hasattr(req, "record"):
+            return req.record()
+        return (json.dumps(req.model_dump(), ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+    served = args.served_model_name
+    path = work / "validate.jsonl"
+    rng = random.Random(args.seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(args.validate_lines):
+            body = {
+                "model": served,
+                "messages": [{"role": "user", "content": chat_question(rng)}],
+                "max_tokens": args.output_len,
+                "temperature": 0,
+            }
+            f.write(json.dumps({"custom_id": f"req-{i:07d}", "method": "POST", "url": c.CHAT_URL, "body": body}) + "\n")
+    size = path.stat().st_size
+    say(f"validate-only: {args.validate_lines} lines, {size / 2**20:.1f} MiB -> {path}")
+    settings = ValidationSettings(served_model_name=served)
+    requests_file = work / "requests.jsonl"
+
+    def discard(_x: Any) -> None:
+        return None
+
+    def json_loads() -> int:
+        n = 0
+        with open(path, "rb") as f:
+            for raw in f:
+                if raw.strip():
+                    json.loads(raw)
+                    n += 1
+        return n
+
+    def validator() -> int:
+        with open(path, "rb") as f:
+            summary = validate_stream(f, settings, discard, discard)
+        assert summary.invalid == 0, summary.errors_by_code
+        return summary.valid
+
+    def validator_and_write() -> int:
+        # what validate_batch does: every valid request re-serialized to _work/requests.jsonl
+        with open(path, "rb") as f, open(requests_file, "wb") as out:
+
+            def on_valid(req: Any) -> None:
+                out.write(record_bytes(req))
+
+            summary = validate_stream(f, settings, on_valid, discard)
+        return summary.valid
+
+    def reparse_for_inference() -> int:
+        # what infer_batch + GenerationEngine.prepare do before the engine sees a request:
+        # json.loads, BatchRequest.model_validate, then parsed_body() (the body model again).
+        n = 0
+        with open(requests_file, "rb") as f:
+            for raw in f:
+                if raw.strip():
+                    req = to_request(json.loads(raw))
+                    req.parsed_body()
+                    n += 1
+        return n
+
+    variants = [
+        ("json.loads", json_loads),
+        ("validate_stream", validator),
+        ("validate+write", validator_and_write),
+        ("reparse (inference)", reparse_for_inference),
+    ]
+    times: dict[str, list[float]] = {name: [] for name, _ in variants}
+    for round_no in range(1, args.validate_rounds + 1):
+        for name, fn in variants:
+            t0 = time.perf_counter()
+            n = fn()
+            elapsed = time.perf_counter() - t0
+            assert n == args.validate_lines, (name, n)
+            times[name].append(round(elapsed, 4))
+            say(f"round {round_no}/{args.validate_rounds}: {name} {elapsed:.2f}s")
+    base = statistics.median(times["json.loads"])
+    summary = {
+        name: {
+            "s_median": round(statistics.median(v), 4),
+            "s_min": min(v),
+            "s_all": v,
+            "lines_per_s": round(args.validate_lines / statistics.median(v)),
+            "us_per_line": round(1e6 * statistics.median(v) / args.validate_lines, 2),
+            "ratio_to_json_loads": round(statistics.median(v) / base, 2),
+        }
+        for name, v in times.items()
+    }
+    if not args.keep:
+        requests_file.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
+    return {
+        "meta": {
+            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "mode": "validate-only",
+            "pipeline_source": source,
+            "validator_module": v.__file__,
+            "lines": args.validate_lines,
+            "bytes": size,
+            "rounds": args.validate_rounds,
+            "python": sys.version.split()[0],
+            "cpus": os.cpu_count(),
+            "loadavg": os.getloadavg(),
+        },
+        "summary": summary,
+    }
+
+
+def print_validate_table(result: dict[str, Any]) -> None:
+    meta, s = result["meta"], result["summary"]
+    print()
+    print(f"validation: {meta['lines']} lines ({meta['bytes'] / 2**20:.1f} MiB), {meta['rounds']} alternating rounds, in-process")
+    header = f"{'variant':<20} {'s median':>9} {'s min':>8} {'lines/s':>9} {'us/line':>8} {'vs json.loads':>13}"
+    print(header)
+    print("-" * len(header))
+    for name, r in s.items():
+        print(
+            f"{name:<20} {r['s_median']:>9.2f} {r['s_min']:>8.2f} {r['lines_per_s']:>9} {r['us_per_line']:>8.1f} "
+            f"{r['ratio_to_json_loads']:>12.2f}x"
+        )
+    print(f"validator / json.loads: {s['validate_stream']['ratio_to_json_loads']:.2f}x")
+
+
+# =============================================================================================
+# Command line
+# =============================================================================================
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=sorted(WORKLOAD_DEFAULTS), default="chat")
+    p.add_argument("--num-requests", type=int, help="requests in the workload (chat 192, random 128, shared-prefix 192)")
+    p.add_argument("--input-len", type=int, help="random: prompt tokens per request (default 256)")
+    p.add_argument("--output-len", "--max-tokens", dest="output_len", type=int, help="max_tokens per request (chat 32, random 64)")
+    p.add_argument("--prefix-len", type=int, help="shared-prefix: tokens of the common system prompt (default 1024)")
+    p.add_argument("--seed", type=int, default=0, help="workload generator seed")
+    p.add_argument("--repeats", type=int, default=2, help="rounds; each round runs every system once (default 2)")
+    p.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help=f"comma-separated, run in this order: {','.join(SYSTEMS)} (default) and optionally "
+        f"{','.join(EXTRA_SYSTEMS)} (the same with vLLM's multiprocess engine core)",
+    )
+    p.add_argument(
+        "--pipeline-rev",
+        help="run the pipeline from this git revision (e.g. HEAD) instead of the working tree; exported read-only",
+    )
+    p.add_argument("--rotate", action="store_true", help="rotate the order each round (abc, bca, cab) instead of abc, abc")
+    p.add_argument(
+        "--run-batch-scheduler",
+        choices=("match", "vllm-default"),
+        default="match",
+        help="match: give run_batch the LLM class's max_num_seqs/max_num_batched_tokens (vLLM's batch runner "
+        "otherwise defaults to 128 seqs / 2048 tokens, the LLM class to 256/4096 on CPU); vllm-default: leave them",
+    )
+    p.add_argument("--run-batch-log-stats", action="store_true", help="let run_batch log engine stats (the LLM class does not)")
+    p.add_argument("--json", type=Path, help="write every run and the summary to this JSON file")
+    p.add_argument("--work-dir", help="where workloads, outputs and logs go (default: a new folder under $TMPDIR)")
+    p.add_argument("--keep", action="store_true", help="keep the pipeline's _work folders and the validate-only files")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
+    p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"), help="interpreter of the subprocesses")
+    p.add_argument("--cache", type=Path, default=Path(os.environ.get("BATCH_PIPELINE_CACHE") or DEFAULT_CACHE))
+    p.add_argument("--validate-only", action="store_true", help="time json.loads vs the validator instead")
+    p.add_argument("--validate-lines", type=int, default=100_000)
+    p.add_argument("--validate-rounds", type=int, default=3)
+    p.add_argument("--served-model-name", default="SmolLM2-135M-Instruct", help="validate-only: body.model")
+    args = p.parse_args(argv)
+    n, inp, out, prefix = WORKLOAD_DEFAULTS[args.workload]
+    args.num_requests = args.num_requests or n
+    args.input_len = args.input_len or inp
+    args.output_len = args.output_len or out or 32
+    args.prefix_len = args.prefix_len or prefix
+    args.cache = args.cache.resolve()
+    if args.validate_only and args.validate_lines < 1:
+        p.error("--validate-lines must be positive")
+    unknown = [x for x in args.systems.split(",") if x.strip() and x.strip() not in SYSTEMS + EXTRA_SYSTEMS]
+    if unknown:
+        p.error(f"unknown system(s): {', '.join(unknown)}")
+    return args
+
+
+def _sigterm(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _sigterm)  # so a killed harness also kills the run in progress
+    args = parse_args(argv)
+    if args.validate_only:
+        result = validate_bench(args)
+        print_validate_table(result)
+    else:
+        result = bench(args)
+        print_table(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"JSON: {args.json}")
+    failed = any(r.get("exit_code") for r in result.get("runs", []))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
