@@ -82,6 +82,10 @@ def test_partition_run_answers_every_line_once(tiny_llm, partition_with_two_batc
     metrics = json.loads((alpha / "metrics.json").read_text())
     assert metrics["requests_completed"] == 5 and metrics["inference_seconds"] > 0
     assert metrics["output_tokens_per_second"] > 0 and metrics["peak_memory_mb"] > 0
+    assert metrics["input_tokens_per_second"] > 0
+    assert metrics["input_tokens"] == batch["usage"]["input_tokens"] > 0
+    for key in ("model_load_seconds", "validation_seconds", "inference_seconds", "writing_seconds"):
+        assert isinstance(metrics[key], float), key
 
     beta = json.loads((out / DATE / "beta" / "batch.json").read_text())
     assert beta["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
@@ -92,6 +96,7 @@ def test_partition_run_answers_every_line_once(tiny_llm, partition_with_two_batc
     throughput = metadata_of(result, "throughput_metrics")
     assert throughput["requests_completed"] == 6 and throughput["requests_failed"] == 3
     assert throughput["requests_per_second"] > 0 and throughput["engine"].startswith("vllm")
+    assert throughput["input_tokens_per_second"] > 0 and "gpu_utilization_mean_pct" not in throughput  # no GPU here
 
     [check] = result.get_asset_check_evaluations()
     assert check.check_name == "failed_line_rate" and check.passed is False  # 3 of 9 > 10%

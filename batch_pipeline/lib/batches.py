@@ -26,6 +26,7 @@ from typing import Any
 from batch_pipeline.lib import contract as c
 from batch_pipeline.lib import ids, storage
 from batch_pipeline.lib.engine import Answer, Engines
+from batch_pipeline.lib.gpu import GpuSampler
 from batch_pipeline.lib.validation import InvalidLine, ValidationSettings, ValidLine, request_from_record, validate_stream
 
 INPUT_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -313,12 +314,13 @@ def infer_batch(
     load_before = engines.load_seconds
     started = time.monotonic()
     try:
-        for answer in engines.stream(validation["batch_id"], remaining, created=now()):
-            if not done.add(answer.line):
-                raise RuntimeError(f"{loc.name}: line {answer.line} answered twice")
-            checkpoint.add(answer)
-            progress.excluded = engines.load_seconds - load_before
-            progress.advance(answer)
+        with GpuSampler() as gpu:
+            for answer in engines.stream(validation["batch_id"], remaining, created=now()):
+                if not done.add(answer.line):
+                    raise RuntimeError(f"{loc.name}: line {answer.line} answered twice")
+                checkpoint.add(answer)
+                progress.excluded = engines.load_seconds - load_before
+                progress.advance(answer)
     finally:
         checkpoint.flush()  # keep every finished answer, also when cancelled or failing
     if done.count != validation["valid"]:
@@ -329,6 +331,7 @@ def infer_batch(
         model_load_seconds=round(load_seconds, 3),
         inference_seconds=round(max(time.monotonic() - started - load_seconds, 0.0), 3),
         checkpoint_parts=checkpoint.parts,
+        gpu=gpu.figures(),
     )
     _write_json(loc.work("inference.json"), info)
     return info
@@ -454,10 +457,12 @@ def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
         "inference_seconds": infer_s,
         "writing_seconds": float(finalize["seconds"]),
         "requests_per_second": per_second(counts["completed"]),
+        "input_tokens_per_second": per_second(usage["input_tokens"]),
         "output_tokens_per_second": per_second(usage["output_tokens"]),
         "total_tokens_per_second": per_second(usage["total_tokens"]),
         "peak_memory_mb": peak_memory_mb(),
         "resumed_requests": int(inference.get("resumed_requests", 0)),
+        **inference.get("gpu", {}),
         **{k: v for k, v in inference.get("engine", {}).items()},
     }
     _write_json(loc.out("metrics.json"), metrics)
@@ -476,11 +481,16 @@ def aggregate_metrics(per_batch: list[dict[str, Any]]) -> dict[str, Any]:
     seconds = totals["inference_seconds"]
     for key, numerator in (
         ("requests_per_second", "requests_completed"),
+        ("input_tokens_per_second", "input_tokens"),
         ("output_tokens_per_second", "output_tokens"),
         ("total_tokens_per_second", "total_tokens"),
     ):
         totals[key] = round(totals[numerator] / seconds, 3) if seconds > 0 else 0.0
     totals["batches"] = len(per_batch)
+    gpu_util = [m["gpu_utilization_mean_pct"] for m in per_batch if "gpu_utilization_mean_pct" in m]
+    if gpu_util:
+        totals["gpu_utilization_mean_pct"] = round(sum(gpu_util) / len(gpu_util), 1)
+        totals["gpu_memory_peak_mb"] = max(m["gpu_memory_peak_mb"] for m in per_batch if "gpu_memory_peak_mb" in m)
     totals["peak_memory_mb"] = max((m["peak_memory_mb"] for m in per_batch), default=peak_memory_mb())
     for key in ("served_model_name", "engine", "model_path", "model_revision"):
         values = sorted({str(m[key]) for m in per_batch if key in m})
