@@ -81,3 +81,13 @@ def test_storage_paths_and_validation_limits(monkeypatch):
         "max_line_bytes": 100, "max_custom_id_length": 128}
     with pytest.raises(ConfigError, match="MAX_LINE_BYTES"):
         validation_limits_from_env({"MAX_LINE_BYTES": "0"})
+
+
+def test_presets_fill_defaults_and_explicit_variables_win():
+    s = engine_settings_from_env({"ENGINE_PRESET": "h100-8b", "BATCH_SIZE": "64"})
+    assert s.dtype == "bfloat16" and s.max_model_len == 8192 and s.enable_prefix_caching is True
+    assert s.batch_size == 64  # the explicit variable, not the preset's 256
+    assert s.extra_engine_args == {"enable_chunked_prefill": True}
+    assert engine_settings_from_env({"ENGINE_PRESET": "h100x4-70b"}).tensor_parallel_size == 4
+    with pytest.raises(ConfigError, match="ENGINE_PRESET='a100' is not a preset; choose one of cpu, h100-8b"):
+        engine_settings_from_env({"ENGINE_PRESET": "a100"})

@@ -108,6 +108,10 @@ def engine_settings_from_env(env: dict[str, str] | None = None, **overrides: Any
     env = os.environ if env is None else env
     types = {f.name: f.type for f in fields(EngineSettings)}
     values: dict[str, Any] = {}
+    if env.get("ENGINE_PRESET", "").strip():
+        from batch_pipeline.lib.presets import preset
+
+        values.update(preset(env["ENGINE_PRESET"].strip()))
     for var, attr in ENGINE_ENV.items():
         raw = env.get(var, "")
         if raw.strip():
