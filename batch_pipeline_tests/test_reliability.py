@@ -220,3 +220,27 @@ def test_logs_and_dagster_events_carry_no_prompt_or_completion_text(tiny_llm, tm
         for completion in completions:
             assert completion not in text
     assert "5 lines, 4 valid, 1 invalid" in event_text  # what is logged: ids, counts, timings
+
+
+def test_two_concurrent_runs_of_one_batch_neither_corrupt_nor_double_it(tiny_model_dir, tmp_path):
+    """A sensor run and a backfill of the same batch at once: both succeed, each line once."""
+    ids = [f"cc-{i:03d}" for i in range(60)]
+    batch = tmp_path / "shared.jsonl"
+    batch.write_text("\n".join(chat_line(i, max_tokens=16, ignore_eos=True) for i in ids) + "\n[1]\n")
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "MODEL_PATH": str(tiny_model_dir), "SERVED_MODEL_NAME": TINY_NAME, "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
+        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES), "SHARD_SIZE": "8",
+    }
+    env.pop("DAGSTER_HOME", None)
+    command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
+    runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for run in runs:
+        _, err = run.communicate(timeout=900)
+        assert run.returncode == 0, err[-3000:]
+    outputs, errors, batch_obj = results(out)
+    answered_once(outputs, errors, ids + [None])
+    assert batch_obj["status"] == "completed"
+    assert batch_obj["request_counts"] == {"total": 61, "completed": 60, "failed": 1}
+    assert len({o["id"] for o in outputs}) == 60
