@@ -105,6 +105,8 @@ def _failure_reason(result: Any) -> str:
 def cmd_run(args: argparse.Namespace) -> int:
     from batch_pipeline.lib import storage
 
+    # vLLM's INFO and WARNING lines (config dumps, CPU tuning hints) drown the progress lines.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     input_uri = args.input if args.input.startswith("s3://") else os.path.abspath(args.input)
     output_dir = args.output_dir if args.output_dir.startswith("s3://") else os.path.abspath(args.output_dir)
     if not storage.exists(input_uri):
