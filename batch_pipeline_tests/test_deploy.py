@@ -1,0 +1,503 @@
+"""Tests for the production manifests in deploy/: they parse and agree with the code.
+
+Covers: deploy/dagster.yaml (PostgreSQL from DAGSTER_POSTGRES_*, queued runs limited under
+`concurrency:`, the GPU pool, run retries, telemetry off), the two Dockerfiles (CUDA base, the `gpu`
+extra, non-root USER, health check, the gRPC command), docker-compose.yaml and .env.example (GPU
+reservation, read-only model mount, health-gated start order, credentials only by reference),
+deploy/workspace.yaml and the Helm values (entry module, the `batch_pipeline` location name, run pods
+asking for `nvidia.com/gpu` = TENSOR_PARALLEL_SIZE on tolerated GPU nodes, the model PVC read-only,
+S3 credentials from a Secret) and that every environment variable the manifests set is one the
+code reads or a documented platform variable.
+
+Does not build images, start containers, render the Helm chart or touch any service: YAML is read
+with PyYAML, Dockerfiles with a small line parser. Loading deploy/dagster.yaml into a real instance
+is in test_postgres.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from batch_pipeline.lib.settings import ENGINE_ENV
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10; dagster depends on tomli
+    import tomli as tomllib
+
+REPO = Path(__file__).resolve().parent.parent
+DEPLOY = REPO / "deploy"
+PACKAGE = REPO / "batch_pipeline"
+LOCATION = "batch_pipeline"
+ENTRY_MODULE = "batch_pipeline.definitions"
+POSTGRES_ENV = {f"DAGSTER_POSTGRES_{k}" for k in ("USER", "PASSWORD", "HOSTNAME", "DB", "PORT")}
+
+# Project settings outside ENGINE_ENV; each must still be read somewhere in the package (checked).
+PROJECT_EXTRAS = {"S3_SSE", "S3_SSE_KMS_KEY_ID", "MAX_FAILED_LINE_RATE", "BATCH_PIPELINE_CACHE"}
+# Set for the platform, not read by our code: Dagster, Python, pip, Hugging Face, vLLM.
+PLATFORM_ENV = {
+    "DAGSTER_HOME",
+    "PATH",
+    "VIRTUAL_ENV",
+    "PYTHONDONTWRITEBYTECODE",
+    "PYTHONUNBUFFERED",
+    "PIP_NO_CACHE_DIR",
+    "PIP_DISABLE_PIP_VERSION_CHECK",
+    "DEBIAN_FRONTEND",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "VLLM_NO_USAGE_STATS",
+    "DO_NOT_TRACK",
+}
+# docker compose's own knobs (interpolated into docker-compose.yaml, never read by the code).
+COMPOSE_ONLY = {"MODEL_HOST_DIR", "BATCH_PIPELINE_TAG", "DAGSTER_WEBSERVER_PORT"}
+
+
+# ----------------------------------------------------------------------------------- parsing
+
+
+def load_yaml(name: str) -> Any:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def dockerfile(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined, comments dropped."""
+    instructions: list[tuple[str, str]] = []
+    pending = ""
+    for raw in (DEPLOY / name).read_text().splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.startswith("#"):
+            continue  # a comment inside a continued instruction
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        full = (pending + line).strip()
+        pending = ""
+        keyword, _, args = full.partition(" ")
+        instructions.append((keyword.upper(), args.strip()))
+    assert not pending, f"{name} ends inside a continued line"
+    return instructions
+
+
+def exec_form(args: str) -> list[str]:
+    """The JSON-array form of CMD/HEALTHCHECK CMD as a list."""
+    return yaml.safe_load(args)
+
+
+def dockerfile_env(name: str) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for keyword, args in dockerfile(name):
+        if keyword == "ENV":
+            for token in shlex.split(args):
+                key, _, value = token.partition("=")
+                env[key] = value
+    return env
+
+
+def env_file(name: str) -> dict[str, str]:
+    """KEY=VALUE lines, commented-out ones included (`# KEY=...` documents an optional setting)."""
+    found = {}
+    for line in (DEPLOY / name).read_text().splitlines():
+        m = re.match(r"^#?\s*([A-Z][A-Z0-9_]*)=(.*)$", line.strip())
+        if m:
+            found[m.group(1)] = m.group(2).strip()
+    return found
+
+
+def uncommented(name: str) -> set[str]:
+    """Names set on a live (not commented-out) line."""
+    return {
+        m.group(1)
+        for line in (DEPLOY / name).read_text().splitlines()
+        if (m := re.match(r"^([A-Z][A-Z0-9_]*)=", line.strip()))
+    }
+
+
+def compose() -> dict[str, Any]:
+    return load_yaml("docker-compose.yaml")
+
+
+def compose_interpolations() -> dict[str, str]:
+    """${VAR...} references in docker-compose.yaml -> the operator after the name ('', ':-', ':?')."""
+    text = (DEPLOY / "docker-compose.yaml").read_text()
+    return {m.group(1): m.group(2) or "" for m in re.finditer(r"\$\{([A-Z][A-Z0-9_]*)(:[-?])?[^}]*\}", text)}
+
+
+def helm() -> dict[str, Any]:
+    return load_yaml("helm/values.yaml")
+
+
+def helm_deployment() -> dict[str, Any]:
+    (deployment,) = helm()["dagster-user-deployments"]["deployments"]
+    return deployment
+
+
+def helm_run_k8s() -> dict[str, Any]:
+    return helm()["runLauncher"]["config"]["k8sRunLauncher"]["runK8sConfig"]
+
+
+def package_source() -> str:
+    return "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+
+
+# --------------------------------------------------------------------------- entry and location
+
+
+def test_entry_module_exists_and_every_manifest_serves_it():
+    assert importlib.util.find_spec(ENTRY_MODULE) is not None
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pyproject["tool"]["dg"]["project"]["code_location_target_module"] == ENTRY_MODULE
+
+    (cmd,) = [args for keyword, args in dockerfile("Dockerfile") if keyword == "CMD"]
+    argv = exec_form(cmd)
+    assert argv[:3] == ["dagster", "api", "grpc"]
+    assert argv[argv.index("-m") + 1] == ENTRY_MODULE
+    assert argv[argv.index("-h") + 1] == "0.0.0.0"
+    assert helm_deployment()["dagsterApiGrpcArgs"] == ["-m", ENTRY_MODULE]
+
+
+def test_location_name_is_the_same_everywhere():
+    local = yaml.safe_load((REPO / "workspace.yaml").read_text())
+    (local_entry,) = local["load_from"]
+    assert local_entry["python_module"]["location_name"] == LOCATION
+
+    (server,) = load_yaml("workspace.yaml")["load_from"]
+    assert server["grpc_server"]["location_name"] == LOCATION
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pyproject["tool"]["dg"]["project"]["code_location_name"] == LOCATION
+
+    # The chart names the location after the deployment unless the workspace maps it explicitly;
+    # a Service name cannot contain "_", so the explicit mapping must be there.
+    workspace = helm()["dagsterWebserver"]["workspace"]
+    assert workspace["enabled"] is True
+    (helm_server,) = workspace["servers"]
+    assert helm_server["name"] == LOCATION
+
+
+def test_grpc_endpoints_point_at_the_code_server():
+    (server,) = load_yaml("workspace.yaml")["load_from"]
+    grpc = server["grpc_server"]
+    services = compose()["services"]
+    assert grpc["host"] in services
+    argv = exec_form([a for k, a in dockerfile("Dockerfile") if k == "CMD"][0])
+    assert grpc["port"] == int(argv[argv.index("-p") + 1])
+    assert f"EXPOSE {grpc['port']}" in "\n".join(f"{k} {a}" for k, a in dockerfile("Dockerfile"))
+
+    (helm_server,) = helm()["dagsterWebserver"]["workspace"]["servers"]
+    deployment = helm_deployment()
+    assert helm_server["host"] == deployment["name"]  # the chart's Service is named after the deployment
+    assert helm_server["port"] == deployment["port"]
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", deployment["name"]), "not a valid Service name"
+
+
+# ----------------------------------------------------------------------------- instance settings
+
+
+def test_instance_yaml_uses_postgres_from_the_environment():
+    instance = load_yaml("dagster.yaml")
+    db = instance["storage"]["postgres"]["postgres_db"]
+    refs = {db[field]["env"] for field in ("username", "password", "hostname", "db_name", "port")}
+    assert refs == POSTGRES_ENV
+    # SQLAlchemy 2.1 maps postgresql:// to psycopg 3, which dagster-postgres does not bring.
+    assert db["scheme"] == "postgresql+psycopg2"
+
+
+def test_instance_yaml_queues_runs_and_limits_the_gpu_pool():
+    instance = load_yaml("dagster.yaml")
+    assert instance["run_coordinator"]["class"] == "QueuedRunCoordinator"
+    # Dagster 1.13 refuses run-queue limits next to `concurrency:`.
+    assert "run_queue" not in instance
+    assert "config" not in instance["run_coordinator"]
+    assert instance["concurrency"]["runs"]["max_concurrent_runs"] >= 1
+    assert instance["concurrency"]["pools"]["default_limit"] == 1
+    assert instance["run_retries"] == {"enabled": True, "max_retries": 2}
+    assert instance["telemetry"] == {"enabled": False}
+
+
+def test_the_inference_asset_is_in_the_pool_the_manifests_limit():
+    from batch_pipeline.defs.assets import inference_results
+
+    assert inference_results.op.pool == "gpu"
+    pools = helm()["concurrency"]["pools"]
+    assert helm()["concurrency"]["enabled"] is True
+    assert pools["defaultLimit"] >= 1
+    assert pools["granularity"] == "run"  # a run pod holds its GPUs from start to end
+
+
+def test_helm_instance_settings():
+    values = helm()
+    daemon = values["dagsterDaemon"]
+    assert daemon["runCoordinator"]["type"] == "QueuedRunCoordinator"
+    assert daemon["runCoordinator"]["config"]["queuedRunCoordinator"]["maxConcurrentRuns"] is None
+    assert values["concurrency"]["runs"]["maxConcurrentRuns"] >= 1
+    assert daemon["runRetries"] == {"enabled": True, "maxRetries": 2}
+    assert values["telemetry"] == {"enabled": False}
+    assert values["runLauncher"]["type"] == "K8sRunLauncher"
+    assert values["postgresql"]["postgresqlScheme"] == "postgresql+psycopg2"
+
+
+# ----------------------------------------------------------------------------------- images
+
+
+def test_gpu_image():
+    instructions = dockerfile("Dockerfile")
+    (arg_base,) = [a for k, a in instructions if k == "ARG" and a.startswith("CUDA_IMAGE=")]
+    base = arg_base.split("=", 1)[1]
+    assert re.fullmatch(r"nvidia/cuda:13\.[\d.]+-runtime-ubuntu[\d.]+", base), base
+    assert ("FROM", "${CUDA_IMAGE}") in instructions
+    runs = "\n".join(a for k, a in instructions if k == "RUN")
+    assert "pip install '.[gpu]'" in runs
+    assert "python3.12" in runs
+    assert not [a for k, a in instructions if k == "ENTRYPOINT"], "the Helm chart passes the command as args"
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pins = dict(re.match(r"([\w-]+)==(.+)", d).groups() for d in pyproject["project"]["dependencies"] if "==" in d)
+    assert f"dagster-k8s=={pins['dagster-postgres']}" in runs  # the integrations move together
+
+
+def test_dagster_image_pins_match_the_project():
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    pins = {d for d in pyproject["project"]["dependencies"] if d.startswith("dagster")}
+    runs = " ".join(a for k, a in dockerfile("Dockerfile.dagster") if k == "RUN")
+    installed = set(re.findall(r"'(dagster[\w-]*==[\d.]+)'", runs))
+    assert installed, runs
+    assert installed <= pins, installed - pins
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.dagster"])
+def test_images_run_as_a_non_root_user(name):
+    users = [a for k, a in dockerfile(name) if k == "USER"]
+    assert users, f"{name} has no USER"
+    assert users[-1] not in ("root", "0", "0:0")
+    uid_args = [a for k, a in dockerfile(name) if k == "ARG" and a.startswith("APP_UID=")]
+    assert uid_args == ["APP_UID=10001"]  # the uid Helm's securityContext names
+
+
+def test_kubernetes_pods_run_as_the_image_user():
+    for context in (helm_deployment()["podSecurityContext"], helm_run_k8s()["podSpecConfig"]["securityContext"]):
+        assert context["runAsNonRoot"] is True
+        assert context["runAsUser"] == 10001
+    for context in (helm_deployment()["securityContext"], helm_run_k8s()["containerConfig"]["securityContext"]):
+        assert context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"]["drop"] == ["ALL"]
+
+
+def test_health_checks():
+    (check,) = [a for k, a in dockerfile("Dockerfile") if k == "HEALTHCHECK"]
+    argv = exec_form(check.split(" CMD ", 1)[1])
+    assert argv == ["dagster", "api", "grpc-health-check", "-p", "4000"]
+    services = compose()["services"]
+    assert services["dagster-daemon"]["healthcheck"]["test"] == ["CMD", "dagster-daemon", "liveness-check"]
+    assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.dagster"])
+def test_build_context_holds_only_what_the_image_copies(name):
+    # BuildKit reads <Dockerfile>.dockerignore beside the Dockerfile. Everything is excluded first,
+    # so .venv, .cache (models), .git and deploy/.env (credentials) never reach the builder.
+    ignore = (DEPLOY / f"{name}.dockerignore").read_text().splitlines()
+    assert ignore[[i for i, line in enumerate(ignore) if not line.startswith("#")][0]] == "*"
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    assert not {a for a in allowed if ".env" in a or a.startswith((".venv", ".cache", ".git"))}
+    for keyword, args in dockerfile(name):
+        if keyword == "COPY":
+            sources = [a for a in shlex.split(args) if not a.startswith("--")][:-1]
+            assert set(sources) <= allowed, f"COPY {args}: not in the build context"
+
+
+# ------------------------------------------------------------------------------------ compose
+
+
+def test_compose_reserves_gpus_for_the_code_server_only():
+    services = compose()["services"]
+    (device,) = services["user-code"]["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia"
+    assert device["capabilities"] == ["gpu"]
+    assert device["count"] == "${TENSOR_PARALLEL_SIZE:-1}"  # one engine's worth of GPUs
+    for name in ("postgres", "dagster-webserver", "dagster-daemon"):
+        assert "deploy" not in services[name]
+
+
+def test_compose_start_order_and_exposure():
+    services = compose()["services"]
+    for name in ("dagster-webserver", "dagster-daemon", "user-code"):
+        assert services[name]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in ("dagster-webserver", "dagster-daemon"):
+        assert services[name]["depends_on"]["user-code"]["condition"] == "service_healthy"
+    assert "ports" not in services["postgres"]
+    assert all(p.startswith("127.0.0.1:") for p in services["dagster-webserver"]["ports"])
+    assert "postgres_data:/var/lib/postgresql/data" in services["postgres"]["volumes"]
+    for service in services.values():
+        assert not service.get("privileged")
+        assert service.get("user") not in ("root", "0")
+
+
+def test_compose_mounts_the_model_read_only():
+    mounts = compose()["services"]["user-code"]["volumes"]
+    model_mounts = [m for m in mounts if ":/models" in m]
+    assert model_mounts == ["${MODEL_HOST_DIR:?set MODEL_HOST_DIR in deploy/.env}:/models:ro"]
+    assert dockerfile_env("Dockerfile")["MODEL_PATH"].startswith("/models/")
+    assert env_file(".env.example")["MODEL_PATH"].startswith("/models/")
+
+
+def test_compose_variables_are_documented_in_env_example():
+    documented = env_file(".env.example")
+    required_set = uncommented(".env.example")
+    for name, operator in compose_interpolations().items():
+        assert name in documented, f"${{{name}}} is used in docker-compose.yaml but not in .env.example"
+        if operator == ":?":
+            assert name in required_set, f"{name} is required by compose but commented out in .env.example"
+
+
+def test_compose_database_settings_match_the_instance_yaml():
+    services = compose()["services"]
+    for name in ("user-code", "dagster-webserver", "dagster-daemon"):
+        assert set(services[name]["environment"]) == POSTGRES_ENV
+    assert services["dagster-webserver"]["environment"]["DAGSTER_POSTGRES_HOSTNAME"] == "postgres"
+
+
+# --------------------------------------------------------------------------------------- helm
+
+
+def test_helm_run_pods_request_gpus_equal_to_tensor_parallel_size():
+    limits = helm_run_k8s()["containerConfig"]["resources"]["limits"]
+    tp = helm_deployment()["env"]["TENSOR_PARALLEL_SIZE"]
+    assert limits["nvidia.com/gpu"] == tp
+    assert int(tp) >= 1
+    # Copied onto run pods by includeConfigInLaunchedRuns, code-server resources would override these.
+    assert "resources" not in helm_deployment()
+
+
+def test_helm_run_pods_land_on_gpu_nodes():
+    pod = helm_run_k8s()["podSpecConfig"]
+    assert pod["nodeSelector"]
+    assert any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in pod["tolerations"])
+    launcher = helm()["runLauncher"]["config"]["k8sRunLauncher"]
+    shm = {v["name"]: v for v in launcher["volumes"]}["dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in launcher["volumeMounts"]
+
+
+def test_helm_model_volume_is_a_read_only_claim():
+    deployment = helm_deployment()
+    assert deployment["includeConfigInLaunchedRuns"]["enabled"] is True  # run pods get the same mount
+    volume = {v["name"]: v for v in deployment["volumes"]}["models"]
+    assert volume["persistentVolumeClaim"]["readOnly"] is True
+    (mount,) = [m for m in deployment["volumeMounts"] if m["name"] == "models"]
+    assert mount["mountPath"] == "/models" and mount["readOnly"] is True
+    assert deployment["env"]["MODEL_PATH"].startswith("/models/")
+
+
+def test_helm_credentials_come_from_secrets():
+    values = helm()
+    assert values["generatePostgresqlPasswordSecret"] is False
+    assert values["global"]["postgresqlSecretName"]
+    assert "postgresqlPassword" not in values["postgresql"]
+    assert helm_deployment()["envSecrets"] == [{"name": "batch-pipeline-s3"}]
+
+
+# ------------------------------------------------------------------------- environment variables
+
+
+def manifest_env_names() -> dict[str, set[str]]:
+    """Every variable a manifest sets in a container or the operator sets in .env, by file."""
+    services = compose()["services"]
+    names = {
+        "Dockerfile": set(dockerfile_env("Dockerfile")),
+        "Dockerfile.dagster": set(dockerfile_env("Dockerfile.dagster")),
+        "docker-compose.yaml": {
+            name
+            for service, spec in services.items()
+            if service != "postgres"
+            for name in spec.get("environment", {})
+        }
+        | set(compose_interpolations()),
+        ".env.example": set(env_file(".env.example")),
+        "helm/values.yaml": set(helm_deployment()["env"]),
+    }
+    return names
+
+
+def test_manifest_variables_are_settings_the_code_reads():
+    source = package_source()
+    storage_names = set(re.findall(r"\b(STORAGE_[A-Z_]+)\b", source))
+    assert storage_names == {"STORAGE_INPUT_PATH", "STORAGE_OUTPUT_PATH"}
+    for name in PROJECT_EXTRAS:
+        assert name in source, f"{name} is allowed in manifests but no longer read by the package"
+    allowed = set(ENGINE_ENV) | storage_names | POSTGRES_ENV | PROJECT_EXTRAS | PLATFORM_ENV | COMPOSE_ONLY
+    for path, names in manifest_env_names().items():
+        unknown = {n for n in names if n not in allowed and not n.startswith("AWS_")}
+        assert not unknown, f"{path} sets variables the code does not read: {sorted(unknown)}"
+
+
+def test_postgres_service_is_created_from_the_same_variables():
+    env = compose()["services"]["postgres"]["environment"]
+    assert env["POSTGRES_USER"].startswith("${DAGSTER_POSTGRES_USER")
+    assert env["POSTGRES_PASSWORD"].startswith("${DAGSTER_POSTGRES_PASSWORD")
+    assert env["POSTGRES_DB"].startswith("${DAGSTER_POSTGRES_DB")
+
+
+# ------------------------------------------------------------------------------ no secrets
+
+
+SECRET_NAME = re.compile(r"password|secret|token(?!s)|private[_-]?key", re.IGNORECASE)  # not ..._TOKENS
+# Names of Kubernetes Secret objects, or switches about them: not secrets themselves.
+SECRET_REFERENCE = re.compile(r"(SecretName|^generate\w*Secret)$")
+SECRET_VALUE = [
+    re.compile(r"AKIA[0-9A-Z]{16}"),  # AWS access key id
+    re.compile(r"(?<![A-Za-z0-9/+])[A-Za-z0-9/+]{40}(?![A-Za-z0-9/+=])"),  # AWS secret access key shape
+    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----"),
+]
+MANIFESTS = [
+    "dagster.yaml",
+    "workspace.yaml",
+    "docker-compose.yaml",
+    ".env.example",
+    "Dockerfile",
+    "Dockerfile.dagster",
+    "helm/values.yaml",
+    "README.md",
+]
+
+
+def walk(node: Any, path: str = "") -> list[tuple[str, Any]]:
+    if isinstance(node, dict):
+        return [item for k, v in node.items() for item in walk(v, f"{path}.{k}")]
+    if isinstance(node, list):
+        return [item for i, v in enumerate(node) for item in walk(v, f"{path}[{i}]")]
+    return [(path, node)]
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_no_secret_looking_values(name):
+    text = (DEPLOY / name).read_text()
+    for pattern in SECRET_VALUE:
+        match = pattern.search(text)
+        assert match is None, f"{name}: {match.group(0)[:8]}... looks like a credential"
+
+
+@pytest.mark.parametrize("name", ["dagster.yaml", "docker-compose.yaml", "helm/values.yaml"])
+def test_secret_fields_hold_references_only(name):
+    for path, value in walk(load_yaml(name)):
+        leaf = path.rsplit(".", 1)[-1]
+        if not SECRET_NAME.search(leaf) or SECRET_REFERENCE.search(leaf) or value in (None, "", False):
+            continue
+        # ${VAR} interpolation (compose) or {env: VAR} (dagster.yaml, where the leaf is "env").
+        assert isinstance(value, str) and value.startswith("${"), f"{name}: {path} = literal value"
+
+
+def test_env_example_leaves_secrets_empty():
+    for key, value in env_file(".env.example").items():
+        if SECRET_NAME.search(key):
+            assert value == "", f".env.example: {key} must be left empty"
+    assert ".env" in (DEPLOY / ".gitignore").read_text().split()

@@ -1,0 +1,220 @@
+"""Tests for batch_pipeline.lib.doctor: the pre-flight checks behind `batch-pipeline doctor`.
+
+Covers: every check passing on a working local setup (the installed CPU engine really imported, the
+tiny test model, storage folders in tmp_path, a SQLite Dagster instance), the report format, and
+clear failures: an unwritable output path, an unreachable S3 endpoint (real boto3 against a closed
+port), a model folder missing its config, tokenizer or a weight shard or differing from its build
+marker, a setting that does not parse, a missing DAGSTER_HOME. S3 with server-side encryption passes
+against moto's server over HTTP, and the probe object is gone afterwards.
+
+Does not load a model into vLLM, touch real AWS or ~/.aws, or need a GPU (on this CPU build "no GPU"
+is a pass with a note). PostgreSQL instance checks are in test_postgres.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from batch_pipeline.lib import doctor, storage
+from batch_pipeline_tests.s3_server import MotoS3
+
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_VARS = (
+    "MODEL_PATH",
+    "SERVED_MODEL_NAME",
+    "TENSOR_PARALLEL_SIZE",
+    "EMBEDDING_MODEL_PATH",
+    "MAX_MODEL_LEN",
+    "SHARD_SIZE",
+    "DTYPE",
+)
+AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_MAX_ATTEMPTS", "S3_SSE", "S3_SSE_KMS_KEY_ID")
+
+
+@pytest.fixture
+def local_setup(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A working machine: model, input and output folders, a SQLite instance from ../dagster.yaml."""
+    for var in ENGINE_VARS + AWS_VARS:
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "in" / "2024-06-01").mkdir(parents=True)
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("MODEL_PATH", str(tiny_model_dir))
+    monkeypatch.setenv("STORAGE_INPUT_PATH", str(tmp_path / "in"))
+    monkeypatch.setenv("STORAGE_OUTPUT_PATH", str(tmp_path / "out"))
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    yield tmp_path
+    storage.reset_clients()
+
+
+def by_name(results: list[doctor.CheckResult]) -> dict[str, doctor.CheckResult]:
+    return {r.name: r for r in results}
+
+
+def test_every_check_passes_on_a_working_local_setup(local_setup: Path):
+    results = doctor.run_checks()
+    assert [r.name for r in results] == list(doctor.CHECKS)
+    failing = {r.name: r.detail for r in results if r.status != "PASS"}
+    assert not failing
+    checks = by_name(results)
+    assert checks["engine"].detail.startswith("vllm")
+    assert "no GPU (CPU build" in checks["gpu"].detail
+    assert "config.json sha256" in checks["model"].detail
+    assert "matches its build marker" in checks["model"].detail
+    assert "SqliteRunStorage" in checks["dagster instance"].detail
+    # The probe is gone; nothing else was written.
+    assert [p.name for p in (local_setup / "out").iterdir()] == []
+    assert doctor.all_ok(results)
+
+
+def test_report_has_one_status_line_per_check():
+    results = [
+        doctor.CheckResult("engine", True, "vllm 0.33.0"),
+        doctor.CheckResult("embedding model", True, "none", warning=True),
+        doctor.CheckResult("storage output", False, "cannot write"),
+    ]
+    lines = doctor.format_report(results).splitlines()
+    assert lines == [
+        "PASS  engine           vllm 0.33.0",
+        "WARN  embedding model  none",
+        "FAIL  storage output   cannot write",
+    ]
+    assert not doctor.all_ok(results)
+    assert doctor.all_ok(results[:2])
+
+
+def test_unknown_check_name_is_refused():
+    with pytest.raises(ValueError, match="unknown checks: nope"):
+        doctor.run_checks(only=["nope"])
+
+
+def test_unwritable_output_path_fails_clearly(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    # A path below a regular file cannot be created, whoever runs the test (root ignores modes).
+    blocker = local_setup / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("STORAGE_OUTPUT_PATH", str(blocker / "out"))
+    (result,) = doctor.run_checks(only=["storage output"])
+    assert result.status == "FAIL"
+    assert result.detail.startswith(f"cannot write under {blocker / 'out'}: ")
+    assert "Error" in result.detail  # the OS error's class: NotADirectoryError / FileExistsError
+
+
+def test_missing_input_folder_fails_clearly(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("STORAGE_INPUT_PATH", str(local_setup / "nowhere"))
+    (result,) = doctor.run_checks(only=["storage input"])
+    assert result.status == "FAIL"
+    assert result.detail == f"{local_setup / 'nowhere'} is not a folder"
+
+
+def test_unreachable_s3_endpoint_fails_clearly(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    for name, value in {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "AWS_MAX_ATTEMPTS": "1",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_CONFIG_FILE": "/dev/null",
+        "AWS_SHARED_CREDENTIALS_FILE": "/dev/null",
+        "STORAGE_INPUT_PATH": "s3://batches/input",
+        "STORAGE_OUTPUT_PATH": "s3://batches/output",
+    }.items():
+        monkeypatch.setenv(name, value)
+    results = by_name(doctor.run_checks(only=["storage input", "storage output"]))
+    for name, prefix in (("storage input", "cannot list s3://batches/input"), ("storage output", "cannot write under s3://batches/output")):
+        assert results[name].status == "FAIL"
+        assert results[name].detail.startswith(prefix), results[name].detail
+        assert "EndpointConnectionError" in results[name].detail
+        assert "http://127.0.0.1:9" in results[name].detail
+
+
+def test_s3_with_server_side_encryption_passes(
+    local_setup: Path, s3_bucket: str, moto_server: MotoS3, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("STORAGE_INPUT_PATH", f"s3://{s3_bucket}/input")
+    monkeypatch.setenv("STORAGE_OUTPUT_PATH", f"s3://{s3_bucket}/output")
+    monkeypatch.setenv("S3_SSE", "AES256")
+    results = by_name(doctor.run_checks(only=["storage input", "storage output"]))
+    assert results["storage input"].status == "PASS", results["storage input"].detail
+    assert results["storage output"].status == "PASS", results["storage output"].detail
+    assert "encrypted AES256" in results["storage output"].detail
+    assert moto_server.client().list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
+
+
+def _break_missing_config(folder: Path) -> str:
+    (folder / "config.json").unlink()
+    return "has no config.json"
+
+
+def _break_missing_tokenizer(folder: Path) -> str:
+    (folder / "tokenizer.json").unlink()
+    return "has no tokenizer"
+
+
+def _break_missing_shard(folder: Path) -> str:
+    index = {"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return "weight shards missing: model-00002-of-00002.safetensors"
+
+
+def _break_changed_file(folder: Path) -> str:
+    with open(folder / "config.json", "a") as f:
+        f.write("\n")
+    return "differs from its build marker (config.json is"
+
+
+@pytest.mark.parametrize(
+    "damage", [_break_missing_config, _break_missing_tokenizer, _break_missing_shard, _break_changed_file]
+)
+def test_incomplete_model_folder_fails_clearly(
+    local_setup: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch, damage
+):
+    folder = local_setup / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    expected = damage(folder)
+    monkeypatch.setenv("MODEL_PATH", str(folder))
+    (result,) = doctor.run_checks(only=["model"])
+    assert result.status == "FAIL"
+    assert expected in result.detail, result.detail
+    assert str(folder) in result.detail
+
+
+def test_unmounted_model_fails_and_unbuilt_bundled_model_warns(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MODEL_PATH", str(local_setup / "not-mounted"))
+    (result,) = doctor.run_checks(only=["model"])
+    assert result.status == "FAIL" and "is not a folder" in result.detail
+
+    monkeypatch.delenv("MODEL_PATH")
+    monkeypatch.setenv("BATCH_PIPELINE_CACHE", str(local_setup / "empty-cache"))
+    (result,) = doctor.run_checks(only=["model"])
+    assert result.status == "WARN" and "batch-pipeline model prepare" in result.detail
+
+
+def test_setting_that_does_not_parse_fails_naming_it(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("TENSOR_PARALLEL_SIZE", "two")
+    results = by_name(doctor.run_checks(only=["settings", "model"]))
+    assert results["settings"].status == "FAIL"
+    assert "TENSOR_PARALLEL_SIZE='two'" in results["settings"].detail
+    assert results["model"].status == "FAIL"
+
+
+def test_missing_dagster_home_warns(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("DAGSTER_HOME")
+    (result,) = doctor.run_checks(only=["dagster instance"])
+    assert result.status == "WARN"
+    assert "DAGSTER_HOME is not set" in result.detail
+
+
+def test_probe_that_cannot_be_deleted_is_a_warning(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    # Runs never delete, so a write-only location still works; the leftover probe is reported.
+    def refuse(uri: str) -> None:
+        raise storage.StorageError(uri, "AccessDenied", "not allowed", "delete")
+
+    monkeypatch.setattr(storage, "delete", refuse)
+    (result,) = doctor.run_checks(only=["storage output"])
+    assert result.status == "WARN"
+    assert "the probe stays: cannot delete" in result.detail and "AccessDenied" in result.detail

@@ -1,0 +1,214 @@
+"""Tests for deploy/dagster.yaml against a real PostgreSQL: the production instance records runs there.
+
+Covers: the instance loaded from deploy/dagster.yaml in a temporary DAGSTER_HOME, with DAGSTER_POSTGRES_*
+pointing at a fresh database created for this module on 127.0.0.1:5432 (dropped at the end): its
+storages are PostgreSQL and its run queue, GPU pool, retries and telemetry are as configured; the real
+`validated_requests` asset materialized in-process on a small batch file is recorded, as seen through
+the instance (get_runs, get_latest_materialization_event) and through plain SQL on the runs and
+event_logs tables (psycopg2); and the doctor's instance check against that database, including a
+clear failure for an unreachable server or a missing variable.
+
+Does not load a model or start vLLM (validation needs neither), the daemon, the webserver or a code
+server; files stay in pytest's tmp_path. Skipped, saying why, when nothing listens on 127.0.0.1:5432.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.defs.assets import validated_requests
+from batch_pipeline.defs.resources import LLMResource, StorageResource
+from batch_pipeline.lib import doctor
+
+REPO = Path(__file__).resolve().parent.parent
+PG_HOST = os.environ.get("TEST_POSTGRES_HOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("TEST_POSTGRES_PORT", "5432"))
+PG_USER = os.environ.get("TEST_POSTGRES_USER", "postgres")
+PG_PASSWORD = os.environ.get("TEST_POSTGRES_PASSWORD", "")
+PARTITION = "2024-06-01"
+SERVED = "test-model"
+
+
+def _reachable() -> str | None:
+    try:
+        with socket.create_connection((PG_HOST, PG_PORT), timeout=2):
+            return None
+    except OSError as e:
+        return f"PostgreSQL not reachable at {PG_HOST}:{PG_PORT} ({e})"
+
+
+pytestmark = pytest.mark.skipif(_reachable() is not None, reason=_reachable() or "")
+
+
+def _connect(dbname: str):
+    import psycopg2  # dagster-postgres depends on psycopg2-binary
+
+    conn = psycopg2.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, password=PG_PASSWORD, dbname=dbname)
+    conn.autocommit = True
+    return conn
+
+
+@pytest.fixture(scope="module")
+def database() -> Iterator[str]:
+    """A fresh, empty database for this module, dropped (connections and all) afterwards."""
+    name = f"batch_pipeline_test_{uuid.uuid4().hex[:12]}"
+    admin = _connect("postgres")
+    try:
+        with admin.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{name}"')
+        yield name
+    finally:
+        with admin.cursor() as cur:
+            # FORCE (PostgreSQL 13+) ends connections a pooled engine may still hold.
+            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.close()
+
+
+@pytest.fixture
+def dagster_home(tmp_path: Path, database: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """DAGSTER_HOME holding deploy/dagster.yaml, and the DAGSTER_POSTGRES_* variables it reads."""
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "deploy" / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    monkeypatch.setenv("DAGSTER_POSTGRES_USER", PG_USER)
+    monkeypatch.setenv("DAGSTER_POSTGRES_PASSWORD", PG_PASSWORD)
+    monkeypatch.setenv("DAGSTER_POSTGRES_HOSTNAME", PG_HOST)
+    monkeypatch.setenv("DAGSTER_POSTGRES_DB", database)
+    monkeypatch.setenv("DAGSTER_POSTGRES_PORT", str(PG_PORT))
+    return home
+
+
+def _line(custom_id: str, model: str = SERVED) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def test_instance_has_postgres_storage_and_production_settings(dagster_home: Path):
+    with dg.DagsterInstance.get() as instance:
+        assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+        assert type(instance.event_log_storage).__name__ == "PostgresEventLogStorage"
+        assert type(instance.schedule_storage).__name__ == "PostgresScheduleStorage"
+        assert type(instance.run_coordinator).__name__ == "QueuedRunCoordinator"
+        assert type(instance.run_launcher).__name__ == "DefaultRunLauncher"
+        concurrency = instance.get_concurrency_config()
+        assert concurrency.pool_config.default_pool_limit == 1
+        assert concurrency.run_queue_config.max_concurrent_runs == 4
+        assert instance.run_retries_enabled and instance.run_retries_max_retries == 2
+        assert not instance.telemetry_enabled
+
+
+def test_materialization_is_recorded_in_postgres(dagster_home: Path, database: str, tmp_path: Path):
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("\n".join([_line("a"), _line("b"), _line("c", model="other-model")]) + "\n")
+    out = tmp_path / "out"
+    run_config = {"ops": {"validated_requests": {"config": {"input_uri": str(batch), "output_uri": str(out)}}}}
+
+    with dg.DagsterInstance.get() as instance:
+        result = dg.materialize(
+            [validated_requests],
+            partition_key=PARTITION,
+            run_config=run_config,
+            resources={"llm": LLMResource(served_model_name=SERVED), "storage": StorageResource()},
+            instance=instance,
+        )
+        assert result.success
+        run_id = result.run_id
+
+        (run,) = instance.get_runs(limit=1)
+        assert run.run_id == run_id
+        assert run.status == dg.DagsterRunStatus.SUCCESS
+        event = instance.get_latest_materialization_event(dg.AssetKey("validated_requests"))
+        assert event is not None and event.run_id == run_id
+        materialization = event.asset_materialization
+        assert materialization.partition == PARTITION
+        assert materialization.metadata["valid"].value == 2
+        assert materialization.metadata["invalid"].value == 1
+
+    assert json.loads((out / "_work" / "validation.json").read_text())["valid"] == 2
+
+    # The same facts straight from the tables, without Dagster in between.
+    conn = _connect(database)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT status FROM runs WHERE run_id = %s", (run_id,))
+            assert cur.fetchall() == [("SUCCESS",)]
+            cur.execute(
+                "SELECT count(*) FROM event_logs WHERE run_id = %s AND dagster_event_type = 'ASSET_MATERIALIZATION'"
+                " AND asset_key LIKE %s AND partition = %s",
+                (run_id, "%validated_requests%", PARTITION),
+            )
+            assert cur.fetchone() == (1,)
+    finally:
+        conn.close()
+
+
+def test_doctor_passes_against_postgres(dagster_home: Path):
+    (result,) = doctor.run_checks(only=["dagster instance"])
+    assert result.status == "PASS", result.detail
+    assert "PostgresRunStorage" in result.detail
+
+
+def test_doctor_fails_clearly_when_the_database_is_unreachable(dagster_home: Path, monkeypatch: pytest.MonkeyPatch):
+    import dagster_postgres.utils
+
+    # dagster-postgres retries a refused connection with exponential backoff (~10 s); skip the waits.
+    monkeypatch.setattr(dagster_postgres.utils, "calculate_delay", lambda **_kwargs: 0)
+    monkeypatch.setenv("DAGSTER_POSTGRES_PORT", "9")
+    (result,) = doctor.run_checks(only=["dagster instance"])
+    assert result.status == "FAIL"
+    assert str(dagster_home) in result.detail
+    assert "OperationalError" in result.detail and "port 9" in result.detail, result.detail
+
+
+def test_doctor_names_a_missing_database_variable(dagster_home: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv("DAGSTER_POSTGRES_PASSWORD")
+    (result,) = doctor.run_checks(only=["dagster instance"])
+    assert result.status == "FAIL"
+    assert "DAGSTER_POSTGRES_PASSWORD" in result.detail
+
+
+def test_console_script_run_is_recorded_in_postgres(dagster_home: Path, database: str, tmp_path: Path, tiny_model_dir):
+    """The issue's own check: `batch-pipeline run` with the production instance leaves a successful
+    run and all four materializations in PostgreSQL (real vLLM on the tiny model, a new process)."""
+    import subprocess
+    import sys
+
+    from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
+
+    batch = tmp_path / "pg.jsonl"
+    batch.write_text("\n".join([_line("a", TINY_NAME), _line("b", TINY_NAME)]) + "\n")
+    env = {
+        **os.environ,
+        "MODEL_PATH": str(tiny_model_dir), "SERVED_MODEL_NAME": TINY_NAME,
+        "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN), "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
+    }
+    script = Path(sys.executable).parent / "batch-pipeline"
+    proc = subprocess.run([str(script), "run", str(batch), "--output-dir", str(tmp_path / "out"), "--date", PARTITION],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    conn = _connect(database)
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT run_id, status FROM runs ORDER BY id DESC LIMIT 1")  # the newest: this test's
+            [(run_id, status)] = cur.fetchall()
+            assert status == "SUCCESS"
+            cur.execute("SELECT value FROM run_tags WHERE run_id = %s AND key = 'batch_pipeline/source'", (run_id,))
+            assert cur.fetchall() == [("cli",)]
+            cur.execute(
+                "SELECT asset_key FROM event_logs WHERE run_id = %s AND dagster_event_type = 'ASSET_MATERIALIZATION'",
+                (run_id,),
+            )
+            keys = sorted(json.loads(k)[0] for (k,) in cur.fetchall())  # stored as ["name"]
+            assert keys == ["batch_outputs", "inference_results", "throughput_metrics", "validated_requests"]
+    finally:
+        conn.close()
