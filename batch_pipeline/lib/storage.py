@@ -18,9 +18,20 @@ Guarantees:
   :func:`open_write` publishes nothing.
 * Errors are uniform. A missing object (or bucket) raises ``FileNotFoundError`` whose ``filename`` is
   the URI; any other S3 failure raises :class:`StorageError` naming the URI and the S3 error code.
+* Transient S3 failures are retried. Every request (PUT, GET, each list page, HEAD, DELETE, each
+  part of a managed upload) goes through botocore's retry handler: 500/502/503/504 (``SlowDown``
+  included), ``RequestTimeout``, connection resets and connect/read timeouts are retried with
+  jittered exponential backoff, up to ``AWS_MAX_ATTEMPTS`` attempts in all. A read that breaks after
+  its response started is resumed as described above; keys that a batch delete reports as failed
+  with a transient code are deleted again. Anything else (``AccessDenied``, ...) fails at once.
+  Note botocore's own limits: connection errors and 5xx back off from 50 ms (SlowDown from 1 s), so
+  8 attempts ride out a few seconds of network trouble, not minutes; and in ``standard``/``adaptive``
+  mode each client (one per process here) has a retry quota that a burst of failed retries drains,
+  after which failures are not retried until successful calls refill it. ``legacy`` has no quota.
 
 The S3 client is built once per process from the standard AWS environment (``AWS_ENDPOINT_URL``,
-``AWS_REGION``/``AWS_DEFAULT_REGION``, credentials, ``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``). If
+``AWS_REGION``/``AWS_DEFAULT_REGION``, credentials, ``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``) plus
+``AWS_CONNECT_TIMEOUT`` and ``AWS_READ_TIMEOUT`` (seconds, defaults 10 and 60). If
 ``S3_SSE`` is set (``AES256``, ``aws:kms``, ...) every PUT and upload asks for that server-side
 encryption, with ``S3_SSE_KMS_KEY_ID`` as the KMS key for the ``aws:kms`` modes. Call
 :func:`reset_clients` after changing the environment.
@@ -43,7 +54,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NamedTuple
 
 import boto3
-from boto3.exceptions import S3UploadFailedError
+from boto3.exceptions import Boto3Error, RetriesExceededError, S3UploadFailedError
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -74,8 +85,8 @@ __all__ = [
 S3_SCHEME = "s3://"
 FILE_SCHEME = "file://"
 
-CONNECT_TIMEOUT = 10.0  # seconds
-READ_TIMEOUT = 60.0  # seconds
+CONNECT_TIMEOUT = 10.0  # seconds; AWS_CONNECT_TIMEOUT overrides
+READ_TIMEOUT = 60.0  # seconds without a byte from S3; AWS_READ_TIMEOUT overrides
 DEFAULT_MAX_ATTEMPTS = 8
 MAX_POOL_CONNECTIONS = 32  # callers upload from thread pools
 READ_BUFFER_SIZE = 1 << 20  # bytes held by open_read's buffer
@@ -84,6 +95,8 @@ DELETE_BATCH = 1000  # DeleteObjects limit
 
 # Error codes that mean "there is nothing at this URI".
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchBucket"})
+# Per-key DeleteObjects error codes worth another try (the batch call itself succeeded).
+_TRANSIENT_CODES = frozenset({"InternalError", "SlowDown", "ServiceUnavailable", "RequestTimeout", "500", "503"})
 
 
 class StorageError(RuntimeError):
@@ -188,17 +201,33 @@ _client: Any = None
 _client_pid: int | None = None
 
 
+def _seconds_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _max_attempts() -> int:
+    return max(1, int(os.environ.get("AWS_MAX_ATTEMPTS") or DEFAULT_MAX_ATTEMPTS))
+
+
 def _client_config() -> Config:
     mode = os.environ.get("AWS_RETRY_MODE") or "standard"
     if mode not in ("standard", "adaptive", "legacy"):
         mode = "standard"
     # AWS_MAX_ATTEMPTS counts the first try too, which is botocore's "total_max_attempts";
     # retries={"max_attempts": n} would mean n retries (n + 1 attempts).
-    attempts = max(1, int(os.environ.get("AWS_MAX_ATTEMPTS") or DEFAULT_MAX_ATTEMPTS))
     return Config(
-        retries={"total_max_attempts": attempts, "mode": mode},
-        connect_timeout=CONNECT_TIMEOUT,
-        read_timeout=READ_TIMEOUT,
+        retries={"total_max_attempts": _max_attempts(), "mode": mode},
+        connect_timeout=_seconds_env("AWS_CONNECT_TIMEOUT", CONNECT_TIMEOUT),
+        read_timeout=_seconds_env("AWS_READ_TIMEOUT", READ_TIMEOUT),
         max_pool_connections=MAX_POOL_CONNECTIONS,
     )
 
@@ -259,7 +288,14 @@ def _translate(exc: BaseException, uri: str, operation: str) -> Exception:
             what = "bucket does not exist" if code == "NoSuchBucket" else "no such object"
             return FileNotFoundError(errno.ENOENT, f"{what} ({code})", uri)
         message = (exc.response or {}).get("Error", {}).get("Message") or str(exc)
+        retries = (exc.response or {}).get("ResponseMetadata", {}).get("RetryAttempts") or 0
+        if retries:
+            message += f" (gave up after {retries + 1} attempts)"
         return StorageError(uri, code, message, operation)
+    if isinstance(exc, RetriesExceededError) and exc.last_exception is not None:
+        # s3transfer gave up re-reading a download stream; report the last failure.
+        last = exc.last_exception
+        return StorageError(uri, type(last).__name__, f"{last} (download retries exhausted)", operation)
     return StorageError(uri, type(exc).__name__, str(exc), operation)
 
 
@@ -267,7 +303,7 @@ def _translate(exc: BaseException, uri: str, operation: str) -> Exception:
 def _s3_errors(uri: str, operation: str) -> Iterator[None]:
     try:
         yield
-    except (ClientError, BotoCoreError, S3UploadFailedError) as exc:
+    except (ClientError, BotoCoreError, Boto3Error) as exc:
         raise _translate(exc, uri, operation) from exc
 
 
@@ -634,17 +670,28 @@ def delete_prefix(prefix_uri: str) -> int:
         batch: list[dict[str, str]] = []
 
         def flush() -> None:
+            # DeleteObjects can succeed as a call and still fail single keys (InternalError,
+            # SlowDown, ...): botocore does not retry those, so the transient ones are sent again.
             nonlocal deleted
-            response = client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
-            errors = response.get("Errors") or []
-            if errors:
-                first = errors[0]
-                raise StorageError(
-                    _s3_uri(bucket, first.get("Key", "")),
-                    first.get("Code", "Unknown"),
-                    f"{first.get('Message', '')} ({len(errors)} of {len(batch)} deletes failed)",
-                    "delete",
-                )
+            pending = list(batch)
+            attempts = _max_attempts()
+            for attempt in range(1, attempts + 1):
+                response = client.delete_objects(Bucket=bucket, Delete={"Objects": pending, "Quiet": True})
+                errors = response.get("Errors") or []
+                if not errors:
+                    break
+                permanent = [e for e in errors if e.get("Code") not in _TRANSIENT_CODES]
+                if permanent or attempt == attempts:
+                    first = (permanent or errors)[0]
+                    tried = f" after {attempt} attempts" if not permanent else ""
+                    raise StorageError(
+                        _s3_uri(bucket, first.get("Key", "")),
+                        first.get("Code", "Unknown"),
+                        f"{first.get('Message', '')} ({len(errors)} of {len(batch)} deletes failed{tried})",
+                        "delete",
+                    )
+                pending = [{"Key": e["Key"]} for e in errors]
+                time.sleep(min(0.2 * 2 ** (attempt - 1), 5.0))
             deleted += len(batch)
             batch.clear()
 
