@@ -43,6 +43,8 @@ demo: install model $(DAGSTER_HOME)/dagster.yaml
 	@echo "The run is recorded in $(DAGSTER_HOME); see it with: make dev  (then open http://127.0.0.1:3000)"
 
 test: install
+	# Debian's chromium and Python playwright for the UI test (never a downloaded browser).
+	bash scripts/install_browser.sh $(VENV)
 	$(BIN)/python -m pytest
 
 dev: install $(DAGSTER_HOME)/dagster.yaml

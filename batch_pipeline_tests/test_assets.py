@@ -112,10 +112,39 @@ def test_rerun_reuses_checkpointed_answers_without_loading_a_model(tiny_llm, par
         raise AssertionError("a re-run of finished shards must not build an engine")
 
     monkeypatch.setattr(type(tiny_llm), "build_engine", lambda self, kwargs: no_engine(kwargs))
-    result = materialize(tiny_llm, str(inbox), str(out))
+    again = {"ops": {a.key.to_user_string(): {"config": {"skip_completed": False}} for a in BATCH_ASSETS}}
+    result = materialize(tiny_llm, str(inbox), str(out), run_config=again)
     assert result.success
     assert (out / DATE / "alpha" / "output.jsonl").read_bytes() == first
     assert json.loads((out / DATE / "alpha" / "metrics.json").read_text())["resumed_requests"] == 5
+
+
+def test_a_date_run_again_skips_completed_batches_and_redoes_changed_files(
+    tiny_llm, partition_with_two_batches, monkeypatch
+):
+    inbox, out = partition_with_two_batches
+    assert materialize(tiny_llm, str(inbox), str(out)).success
+    before = (out / DATE / "beta" / "batch.json").read_text()
+    monkeypatch.setattr(type(tiny_llm), "build_engine", lambda self, kwargs: pytest.fail("engine built"))
+    result = materialize(tiny_llm, str(inbox), str(out))
+    assert result.success and metadata_of(result, "validated_requests")["batches"] == 0
+    assert (out / DATE / "beta" / "batch.json").read_text() == before  # untouched
+
+    monkeypatch.undo()
+    write_batch(inbox / DATE, "beta.jsonl", [chat_line("b-1"), chat_line("b-2"), chat_line("b-3")])  # new content
+    result = materialize(tiny_llm, str(inbox), str(out))
+    assert result.success and metadata_of(result, "validated_requests")["batches"] == 1
+    beta = json.loads((out / DATE / "beta" / "batch.json").read_text())
+    assert beta["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+
+
+def test_two_files_that_would_share_a_result_folder_are_refused(tiny_llm, tmp_path):
+    inbox = tmp_path / "in"
+    write_batch(inbox / DATE, "same.jsonl", [chat_line("a")])
+    write_batch(inbox / DATE, "same.json", [chat_line("b")])
+    result = materialize(tiny_llm, str(inbox), str(tmp_path / "out"))
+    assert not result.success
+    assert not (tmp_path / "out" / DATE / "same" / "batch.json").exists()
 
 
 def test_changed_model_does_not_reuse_stale_checkpoints(tiny_llm, partition_with_two_batches):
@@ -124,7 +153,8 @@ def test_changed_model_does_not_reuse_stale_checkpoints(tiny_llm, partition_with
     # Built anew, not model_copy'd: Dagster re-creates resources from their original config.
     fields = {k: v for k, v in tiny_llm.__dict__.items() if not k.startswith("_")}
     other = type(tiny_llm)(**{**fields, "seed": 99})
-    assert materialize(other, str(inbox), str(out)).success
+    again = {"ops": {a.key.to_user_string(): {"config": {"skip_completed": False}} for a in BATCH_ASSETS}}
+    assert materialize(other, str(inbox), str(out), run_config=again).success
     checkpoint_dirs = list((out / DATE / "alpha" / "_work" / "answers").iterdir())
     assert len(checkpoint_dirs) == 2  # a new fingerprint, not the old checkpoint
     assert json.loads((out / DATE / "alpha" / "batch.json").read_text())["metadata"]["seed"] == "99"

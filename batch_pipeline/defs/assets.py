@@ -25,13 +25,23 @@ class BatchConfig(dg.Config):
         default="",
         description="Result folder for a single input file; blank = STORAGE_OUTPUT_PATH/<date>/<batch name>/",
     )
+    skip_completed: bool = Field(
+        default=True,
+        description="For a whole date (blank input_uri): leave out batches an earlier run completed from the same file",
+    )
 
 
 def locate(context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource) -> list[b.BatchLocation]:
     s = storage.settings()
     locations = b.resolve_batches(config.input_uri, config.output_uri, s.input_path, s.output_path, context.partition_key)
+    if not config.input_uri and config.skip_completed:
+        # The nightly schedule and backfills take "every file of the date not yet processed".
+        done = [loc for loc in locations if b.is_completed_elsewhere(loc, context.run.run_id)]
+        if done:
+            context.log.info(f"{len(done)} batch(es) already completed by earlier runs: {', '.join(d.name for d in done)}")
+        locations = [loc for loc in locations if loc not in done]
     if not locations:
-        context.log.info(f"no batch files for {context.partition_key}")
+        context.log.info(f"no batch files to process for {context.partition_key}")
     return locations
 
 

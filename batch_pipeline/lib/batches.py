@@ -93,10 +93,31 @@ def resolve_batches(input_uri: str, output_uri: str, input_root: str, output_roo
     else:
         found = partition_inputs(input_root, partition)
     base = output_uri or storage.join(output_root, partition)
-    return [
+    locations = [
         BatchLocation(name=batch_name(o.uri), input_uri=o.uri, output_uri=storage.join(base, batch_name(o.uri)), partition=partition)
         for o in found
     ]
+    claimed: dict[str, str] = {}
+    for loc in locations:
+        if loc.output_uri in claimed:
+            # a.jsonl and a.json (or a dated and an undated a.jsonl) would overwrite each other's results.
+            raise ValueError(f"{claimed[loc.output_uri]} and {loc.input_uri} would both write to {loc.output_uri}: rename one")
+        claimed[loc.output_uri] = loc.input_uri
+    return locations
+
+
+def is_completed_elsewhere(loc: BatchLocation, run_id: str) -> bool:
+    """True when an earlier run completed this batch from the same input object (same ETag)."""
+    batch_uri = loc.out("batch.json")
+    if not storage.exists(batch_uri):
+        return False
+    batch = read_json(batch_uri)
+    metadata = batch.get("metadata") or {}
+    return (
+        batch.get("status") == "completed"
+        and metadata.get("dagster_run_id") != run_id
+        and metadata.get("input_etag") == storage.describe(loc.input_uri).etag
+    )
 
 
 def _dumps(obj: Any) -> bytes:
@@ -153,6 +174,7 @@ def validate_batch(loc: BatchLocation, settings: ValidationSettings, log: Log = 
         "batch_id": ids.batch_id(f"{loc.input_uri}\0{summary.sha256}\0{loc.partition}"),
         "name": loc.name,
         "input_uri": loc.input_uri,
+        "input_etag": storage.describe(loc.input_uri).etag,
         "output_uri": loc.output_uri,
         "partition": loc.partition,
         "sha256": summary.sha256,
@@ -417,6 +439,7 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
         metadata={
             "partition": loc.partition,
             "input_sha256": validation["sha256"],
+            "input_etag": validation.get("input_etag", ""),
             **({k: str(v) for k, v in inference["engine"].items()} if inference else {}),
             **(extra_metadata or {}),
         },

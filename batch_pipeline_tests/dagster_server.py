@@ -1,0 +1,222 @@
+"""A real `dagster dev` (web server + daemon + code server) for end-to-end tests, and ways to drive it.
+
+`start_dagster_dev(home, env)` copies the repo's dagster.yaml into a fresh DAGSTER_HOME, marks the
+UI's "join the community" modal as seen, starts `dagster dev -w workspace.yaml` on 127.0.0.1 and a
+free port, and returns once the code location is loaded and the daemons report healthy. Stop it
+with `.stop()`, which ends the whole process group: web server, daemon, code server and any run
+worker the daemon launched.
+
+Started from a background job, `dagster dev` inherits SIGINT/SIGTERM as ignored and then only
+SIGKILL stops it (RECIPES.md); a tiny wrapper restores the default handlers before exec'ing it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO = Path(__file__).resolve().parent.parent
+LOCATION = "batch_pipeline"  # workspace.yaml's location_name
+REPOSITORY = "__repository__"  # the repository name of a @dg.definitions module
+
+_WRAPPER = (
+    "import os, signal, sys\n"
+    "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+    "os.execv(sys.argv[1], sys.argv[1:])\n"
+)
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 1.0,
+             on_timeout: Callable[[], str] | None = None) -> T:
+    """Call `probe` until it returns something truthy; fail after `timeout` seconds naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            detail = on_timeout() if on_timeout else ""
+            raise TimeoutError(f"{what}: not after {timeout:.0f}s\n{detail}")
+        time.sleep(interval)
+
+
+def prepare_home(home: Path) -> Path:
+    """DAGSTER_HOME with the repo's instance settings and the UI's first-visit modal dismissed."""
+    home.mkdir(parents=True, exist_ok=True)
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    (home / ".nux").mkdir(exist_ok=True)
+    (home / ".nux" / "nux.yaml").write_text("seen: 1\n")
+    return home
+
+
+class GraphQLError(RuntimeError):
+    pass
+
+
+@dataclass
+class DagsterDev:
+    process: subprocess.Popen
+    home: Path
+    port: int
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # -- talking to it ----------------------------------------------------------------------
+
+    def graphql(self, query: str, variables: Mapping[str, Any] | None = None, timeout: float = 30.0) -> dict[str, Any]:
+        payload = json.dumps({"query": query, "variables": dict(variables or {})}).encode()
+        request = urllib.request.Request(
+            f"{self.url}/graphql", data=payload, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = json.loads(response.read())
+        if body.get("errors"):
+            raise GraphQLError(json.dumps(body["errors"])[:2000])
+        return body["data"]
+
+    def instance(self) -> Any:
+        """The same instance, opened in this process (SQLite under DAGSTER_HOME; reads are safe)."""
+        import dagster as dg
+
+        return dg.DagsterInstance.from_config(str(self.home))
+
+    def log_tail(self, lines: int = 80) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return "(no dagster dev log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def start_sensor(self, name: str) -> None:
+        data = self.graphql(
+            """mutation($s: SensorSelector!) { startSensor(sensorSelector: $s) {
+                 __typename ... on Sensor { sensorState { status } } ... on PythonError { message } } }""",
+            {"s": {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY, "sensorName": name}},
+        )["startSensor"]
+        if data["__typename"] != "Sensor" or data["sensorState"]["status"] != "RUNNING":
+            raise GraphQLError(f"startSensor {name}: {data}")
+
+    def start_schedule(self, name: str) -> None:
+        data = self.graphql(
+            """mutation($s: ScheduleSelector!) { startSchedule(scheduleSelector: $s) {
+                 __typename ... on ScheduleStateResult { scheduleState { status } } ... on PythonError { message } } }""",
+            {"s": {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY, "scheduleName": name}},
+        )["startSchedule"]
+        if data["__typename"] != "ScheduleStateResult" or data["scheduleState"]["status"] != "RUNNING":
+            raise GraphQLError(f"startSchedule {name}: {data}")
+
+    def sensor_ticks(self, name: str, limit: int = 20) -> list[dict[str, Any]]:
+        """Newest first: status, cursor, runIds, timestamp."""
+        data = self.graphql(
+            """query($s: SensorSelector!, $n: Int) { sensorOrError(sensorSelector: $s) {
+                 __typename ... on Sensor { sensorState { ticks(limit: $n) { status cursor runIds timestamp
+                   error { message } } } } } }""",
+            {"s": {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY, "sensorName": name}, "n": limit},
+        )["sensorOrError"]
+        return data["sensorState"]["ticks"]
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def _ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"dagster dev exited with {self.process.returncode}\n{self.log_tail()}")
+        try:
+            data = self.graphql(
+                """{ workspaceOrError { __typename ... on Workspace { locationEntries { name loadStatus
+                       locationOrLoadError { __typename ... on PythonError { message } } } } }
+                     instance { daemonHealth { allDaemonStatuses { daemonType required healthy } } } }""",
+                timeout=10,
+            )
+        except (OSError, urllib.error.URLError, GraphQLError):
+            return False
+        entries = data["workspaceOrError"].get("locationEntries") or []
+        for entry in entries:
+            error = entry["locationOrLoadError"] or {}
+            if error.get("__typename") == "PythonError":
+                raise RuntimeError(f"code location {entry['name']} failed to load: {error['message']}")
+        loaded = any(e["name"] == LOCATION and e["loadStatus"] == "LOADED" for e in entries)
+        daemons = data["instance"]["daemonHealth"]["allDaemonStatuses"]
+        return loaded and all(d["healthy"] for d in daemons if d["required"])
+
+    def stop(self) -> None:
+        """End the process group (web server, daemon, code server, run workers); SIGKILL if needed."""
+        try:
+            pgid = os.getpgid(self.process.pid)
+        except ProcessLookupError:
+            return
+        # A clean shutdown takes ~15 s on 2 cores; the instance is thrown away, so 10 s is enough.
+        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                continue
+            # The leader is gone; make sure no child of the group lingers (run workers).
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and _group_alive(pgid):
+                time.sleep(0.2)
+            if not _group_alive(pgid):
+                break
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def start_dagster_dev(home: Path, env: Mapping[str, str | None], log_path: Path, timeout: float = 180.0) -> DagsterDev:
+    """`dagster dev -w workspace.yaml` on 127.0.0.1 with DAGSTER_HOME=home, `env` added (None: unset)."""
+    prepare_home(home)
+    port = free_port()
+    dagster = str(Path(sys.executable).with_name("dagster"))
+    merged = {**os.environ, **env, "DAGSTER_HOME": str(home)}
+    full_env = {k: v for k, v in merged.items() if v is not None}
+    log = open(log_path, "wb")  # noqa: SIM115 - handed to the child; closed with it
+    process = subprocess.Popen(
+        [sys.executable, "-c", _WRAPPER, dagster, "dev", "-w", "workspace.yaml", "-h", "127.0.0.1", "-p", str(port)],
+        cwd=REPO,
+        env=full_env,
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: stop() ends every child with it
+    )
+    log.close()
+    server = DagsterDev(process=process, home=home, port=port, log_path=log_path)
+    try:
+        wait_for("dagster dev ready (location loaded, daemons healthy)", server._ready, timeout, interval=1.0,
+                 on_timeout=server.log_tail)
+    except BaseException:
+        server.stop()
+        raise
+    return server

@@ -1,0 +1,170 @@
+"""Tests for nightly_batch_schedule (batch_pipeline/defs/schedules.py), evaluated in-process.
+
+Covers: the partition a tick runs (the UTC day before the tick, across month ends, leap days and
+ticks given in other time zones), its run key, a tick before the first partition (skipped), the
+schedule as the Definitions declare it; the run it requests, materialized with blank config: every
+file of the date (dated folder plus undated files uploaded that day, nothing from other days) on
+the tiny model; and a date without files, which must finish in seconds without building an engine
+(the LLM resource raises if it is asked for one).
+
+Does not touch the daemon or the UI (test_dagster_e2e.py fires the schedule through the daemon).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.defs.assets import BATCH_ASSETS
+from batch_pipeline.defs.resources import LLMResource, StorageResource
+from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_schedule_for
+
+nightly_batch_schedule = nightly_schedule_for(NIGHTLY_CRON)
+from batch_pipeline_tests.conftest import TINY_NAME
+
+UTC = dt.timezone.utc
+
+
+def tick(when: dt.datetime) -> dg.RunRequest | dg.SkipReason:
+    return nightly_batch_schedule(dg.build_schedule_context(scheduled_execution_time=when))
+
+
+@pytest.mark.parametrize(
+    ("when", "partition"),
+    [
+        (dt.datetime(2026, 11, 30, 2, 0, tzinfo=UTC), "2026-11-29"),
+        (dt.datetime(2025, 3, 1, 2, 0, tzinfo=UTC), "2025-02-28"),
+        (dt.datetime(2024, 3, 1, 2, 0, tzinfo=UTC), "2024-02-29"),
+        (dt.datetime(2026, 1, 1, 2, 0, tzinfo=UTC), "2025-12-31"),
+        # 01:30 in New York on 30 Nov is 06:30 UTC on 30 Nov: still the 29th's run.
+        (dt.datetime(2026, 11, 30, 1, 30, tzinfo=dt.timezone(dt.timedelta(hours=-5))), "2026-11-29"),
+        # 02:00 in Berlin on 1 Dec is 01:00 UTC on 1 Dec: the 30th.
+        (dt.datetime(2026, 12, 1, 2, 0, tzinfo=dt.timezone(dt.timedelta(hours=1))), "2026-11-30"),
+    ],
+)
+def test_tick_runs_yesterdays_partition(when: dt.datetime, partition: str) -> None:
+    request = tick(when)
+    assert isinstance(request, dg.RunRequest)
+    assert request.partition_key == partition
+    assert request.run_key == f"nightly-{partition}"
+    assert not request.run_config  # blank: every file of the date
+
+
+def test_tick_before_the_first_partition_is_skipped() -> None:
+    skipped = tick(dt.datetime(2024, 1, 1, 2, 0, tzinfo=UTC))
+    assert isinstance(skipped, dg.SkipReason)
+    assert "2023-12-31 is outside the partitions" in skipped.skip_message
+
+
+def test_schedule_as_defined() -> None:
+    from batch_pipeline.definitions import defs
+
+    schedule = defs().resolve_schedule_def("nightly_batch_schedule")
+    assert schedule.cron_schedule == NIGHTLY_CRON == "0 2 * * *"
+    assert schedule.execution_timezone == "UTC"
+    assert schedule.job_name == "batch_job"
+    assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED
+
+
+def materialize(request: dg.RunRequest, llm: LLMResource, inbox: Path, out: Path) -> dg.ExecuteInProcessResult:
+    return dg.materialize(
+        BATCH_ASSETS,
+        partition_key=request.partition_key,
+        run_config=request.run_config or None,
+        resources={"llm": llm, "storage": StorageResource(input_path=str(inbox), output_path=str(out))},
+        instance=dg.DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
+
+
+def metadata_of(result: dg.ExecuteInProcessResult, asset: str) -> dict[str, Any]:
+    [event] = [e for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == asset]
+    return {k: v.value for k, v in event.materialization.metadata.items()}
+
+
+class NoEngineLLM(LLMResource):
+    """Failure injection: any attempt to build an engine fails the run."""
+
+    def build_engine(self, kwargs: dict[str, Any]) -> Any:
+        raise AssertionError(f"an engine was built for {kwargs.get('model')}")
+
+
+def test_a_date_without_files_finishes_fast_without_an_engine(tmp_path: Path) -> None:
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    inbox.mkdir()
+    (inbox / "2026-11-28").mkdir()  # another day's folder, and a file uploaded another day
+    (inbox / "2026-11-28" / "other.jsonl").write_text("{}\n")
+    (inbox / "loose.jsonl").write_text("{}\n")
+    stamp = dt.datetime(2026, 11, 28, 12, tzinfo=UTC).timestamp()
+    os.utime(inbox / "loose.jsonl", (stamp, stamp))
+    request = tick(dt.datetime(2026, 11, 30, 2, 0, tzinfo=UTC))
+
+    started = time.perf_counter()
+    result = materialize(request, NoEngineLLM(model_path="/nonexistent/model", served_model_name=TINY_NAME), inbox, out)
+    elapsed = time.perf_counter() - started
+
+    assert result.success
+    assert elapsed < 30, f"an empty date took {elapsed:.1f}s"  # ~2 s here; generous for a loaded machine
+    for asset in ("validated_requests", "inference_results", "batch_outputs"):
+        assert metadata_of(result, asset)["batches"] == 0
+    assert metadata_of(result, "inference_results")["model_load_seconds"] == 0
+    assert not (out / "2026-11-29").exists()
+
+    # The injection is live: the same resource fails the run once the date has a request to answer.
+    (inbox / "2026-11-29").mkdir()
+    (inbox / "2026-11-29" / "one.jsonl").write_text(chat_line("x") + "\n")
+    failed = materialize(request, NoEngineLLM(model_path="/nonexistent/model", served_model_name=TINY_NAME), inbox, out)
+    assert not failed.success
+    assert "an engine was built" in str(failed.get_step_failure_events()[0].step_failure_data.error)
+
+
+def chat_line(custom_id: str) -> str:
+    body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def test_the_nightly_run_takes_every_file_of_the_date(tiny_llm, tmp_path: Path) -> None:
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    day = "2025-03-14"
+    files = {
+        inbox / day / "dated.jsonl": ["d-1", "d-2"],
+        inbox / "uploaded-that-day.jsonl": ["u-1"],
+        inbox / "uploaded-next-day.jsonl": ["n-1"],
+        inbox / "2025-03-13" / "day-before.jsonl": ["b-1"],
+    }
+    for path, ids in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(chat_line(i) for i in ids) + "\n")
+    for name, when in [("uploaded-that-day.jsonl", (2025, 3, 14, 23, 59)), ("uploaded-next-day.jsonl", (2025, 3, 15, 0, 1))]:
+        stamp = dt.datetime(*when, tzinfo=UTC).timestamp()
+        os.utime(inbox / name, (stamp, stamp))
+
+    request = tick(dt.datetime(2025, 3, 15, 2, 0, tzinfo=UTC))
+    result = materialize(request, tiny_llm, inbox, out)
+
+    assert result.success
+    assert sorted(p.name for p in (out / day).iterdir()) == ["dated", "uploaded-that-day"]
+    for name, ids in [("dated", ["d-1", "d-2"]), ("uploaded-that-day", ["u-1"])]:
+        batch = json.loads((out / day / name / "batch.json").read_text())
+        assert batch["status"] == "completed"
+        assert batch["request_counts"] == {"total": len(ids), "completed": len(ids), "failed": 0}
+        answered = [json.loads(line)["custom_id"] for line in (out / day / name / "output.jsonl").read_text().splitlines()]
+        assert sorted(answered) == ids
+    assert not (out / "2025-03-13").exists()
+
+
+def test_nightly_cron_is_configurable_when_definitions_load(monkeypatch):
+    from batch_pipeline.definitions import defs
+    from batch_pipeline.lib.settings import ConfigError
+
+    monkeypatch.setenv("NIGHTLY_CRON", "30 4 * * *")
+    assert defs().resolve_schedule_def("nightly_batch_schedule").cron_schedule == "30 4 * * *"
+    with pytest.raises(ConfigError, match="NIGHTLY_CRON='every night' is not a valid cron"):
+        nightly_schedule_for("every night")

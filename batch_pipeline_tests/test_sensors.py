@@ -1,0 +1,285 @@
+"""Tests for batch_upload_sensor (batch_pipeline/defs/sensors.py), evaluated in-process.
+
+Covers: one RunRequest per new batch file on S3 (moto's server over HTTP) and in a local folder;
+the partition of dated (`<input>/<date>/x.jsonl`) and undated files (their upload date, UTC); run
+keys `<uri>@<etag>`, run config and tags; repeated files (no new run), changed files (new ETag, new
+run), more than 1,000 keys (listing pagination); the cursor round trip (a second evaluation with the
+returned cursor asks for nothing) and its size; files ignored with a log line (folder that is not a
+date, date outside the partitions, deeper paths, results written under the input folder); local
+files still being written (left for the next tick); the look-back window; and the sensor as the
+Definitions declare it (job, interval, default status, run requests valid for batch_job).
+
+Does not touch the daemon, the UI or vLLM: Dagster's launching of the requested runs is covered by
+test_dagster_e2e.py.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.defs.jobs import batch_run_config
+from batch_pipeline.defs.resources import StorageResource
+from batch_pipeline.defs.sensors import LOOKBACK_SECONDS, SENSOR_INTERVAL_SECONDS, UploadCursor, batch_upload_sensor
+from batch_pipeline_tests.s3_server import MotoS3
+
+# In memory: the sensor only reads its cursor from the context (a SQLite instance costs ~1 s each).
+INSTANCE = dg.DagsterInstance.ephemeral()
+LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+
+
+class ListHandler(logging.Handler):
+    def __init__(self, messages: list[str]):
+        super().__init__(logging.INFO)
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def evaluate(storage: StorageResource, cursor: str | None = None, log: list[str] | None = None) -> dg.SensorResult:
+    """One tick of the sensor; what it logs is appended to `log`."""
+    context = dg.build_sensor_context(cursor=cursor, instance=INSTANCE, resources={"storage": storage})
+    context.log.addHandler(ListHandler(log if log is not None else []))
+    result = batch_upload_sensor(context)
+    assert isinstance(result, dg.SensorResult)
+    return result
+
+
+def by_uri(result: dg.SensorResult) -> dict[str, dg.RunRequest]:
+    requests = {r.tags["batch_pipeline/input_uri"]: r for r in result.run_requests or []}
+    assert len(requests) == len(result.run_requests or [])
+    return requests
+
+
+def utc_date(timestamp: float) -> str:
+    return dt.datetime.fromtimestamp(timestamp, tz=dt.timezone.utc).date().isoformat()
+
+
+# --------------------------------------------------------------------------------------- S3
+
+
+@pytest.fixture
+def s3_storage(s3_bucket: str) -> StorageResource:
+    return StorageResource(input_path=f"s3://{s3_bucket}/incoming", output_path=f"s3://{s3_bucket}/output")
+
+
+@pytest.fixture
+def client(moto_server: MotoS3) -> Any:
+    """A boto3 client independent of the code under test."""
+    return moto_server.client()
+
+
+def put(client: Any, bucket: str, key: str, body: bytes = LINE) -> tuple[str, str, float]:
+    """Upload; returns (uri, etag, last modified)."""
+    client.put_object(Bucket=bucket, Key=key, Body=body)
+    head = client.head_object(Bucket=bucket, Key=key)
+    return f"s3://{bucket}/{key}", head["ETag"].strip('"'), head["LastModified"].timestamp()
+
+
+def test_s3_new_dated_and_undated_files_become_runs(client, s3_bucket, s3_storage) -> None:
+    dated, dated_etag, _ = put(client, s3_bucket, "incoming/2025-03-14/chat.jsonl")
+    undated, undated_etag, modified = put(client, s3_bucket, "incoming/loose.ndjson")
+    ignored = {
+        "incoming/2025-13-45/bad-date.jsonl": "is not a date",
+        "incoming/misc/notes.jsonl": "is not a date",
+        "incoming/2023-12-31/too-early.jsonl": "before the first partition, 2024-01-01",
+        "incoming/2999-01-01/far-future.jsonl": "not a partition yet",
+        "incoming/2025-03-14/deeper/x.jsonl": "nested deeper",
+    }
+    for key in ignored:
+        put(client, s3_bucket, key)
+    put(client, s3_bucket, "incoming/readme.txt", b"not a batch")
+    put(client, s3_bucket, "incoming/.uploading.jsonl")  # hidden: an upload in progress
+    put(client, s3_bucket, "elsewhere/2025-03-14/other.jsonl")  # outside the input prefix
+
+    log: list[str] = []
+    result = evaluate(s3_storage, log=log)
+
+    requests = by_uri(result)
+    assert set(requests) == {dated, undated}
+    assert requests[dated].partition_key == "2025-03-14"
+    assert requests[undated].partition_key == utc_date(modified)
+    for uri, etag, name in [(dated, dated_etag, "chat"), (undated, undated_etag, "loose")]:
+        request = requests[uri]
+        assert request.run_key == f"{uri}@{etag}"
+        assert request.run_config == batch_run_config(input_uri=uri)
+        assert request.tags == {"batch_pipeline/input_uri": uri, "batch_pipeline/batch_name": name}
+    for key, reason in ignored.items():
+        assert any(f"ignoring s3://{s3_bucket}/{key}: " in m and reason in m for m in log), key
+
+
+def test_s3_repeated_and_changed_files(client, s3_bucket, s3_storage) -> None:
+    first, first_etag, _ = put(client, s3_bucket, "incoming/2025-03-14/a.jsonl")
+    result = evaluate(s3_storage)
+    assert [r.run_key for r in result.run_requests] == [f"{first}@{first_etag}"]
+
+    again = evaluate(s3_storage, result.cursor)  # nothing changed: nothing to run
+    assert again.run_requests == []
+    assert "no new batch files" in again.skip_reason.skip_message
+    assert again.cursor == result.cursor
+
+    # The same bytes again: same ETag, same run key, no run.
+    put(client, s3_bucket, "incoming/2025-03-14/a.jsonl")
+    assert evaluate(s3_storage, again.cursor).run_requests == []
+
+    # New content under the same key: a new ETag and a new run; a new key alongside it.
+    _, changed_etag, _ = put(client, s3_bucket, "incoming/2025-03-14/a.jsonl", LINE + LINE)
+    second, second_etag, _ = put(client, s3_bucket, "incoming/2025-03-15/b.jsonl")
+    changed = evaluate(s3_storage, again.cursor)
+    assert changed_etag != first_etag
+    assert sorted(r.run_key for r in changed.run_requests) == sorted(
+        [f"{first}@{changed_etag}", f"{second}@{second_etag}"]
+    )
+    assert evaluate(s3_storage, changed.cursor).run_requests == []
+
+
+def test_s3_more_than_1000_keys(client, s3_bucket, s3_storage) -> None:
+    keys = [f"incoming/2025-03-{10 + i % 3:02d}/part-{i:05d}.jsonl" for i in range(1000)]
+    keys += [f"incoming/loose-{i:03d}.jsonl" for i in range(60)]
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda key: client.put_object(Bucket=s3_bucket, Key=key, Body=LINE), keys))
+
+    result = evaluate(s3_storage)
+    requests = by_uri(result)
+    assert set(requests) == {f"s3://{s3_bucket}/{key}" for key in keys}
+    assert len({r.run_key for r in result.run_requests}) == len(keys)
+    partitions = {r.partition_key for r in result.run_requests}
+    assert {"2025-03-10", "2025-03-11", "2025-03-12"} < partitions  # plus today's, for the loose files
+    # Compact: about 15 bytes per file (a 12-digit fingerprint), not the file's URI and ETag.
+    assert len(result.cursor) < 20 * len(keys)
+    assert len(UploadCursor.parse(result.cursor).seen) == len(keys)
+
+    assert evaluate(s3_storage, result.cursor).run_requests == []  # the cursor round trip
+
+
+def test_s3_missing_bucket_fails_the_tick(moto_server, s3_env) -> None:
+    with pytest.raises(FileNotFoundError, match="no-such-bucket"):
+        evaluate(StorageResource(input_path="s3://no-such-bucket/incoming", output_path="/tmp/unused"))
+
+
+# ------------------------------------------------------------------------------------ local
+
+
+def write(path: Path, age_seconds: float = 60.0, body: bytes = LINE) -> Path:
+    """A finished local batch file, last modified `age_seconds` ago."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(body)
+    stamp = time.time() - age_seconds
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def test_local_folder(tmp_path: Path) -> None:
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "in" / "results"))
+    dated = write(tmp_path / "in" / "2025-03-14" / "a.jsonl")
+    undated = write(tmp_path / "in" / "b.json", age_seconds=3 * 3600)
+    write(tmp_path / "in" / "2025-02-30" / "c.jsonl")  # no such day
+    write(tmp_path / "in" / "results" / "2025-03-14" / "a" / "output.jsonl")  # our own results
+    write(tmp_path / "in" / "results" / "x.jsonl")
+
+    log: list[str] = []
+    result = evaluate(storage, log=log)
+    requests = by_uri(result)
+    assert set(requests) == {str(dated), str(undated)}
+    assert requests[str(dated)].partition_key == "2025-03-14"
+    assert requests[str(undated)].partition_key == utc_date(undated.stat().st_mtime)
+    st = dated.stat()
+    assert requests[str(dated)].run_key == f"{dated}@{st.st_mtime_ns}-{st.st_size}"
+    assert any("2025-02-30" in m and "is not a date" in m for m in log)
+    assert not any("results" in m for m in log)  # results are skipped silently
+
+    assert evaluate(storage, result.cursor).run_requests == []
+
+    # A file written this instant may still be growing: it waits for a later tick, then runs once.
+    fresh = tmp_path / "in" / "2025-03-14" / "fresh.jsonl"
+    fresh.write_bytes(LINE)
+    waiting = evaluate(storage, result.cursor)
+    assert waiting.run_requests == []
+    os.utime(fresh, (time.time() - 10, time.time() - 10))
+    later = evaluate(storage, waiting.cursor)
+    assert [r.tags["batch_pipeline/input_uri"] for r in later.run_requests] == [str(fresh)]
+
+    # Rewritten in place: new mtime and size, so a new etag and a new run.
+    write(dated, age_seconds=5.5, body=LINE + LINE)
+    rewritten = evaluate(storage, later.cursor)
+    assert [r.tags["batch_pipeline/input_uri"] for r in rewritten.run_requests] == [str(dated)]
+    assert rewritten.run_requests[0].run_key != requests[str(dated)].run_key
+
+
+def test_local_cursor_forgets_files_older_than_the_lookback(tmp_path: Path) -> None:
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
+    old = [write(tmp_path / "in" / "2025-01-01" / f"old-{i}.jsonl", age_seconds=3 * 86400) for i in range(3)]
+    first = evaluate(storage)
+    assert len(first.run_requests) == 3
+
+    newest = write(tmp_path / "in" / "2025-01-02" / "new.jsonl", age_seconds=60)
+    second = evaluate(storage, first.cursor)
+    assert [r.tags["batch_pipeline/input_uri"] for r in second.run_requests] == [str(newest)]
+    cursor = UploadCursor.parse(second.cursor)
+    assert cursor.mark == pytest.approx(newest.stat().st_mtime)
+    assert len(cursor.seen) == 1  # the old files are below mark - LOOKBACK: no longer listed
+
+    # The documented limit: a file arriving with an mtime far older than the newest file seen
+    # (cp -p of an old file) counts as handled. The nightly schedule still picks up dated ones.
+    late = write(tmp_path / "in" / "2025-01-01" / "late.jsonl", age_seconds=LOOKBACK_SECONDS + 3600)
+    assert evaluate(storage, second.cursor).run_requests == []
+    assert late.exists()
+
+
+def test_same_batch_name_on_one_date_is_not_run(tmp_path: Path) -> None:
+    """<output>/<date>/<name>/ would receive both files' results: neither new file runs, each is logged."""
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
+    first = write(tmp_path / "in" / "2025-03-14" / "orders.jsonl")
+    ran = evaluate(storage)
+    assert [r.tags["batch_pipeline/input_uri"] for r in ran.run_requests] == [str(first)]
+
+    second = write(tmp_path / "in" / "2025-03-14" / "orders.json", age_seconds=30)  # same name, same date
+    other_day = write(tmp_path / "in" / "orders.jsonl", age_seconds=30)  # undated: today, another date
+    log: list[str] = []
+    result = evaluate(storage, ran.cursor, log=log)
+    assert [r.tags["batch_pipeline/input_uri"] for r in result.run_requests] == [str(other_day)]
+    assert any(m.startswith(f"ignoring {second}: {first} is also batch 'orders' of 2025-03-14") for m in log), log
+    assert evaluate(storage, result.cursor).run_requests == []  # logged once, not every tick
+
+
+def test_missing_local_folder_skips(tmp_path: Path) -> None:
+    result = evaluate(StorageResource(input_path=str(tmp_path / "nowhere"), output_path=str(tmp_path / "out")))
+    assert result.run_requests == []
+    assert json.loads(result.cursor) == {"v": 1, "mark": None, "seen": []}
+
+
+def test_unknown_cursor_version_is_refused(tmp_path: Path) -> None:
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(tmp_path / "out"))
+    with pytest.raises(Exception, match="unknown batch_upload_sensor cursor version"):
+        evaluate(storage, json.dumps({"v": 99}))
+
+
+# ------------------------------------------------------------------------------ definitions
+
+
+def test_sensor_as_defined_and_requests_valid_for_batch_job(tmp_path: Path) -> None:
+    from batch_pipeline.definitions import defs
+
+    definitions = defs()
+    sensor = definitions.resolve_sensor_def("batch_upload_sensor")
+    assert sensor.job_name == "batch_job"
+    assert sensor.minimum_interval_seconds == SENSOR_INTERVAL_SECONDS == 30
+    assert sensor.default_status == dg.DefaultSensorStatus.STOPPED
+    assert sensor.required_resource_keys == {"storage"}
+
+    job = definitions.resolve_job_def("batch_job")
+    write(tmp_path / "in" / "2025-03-14" / "a.jsonl")
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
+    (request,) = evaluate(storage).run_requests
+    assert job.partitions_def.has_partition_key(request.partition_key)
+    dg.validate_run_config(job, request.run_config)
