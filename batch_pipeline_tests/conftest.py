@@ -49,6 +49,20 @@ class SessionLLM(LLMResource):
         return False
 
 
+def tiny_env(tiny_model_dir: Path, **extra: str) -> dict[str, str]:
+    """The environment for a `batch-pipeline` subprocess on the tiny model (no DAGSTER_HOME unless given)."""
+    env = {
+        **os.environ,
+        "MODEL_PATH": str(tiny_model_dir),
+        "SERVED_MODEL_NAME": TINY_NAME,
+        "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
+        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
+    }
+    env.pop("DAGSTER_HOME", None)
+    env.update(extra)
+    return env
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _runtime_env():
     configure_runtime_env(models.cache_root())

@@ -8,7 +8,6 @@ and engine), with DAGSTER_HOME set so the run must land in that instance.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import dagster as dg
 
 from batch_pipeline.cli import EXIT_FAILED, EXIT_INVALID_LINES, EXIT_OK, main
-from batch_pipeline_tests.conftest import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.conftest import REPO, TINY_NAME, tiny_env
 
 SAMPLE = REPO / "batch_pipeline" / "samples" / "sample_batch.jsonl"
 
@@ -77,14 +76,7 @@ def test_console_script_runs_a_batch_and_records_it_in_dagster_home(tiny_model_d
     home.mkdir()
     (home / "dagster.yaml").write_text((REPO / "dagster.yaml").read_text())
     out = tmp_path / "results"
-    env = {
-        **os.environ,
-        "DAGSTER_HOME": str(home),
-        "MODEL_PATH": str(tiny_model_dir),
-        "SERVED_MODEL_NAME": TINY_NAME,
-        "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
-        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
-    }
+    env = tiny_env(tiny_model_dir, DAGSTER_HOME=str(home))
     script = Path(sys.executable).parent / "batch-pipeline"
     proc = subprocess.run(
         [str(script), "run", str(batch), "--output-dir", str(out), "--date", "2026-11-02"],

@@ -183,15 +183,12 @@ def test_console_script_run_is_recorded_in_postgres(dagster_home: Path, database
     import subprocess
     import sys
 
-    from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
+    from batch_pipeline_tests.conftest import TINY_NAME, tiny_env
 
     batch = tmp_path / "pg.jsonl"
     batch.write_text("\n".join([_line("a", TINY_NAME), _line("b", TINY_NAME)]) + "\n")
-    env = {
-        **os.environ,
-        "MODEL_PATH": str(tiny_model_dir), "SERVED_MODEL_NAME": TINY_NAME,
-        "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN), "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
-    }
+    env = tiny_env(tiny_model_dir, DAGSTER_HOME=os.environ["DAGSTER_HOME"], **{
+        k: v for k, v in os.environ.items() if k.startswith("DAGSTER_POSTGRES_")})
     script = Path(sys.executable).parent / "batch-pipeline"
     proc = subprocess.run([str(script), "run", str(batch), "--output-dir", str(tmp_path / "out"), "--date", PARTITION],
                           env=env, capture_output=True, text=True, timeout=600)

@@ -26,7 +26,7 @@ import pytest
 
 from batch_pipeline.cli import run_batch
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline_tests.conftest import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME, SessionLLM
+from batch_pipeline_tests.conftest import TINY_NAME, SessionLLM, tiny_env
 
 
 def chat_line(custom_id: str, max_tokens: int = 4, content: str = "", **body) -> str:
@@ -55,12 +55,7 @@ def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir
     batch = tmp_path / "big.jsonl"
     batch.write_text("\n".join(chat_line(i, max_tokens=48, ignore_eos=True) for i in ids) + "\n")
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "MODEL_PATH": str(tiny_model_dir), "SERVED_MODEL_NAME": TINY_NAME, "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
-        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES), "SHARD_SIZE": "20", "BATCH_SIZE": "32",
-    }
-    env.pop("DAGSTER_HOME", None)
+    env = tiny_env(tiny_model_dir, SHARD_SIZE="20", BATCH_SIZE="32")
     command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
 
     victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -228,12 +223,7 @@ def test_two_concurrent_runs_of_one_batch_neither_corrupt_nor_double_it(tiny_mod
     batch = tmp_path / "shared.jsonl"
     batch.write_text("\n".join(chat_line(i, max_tokens=16, ignore_eos=True) for i in ids) + "\n[1]\n")
     out = tmp_path / "out"
-    env = {
-        **os.environ,
-        "MODEL_PATH": str(tiny_model_dir), "SERVED_MODEL_NAME": TINY_NAME, "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
-        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES), "SHARD_SIZE": "8",
-    }
-    env.pop("DAGSTER_HOME", None)
+    env = tiny_env(tiny_model_dir, SHARD_SIZE="8")
     command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
     runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for run in runs:

@@ -198,8 +198,8 @@ class _Prepared:
     prompt_lens: list[int] = field(default_factory=list)
 
 
-class GenerationEngine:
-    """One vLLM `LLM` serving chat and completions for the duration of a run."""
+class _ServedModel:
+    """One vLLM `LLM` and what requests need to know about it."""
 
     def __init__(self, llm: Any, served_model_name: str, model_path: str):
         self.llm = llm
@@ -207,6 +207,13 @@ class GenerationEngine:
         self.model_path = model_path
         self.tokenizer = llm.get_tokenizer()
         self.max_model_len = int(llm.llm_engine.model_config.max_model_len)
+
+
+class GenerationEngine(_ServedModel):
+    """One vLLM `LLM` serving chat and completions for the duration of a run."""
+
+    def __init__(self, llm: Any, served_model_name: str, model_path: str):
+        super().__init__(llm, served_model_name, model_path)
         self._defaults = dict(llm.llm_engine.model_config.get_diff_sampling_param() or {})
 
     # -- preparation ------------------------------------------------------------------------
@@ -468,15 +475,8 @@ def _completion_logprobs(comp: Any, echo_prefix: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(_ServedModel):
     """A pooling-runner `LLM` serving /v1/embeddings."""
-
-    def __init__(self, llm: Any, served_model_name: str, model_path: str):
-        self.llm = llm
-        self.served_model_name = served_model_name
-        self.model_path = model_path
-        self.tokenizer = llm.get_tokenizer()
-        self.max_model_len = int(llm.llm_engine.model_config.max_model_len)
 
     def run(self, batch_seed: str, requests: Sequence[c.BatchRequest], created: int) -> list[Answer]:
         from vllm import PoolingParams
