@@ -234,3 +234,67 @@ def test_two_concurrent_runs_of_one_batch_neither_corrupt_nor_double_it(tiny_mod
     assert batch_obj["status"] == "completed"
     assert batch_obj["request_counts"] == {"total": 61, "completed": 60, "failed": 1}
     assert len({o["id"] for o in outputs}) == 60
+
+
+class _DyingEngine(_InterruptingEngine):
+    """Failure injection: the engine dies once mid-batch (as a crashed engine core does)."""
+
+    died = False
+
+    @property
+    def llm_engine(self) -> Any:
+        outer = self
+        real = super().llm_engine
+
+        class _Engine:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def step(self) -> Any:
+                outer._left -= 1
+                if outer._left < 0 and not _DyingEngine.died:
+                    _DyingEngine.died = True
+                    raise RuntimeError("EngineCore died unexpectedly")
+                return outer._llm.llm_engine.step()
+
+        return _Engine()
+
+
+class DyingLLM(SessionLLM):
+    def build_engine(self, kwargs: dict[str, Any]) -> Any:
+        return _DyingEngine(super().build_engine(kwargs), after_steps=10)
+
+
+def test_engine_death_is_retried_by_dagster_and_resumes_from_checkpoints(tiny_llm, tmp_path):
+    ids = [f"d-{i:02d}" for i in range(40)]
+    batch = tmp_path / "dies.jsonl"
+    batch.write_text("\n".join(chat_line(i, max_tokens=2 if n % 2 else 40, ignore_eos=True) for n, i in enumerate(ids)))
+    out = tmp_path / "out"
+    fields = {k: v for k, v in tiny_llm.__dict__.items() if not k.startswith("_")}
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
+    _DyingEngine.died = False
+    result = run_batch(str(batch), str(out), "2026-11-30",
+                       resources={"llm": DyingLLM(**{**fields, "shard_size": 2}), "storage": storage})
+    assert _DyingEngine.died
+    assert result.success  # inference_results' RetryPolicy re-ran the step
+    retries = [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    assert len(retries) == 1
+    outputs, errors, batch_obj = results(out)
+    answered_once(outputs, errors, ids)
+    assert batch_obj["status"] == "completed"
+    assert json.loads((out / "_work" / "inference.json").read_text())["resumed_requests"] > 0
+
+
+def test_a_50_mb_line_is_rejected_and_its_neighbours_run(tiny_llm, tmp_path):
+    huge = json.dumps({"custom_id": "huge", "method": "POST", "url": "/v1/chat/completions",
+                       "body": {"model": TINY_NAME, "messages": [{"role": "user", "content": "x" * (50 * 2**20)}]}})
+    batch = tmp_path / "huge.jsonl"
+    batch.write_text("\n".join([chat_line("small-1"), huge, chat_line("small-2")]))
+    out = tmp_path / "out"
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
+    assert run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage}).success
+    outputs, errors, _ = results(out)
+    assert sorted(o["custom_id"] for o in outputs) == ["small-1", "small-2"]
+    [error] = errors
+    assert error["custom_id"] == "huge" and error["error"]["code"] == "invalid_request"
+    assert "over the limit of 10485760 (MAX_LINE_BYTES)" in error["error"]["message"]
