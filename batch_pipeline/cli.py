@@ -64,7 +64,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def _instance() -> Any:
     import dagster as dg
 
-    if os.environ.get("DAGSTER_HOME"):
+    home = os.environ.get("DAGSTER_HOME")
+    if home:
+        os.makedirs(home, exist_ok=True)  # a new home is fine: Dagster's defaults (SQLite) apply
         return dg.DagsterInstance.get()
     return dg.DagsterInstance.ephemeral()
 

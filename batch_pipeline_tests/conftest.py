@@ -16,6 +16,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # Share the bundled model with `make demo`; the Makefile sets the same folder.
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
+# The Makefile exports DAGSTER_HOME for demo/dev; test runs must not land in (or need) that
+# instance: tests that want one make their own.
+os.environ.pop("DAGSTER_HOME", None)
 
 from batch_pipeline.defs.resources import LLMResource  # noqa: E402
 from batch_pipeline.lib import models  # noqa: E402

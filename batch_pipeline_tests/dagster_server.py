@@ -61,10 +61,11 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval:
         time.sleep(interval)
 
 
-def prepare_home(home: Path) -> Path:
-    """DAGSTER_HOME with the repo's instance settings and the UI's first-visit modal dismissed."""
+def prepare_home(home: Path, instance_yaml: Path | None = None) -> Path:
+    """DAGSTER_HOME with instance settings (default: the repo's dagster.yaml) and the UI's
+    first-visit modal dismissed."""
     home.mkdir(parents=True, exist_ok=True)
-    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    shutil.copy(instance_yaml or REPO / "dagster.yaml", home / "dagster.yaml")
     (home / ".nux").mkdir(exist_ok=True)
     (home / ".nux" / "nux.yaml").write_text("seen: 1\n")
     return home
@@ -99,7 +100,8 @@ class DagsterDev:
         return body["data"]
 
     def instance(self) -> Any:
-        """The same instance, opened in this process (SQLite under DAGSTER_HOME; reads are safe)."""
+        """The same instance, opened in this process (reads are safe). With deploy/dagster.yaml the
+        DAGSTER_POSTGRES_* variables must be set in this process too."""
         import dagster as dg
 
         return dg.DagsterInstance.from_config(str(self.home))
@@ -194,9 +196,13 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def start_dagster_dev(home: Path, env: Mapping[str, str | None], log_path: Path, timeout: float = 180.0) -> DagsterDev:
-    """`dagster dev -w workspace.yaml` on 127.0.0.1 with DAGSTER_HOME=home, `env` added (None: unset)."""
-    prepare_home(home)
+def start_dagster_dev(home: Path, env: Mapping[str, str | None], log_path: Path, timeout: float = 180.0,
+                      instance_yaml: Path | None = None) -> DagsterDev:
+    """`dagster dev -w workspace.yaml` on 127.0.0.1 with DAGSTER_HOME=home, `env` added (None: unset).
+
+    `instance_yaml` is the dagster.yaml copied into `home` (default: the repo's SQLite one; pass
+    deploy/dagster.yaml, with DAGSTER_POSTGRES_* in `env`, for the production instance)."""
+    prepare_home(home, instance_yaml)
     port = free_port()
     dagster = str(Path(sys.executable).with_name("dagster"))
     merged = {**os.environ, **env, "DAGSTER_HOME": str(home)}

@@ -93,3 +93,14 @@ def test_console_script_runs_a_batch_and_records_it_in_dagster_home(tiny_model_d
         assert run.is_success and run.tags.get("dagster/partition") == "2026-11-02"
         event = instance.get_latest_materialization_event(dg.AssetKey("batch_outputs"))
         assert event is not None and event.run_id == run.run_id
+
+
+def test_run_creates_a_missing_dagster_home(tmp_path, monkeypatch, capsys):
+    home = tmp_path / "new_home"
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    path = tmp_path / "bad.jsonl"
+    path.write_text("[1]\n")
+    assert main(["run", str(path), "--output-dir", str(tmp_path / "out")]) == EXIT_FAILED  # batch failed...
+    assert home.is_dir()  # ...but the run was recorded, not refused for a missing folder
+    with dg.DagsterInstance.from_config(str(home)) as instance:
+        assert len(instance.get_runs()) == 1
