@@ -20,6 +20,7 @@ import shutil
 import socket
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -57,10 +58,10 @@ def _connect(dbname: str):
     return conn
 
 
-@pytest.fixture(scope="module")
-def database() -> Iterator[str]:
-    """A fresh, empty database for this module, dropped (connections and all) afterwards."""
-    name = f"batch_pipeline_test_{uuid.uuid4().hex[:12]}"
+@contextmanager
+def fresh_database(prefix: str) -> Iterator[str]:
+    """A new, empty database, dropped (connections and all) afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
     admin = _connect("postgres")
     try:
         with admin.cursor() as cur:
@@ -71,6 +72,13 @@ def database() -> Iterator[str]:
             # FORCE (PostgreSQL 13+) ends connections a pooled engine may still hold.
             cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
         admin.close()
+
+
+@pytest.fixture(scope="module")
+def database() -> Iterator[str]:
+    """A fresh database for this module."""
+    with fresh_database("batch_pipeline_test") as name:
+        yield name
 
 
 @pytest.fixture

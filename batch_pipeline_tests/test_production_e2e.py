@@ -23,7 +23,6 @@ import json
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ import pytest
 
 from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
 from batch_pipeline_tests.dagster_server import LOCATION, REPO, REPOSITORY, DagsterDev, start_dagster_dev, wait_for
-from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _connect, _reachable
+from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _connect, _reachable, fresh_database
 
 pytestmark = pytest.mark.skipif(_reachable() is not None, reason=_reachable() or "")
 
@@ -53,16 +52,8 @@ def chat_line(i: int) -> str:
 
 @pytest.fixture
 def database() -> Iterator[str]:
-    name = f"batch_pipeline_prod_{uuid.uuid4().hex[:12]}"
-    admin = _connect("postgres")
-    try:
-        with admin.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{name}"')
+    with fresh_database("batch_pipeline_prod") as name:
         yield name
-    finally:
-        with admin.cursor() as cur:
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.close()
 
 
 @pytest.fixture
