@@ -290,6 +290,8 @@ class Progress:
     def advance(self, answer: Answer) -> None:
         self.done += 1
         self.output_tokens += answer.completion_tokens
+        if self.done == self.resumed + 1:
+            self._last = time.monotonic()  # the cadence starts with the first answer, not the model load
         if time.monotonic() - self._last >= self.every or self.done == self.total:
             self.report()
 
