@@ -196,6 +196,23 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
+def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, **extra: str | None) -> dict[str, str | None]:
+    """What a `dagster dev` of these tests needs: storage paths and the tiny model (None unsets)."""
+    from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
+
+    return {
+        "STORAGE_INPUT_PATH": input_path,
+        "STORAGE_OUTPUT_PATH": output_path,
+        "MODEL_PATH": str(tiny_model_dir),
+        "SERVED_MODEL_NAME": TINY_NAME,
+        "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
+        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
+        "BATCH_PIPELINE_CACHE": os.environ["BATCH_PIPELINE_CACHE"],
+        "SHARD_SIZE": None,
+        **extra,
+    }
+
+
 def start_dagster_dev(home: Path, env: Mapping[str, str | None], log_path: Path, timeout: float = 180.0,
                       instance_yaml: Path | None = None) -> DagsterDev:
     """`dagster dev -w workspace.yaml` on 127.0.0.1 with DAGSTER_HOME=home, `env` added (None: unset).

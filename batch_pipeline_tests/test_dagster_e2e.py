@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
-from batch_pipeline_tests.dagster_server import DagsterDev, start_dagster_dev, wait_for
+from batch_pipeline_tests.conftest import TINY_NAME
+from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
 from batch_pipeline_tests.s3_server import _FOREIGN_AWS_VARS, MotoS3
 
 SENSOR = "batch_upload_sensor"
@@ -77,18 +76,7 @@ def e2e(moto_server: MotoS3, tiny_model_dir: Path, tmp_path_factory: pytest.Temp
     root = tmp_path_factory.mktemp("dagster_e2e")
     env: dict[str, str | None] = {name: None for name in _FOREIGN_AWS_VARS}
     env.update(moto_server.env())
-    env.update(
-        {
-            "STORAGE_INPUT_PATH": f"s3://{bucket}/incoming",
-            "STORAGE_OUTPUT_PATH": f"s3://{bucket}/output",
-            "MODEL_PATH": str(tiny_model_dir),
-            "SERVED_MODEL_NAME": TINY_NAME,
-            "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
-            "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
-            "BATCH_PIPELINE_CACHE": os.environ["BATCH_PIPELINE_CACHE"],
-            "SHARD_SIZE": None,
-        }
-    )
+    env.update(pipeline_env(tiny_model_dir, f"s3://{bucket}/incoming", f"s3://{bucket}/output"))
     server = start_dagster_dev(root / "home", env, root / "dagster-dev.log")
     try:
         server.start_sensor(SENSOR)

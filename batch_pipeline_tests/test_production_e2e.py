@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
-from batch_pipeline_tests.dagster_server import LOCATION, REPO, REPOSITORY, DagsterDev, start_dagster_dev, wait_for
+from batch_pipeline_tests.conftest import TINY_NAME
+from batch_pipeline_tests.dagster_server import LOCATION, REPO, REPOSITORY, DagsterDev, pipeline_env, start_dagster_dev, wait_for
 from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _connect, _reachable, fresh_database
 
 pytestmark = pytest.mark.skipif(_reachable() is not None, reason=_reachable() or "")
@@ -70,17 +70,7 @@ def production(database: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch:
     }
     for key, value in pg.items():  # server.instance() in this process reads them too
         monkeypatch.setenv(key, value)
-    env: dict[str, str | None] = {
-        **pg,
-        "STORAGE_INPUT_PATH": str(inbox),
-        "STORAGE_OUTPUT_PATH": str(out),
-        "MODEL_PATH": str(tiny_model_dir),
-        "SERVED_MODEL_NAME": TINY_NAME,
-        "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
-        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
-        "BATCH_PIPELINE_CACHE": os.environ["BATCH_PIPELINE_CACHE"],
-        "SHARD_SIZE": str(SHARD),
-    }
+    env: dict[str, str | None] = {**pg, **pipeline_env(tiny_model_dir, str(inbox), str(out), SHARD_SIZE=str(SHARD))}
     server = start_dagster_dev(tmp_path / "home", env, tmp_path / "dagster-dev.log",
                                instance_yaml=REPO / "deploy" / "dagster.yaml")
     try:

@@ -27,8 +27,8 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from batch_pipeline_tests.conftest import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
-from batch_pipeline_tests.dagster_server import DagsterDev, start_dagster_dev, wait_for
+from batch_pipeline_tests.conftest import REPO, TINY_NAME
+from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Keep the browser off the network (RECIPES.md).
@@ -72,16 +72,7 @@ def ui(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     for date in dates:
         (inbox / date).mkdir(parents=True)
         (inbox / date / f"ui-{date}.jsonl").write_text("\n".join(chat_line(f"{date}-{i}") for i in range(3)) + "\n")
-    env = {
-        "STORAGE_INPUT_PATH": str(inbox),
-        "STORAGE_OUTPUT_PATH": str(out),
-        "MODEL_PATH": str(tiny_model_dir),
-        "SERVED_MODEL_NAME": TINY_NAME,
-        "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
-        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
-        "BATCH_PIPELINE_CACHE": os.environ["BATCH_PIPELINE_CACHE"],
-        "SHARD_SIZE": None,
-    }
+    env = pipeline_env(tiny_model_dir, str(inbox), str(out))
     shots = Path(os.environ.get("UI_SCREENSHOTS_DIR") or root / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
     server = start_dagster_dev(root / "home", env, root / "dagster-dev.log")
