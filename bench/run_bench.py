@@ -58,6 +58,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batch_pipeline.lib.engine import runtime_env  # the same cache/offline variables as the pipeline
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO / ".cache"
 SYSTEMS = ("llm_chat", "run_batch", "pipeline")
@@ -83,20 +85,14 @@ def say(message: str) -> None:
 
 
 def child_env(cache: Path, tmpdir: Path) -> dict[str, str]:
-    """One environment for every subprocess; the same values batch_pipeline's configure_runtime_env sets."""
+    """One environment for every subprocess: batch_pipeline's runtime_env, the in-process engine core."""
     env = dict(os.environ)
     env.pop("DAGSTER_HOME", None)  # the pipeline then uses an ephemeral instance, no SQLite writes
     tmpdir.mkdir(parents=True, exist_ok=True)
+    env.update(runtime_env(cache))
     env.update(
         {
             "BATCH_PIPELINE_CACHE": str(cache),
-            "VLLM_CACHE_ROOT": str(cache / "vllm"),
-            "HF_HOME": str(cache / "hf"),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "TOKENIZERS_PARALLELISM": "false",
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "TMPDIR": str(tmpdir),
             "PYTHONWARNINGS": env.get("PYTHONWARNINGS", ""),

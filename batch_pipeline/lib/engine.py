@@ -40,9 +40,9 @@ class Answer:
     completion_tokens: int = 0
 
 
-def configure_runtime_env(cache_root: Path) -> None:
-    """Keep vLLM, Hugging Face and temp files inside our cache and away from the network."""
-    defaults = {
+def runtime_env(cache_root: Path) -> dict[str, str]:
+    """Variables that keep vLLM and Hugging Face inside our cache and away from the network."""
+    return {
         "VLLM_CACHE_ROOT": str(cache_root / "vllm"),
         "HF_HOME": str(cache_root / "hf"),
         "HF_HUB_OFFLINE": "1",
@@ -51,6 +51,11 @@ def configure_runtime_env(cache_root: Path) -> None:
         "DO_NOT_TRACK": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
+
+
+def configure_runtime_env(cache_root: Path) -> None:
+    """Apply runtime_env() where not set already; on CPU also run the engine core in-process."""
+    defaults = runtime_env(cache_root)
     if is_cpu():
         # In-process engine core: ~3 s start for a tiny model instead of ~50 s (RECIPES.md).
         defaults["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
