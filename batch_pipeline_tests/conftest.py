@@ -51,6 +51,12 @@ class SessionLLM(LLMResource):
     def owns_engines(self) -> bool:
         return False
 
+    def rebuilt(self, cls: type["SessionLLM"] | None = None, **overrides: Any) -> "SessionLLM":
+        """This resource with some fields changed. Built anew, not model_copy'd: Dagster re-creates
+        resources from their original config, so an updated copy would silently lose the change."""
+        fields = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        return (cls or type(self))(**{**fields, **overrides})
+
 
 def tiny_env(tiny_model_dir: Path, **extra: str) -> dict[str, str]:
     """The environment for a `batch-pipeline` subprocess on the tiny model (no DAGSTER_HOME unless given)."""

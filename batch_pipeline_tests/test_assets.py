@@ -150,9 +150,7 @@ def test_two_files_that_would_share_a_result_folder_are_refused(tiny_llm, tmp_pa
 def test_changed_model_does_not_reuse_stale_checkpoints(tiny_llm, partition_with_two_batches):
     inbox, out = partition_with_two_batches
     assert materialize(tiny_llm, str(inbox), str(out)).success
-    # Built anew, not model_copy'd: Dagster re-creates resources from their original config.
-    fields = {k: v for k, v in tiny_llm.__dict__.items() if not k.startswith("_")}
-    other = type(tiny_llm)(**{**fields, "seed": 99})
+    other = tiny_llm.rebuilt(seed=99)
     again = {"ops": {a.key.to_user_string(): {"config": {"skip_completed": False}} for a in BATCH_ASSETS}}
     assert materialize(other, str(inbox), str(out), run_config=again).success
     checkpoint_dirs = list((out / DATE / "alpha" / "_work" / "answers").iterdir())

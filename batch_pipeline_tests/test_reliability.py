@@ -82,14 +82,18 @@ def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir
     assert metrics["resumed_requests"] == saved
 
 
-class _InterruptingEngine:
-    """Failure injection: the real engine, but step() raises as a terminated Dagster step does."""
+class _FaultyEngine:
+    """Failure injection: the real engine, but after `after_steps` steps step() raises `fault()`
+    (when it returns an exception)."""
 
     def __init__(self, llm: Any, after_steps: int):
         self._llm, self._left = llm, after_steps
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
+
+    def fault(self) -> BaseException | None:
+        raise NotImplementedError
 
     @property
     def llm_engine(self) -> Any:
@@ -102,10 +106,19 @@ class _InterruptingEngine:
             def step(self) -> Any:
                 outer._left -= 1
                 if outer._left < 0:
-                    raise dg.DagsterExecutionInterruptedError("terminated from the UI")
+                    exc = outer.fault()
+                    if exc is not None:
+                        raise exc
                 return outer._llm.llm_engine.step()
 
         return _Engine()
+
+
+class _InterruptingEngine(_FaultyEngine):
+    """step() raises as a terminated Dagster step does."""
+
+    def fault(self) -> BaseException:
+        return dg.DagsterExecutionInterruptedError("terminated from the UI")
 
 
 class InterruptedLLM(SessionLLM):
@@ -120,10 +133,9 @@ def test_terminated_run_says_cancelled_keeps_answers_and_next_run_resumes(tiny_l
     lines = [chat_line(i, max_tokens=2 if n % 2 else 40, ignore_eos=True) for n, i in enumerate(ids)]
     batch.write_text("\n".join(lines) + "\n" + '{"broken"\n')
     out = tmp_path / "out"
-    fields = {k: v for k, v in tiny_llm.__dict__.items() if not k.startswith("_")}
     storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
 
-    interrupted = InterruptedLLM(**{**fields, "batch_size": 8, "shard_size": 4})
+    interrupted = tiny_llm.rebuilt(InterruptedLLM, batch_size=8, shard_size=4)
     result = run_batch(str(batch), str(out), "2026-11-30", resources={"llm": interrupted, "storage": storage})
     assert not result.success
     outputs, errors, batch_obj = results(out)
@@ -236,28 +248,16 @@ def test_two_concurrent_runs_of_one_batch_neither_corrupt_nor_double_it(tiny_mod
     assert len({o["id"] for o in outputs}) == 60
 
 
-class _DyingEngine(_InterruptingEngine):
-    """Failure injection: the engine dies once mid-batch (as a crashed engine core does)."""
+class _DyingEngine(_FaultyEngine):
+    """The engine dies once mid-batch (as a crashed engine core does); the retry's engine lives."""
 
     died = False
 
-    @property
-    def llm_engine(self) -> Any:
-        outer = self
-        real = super().llm_engine
-
-        class _Engine:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(real, name)
-
-            def step(self) -> Any:
-                outer._left -= 1
-                if outer._left < 0 and not _DyingEngine.died:
-                    _DyingEngine.died = True
-                    raise RuntimeError("EngineCore died unexpectedly")
-                return outer._llm.llm_engine.step()
-
-        return _Engine()
+    def fault(self) -> BaseException | None:
+        if _DyingEngine.died:
+            return None
+        _DyingEngine.died = True
+        return RuntimeError("EngineCore died unexpectedly")
 
 
 class DyingLLM(SessionLLM):
@@ -270,11 +270,10 @@ def test_engine_death_is_retried_by_dagster_and_resumes_from_checkpoints(tiny_ll
     batch = tmp_path / "dies.jsonl"
     batch.write_text("\n".join(chat_line(i, max_tokens=2 if n % 2 else 40, ignore_eos=True) for n, i in enumerate(ids)))
     out = tmp_path / "out"
-    fields = {k: v for k, v in tiny_llm.__dict__.items() if not k.startswith("_")}
     storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
     _DyingEngine.died = False
     result = run_batch(str(batch), str(out), "2026-11-30",
-                       resources={"llm": DyingLLM(**{**fields, "shard_size": 2}), "storage": storage})
+                       resources={"llm": tiny_llm.rebuilt(DyingLLM, shard_size=2), "storage": storage})
     assert _DyingEngine.died
     assert result.success  # inference_results' RetryPolicy re-ran the step
     retries = [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
