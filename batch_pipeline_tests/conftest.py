@@ -21,8 +21,10 @@ os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 os.environ.pop("DAGSTER_HOME", None)
 
 from batch_pipeline.defs.resources import LLMResource  # noqa: E402
-from batch_pipeline.lib import models  # noqa: E402
-from batch_pipeline.lib.engine import build_llm, configure_runtime_env, shutdown_llm  # noqa: E402
+from batch_pipeline.lib import models
+from batch_pipeline_tests.tiny_model import build_tiny_llama  # noqa: E402
+from batch_pipeline.lib.runtime import configure_runtime_env  # noqa: E402
+from batch_pipeline.lib.vllm_adapter import build_llm, shutdown_llm  # noqa: E402
 
 pytest_plugins = ["batch_pipeline_tests.s3_server"]
 
@@ -83,7 +85,7 @@ def _runtime_env():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
-    return models.build_tiny_llama(models.cache_root() / "test-models" / TINY_NAME)
+    return build_tiny_llama(models.cache_root() / "test-models" / TINY_NAME)
 
 
 @pytest.fixture(scope="session")
@@ -94,7 +96,7 @@ def bundled_model_dir() -> Path:
 @pytest.fixture
 def tiny_llm(tiny_model_dir, monkeypatch) -> SessionLLM:
     """The LLM resource on the tiny random model (answers are gibberish; shapes and counts are real)."""
-    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "MAX_MODEL_LEN", "SHARD_SIZE"):
+    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "MAX_MODEL_LEN", "SHARD_SIZE", "CHECKPOINT_ANSWERS", "CHECKPOINT_SECONDS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KV_CACHE_MEMORY_BYTES", str(TEST_KV_BYTES))
     return SessionLLM(model_path=str(tiny_model_dir), served_model_name=TINY_NAME, max_model_len=TINY_MAX_MODEL_LEN)
@@ -103,7 +105,7 @@ def tiny_llm(tiny_model_dir, monkeypatch) -> SessionLLM:
 @pytest.fixture
 def smollm2_llm(bundled_model_dir, monkeypatch) -> SessionLLM:
     """The LLM resource on the bundled SmolLM2-135M-Instruct (real answers)."""
-    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "SHARD_SIZE"):
+    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "SHARD_SIZE", "CHECKPOINT_ANSWERS", "CHECKPOINT_SECONDS"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KV_CACHE_MEMORY_BYTES", str(512 * 2**20))
     return SessionLLM(max_model_len=2048)

@@ -7,7 +7,7 @@ with `.stop()`, which ends the whole process group: web server, daemon, code ser
 worker the daemon launched.
 
 Started from a background job, `dagster dev` inherits SIGINT/SIGTERM as ignored and then only
-SIGKILL stops it (RECIPES.md); a tiny wrapper restores the default handlers before exec'ing it.
+SIGKILL stops it; a tiny wrapper restores the default handlers before exec'ing it.
 """
 
 from __future__ import annotations
@@ -209,6 +209,8 @@ def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, **extr
         "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
         "BATCH_PIPELINE_CACHE": os.environ["BATCH_PIPELINE_CACHE"],
         "SHARD_SIZE": None,
+        "CHECKPOINT_ANSWERS": None,
+        "CHECKPOINT_SECONDS": None,
         **extra,
     }
 

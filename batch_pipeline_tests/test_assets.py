@@ -18,7 +18,7 @@ from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.lib import storage
-from batch_pipeline_tests.conftest import REPO, TINY_NAME
+from batch_pipeline_tests.conftest import REPO, TINY_NAME, SessionLLM
 
 DATE = "2026-11-29"
 
@@ -116,7 +116,9 @@ def test_rerun_reuses_checkpointed_answers_without_loading_a_model(tiny_llm, par
     result = materialize(tiny_llm, str(inbox), str(out), run_config=again)
     assert result.success
     assert (out / DATE / "alpha" / "output.jsonl").read_bytes() == first
-    assert json.loads((out / DATE / "alpha" / "metrics.json").read_text())["resumed_requests"] == 5
+    inference = metadata_of(result, "inference_results")
+    assert "inference_seconds" not in inference  # nothing computed: no figures
+    assert "| alpha | 0 | 0 | 0.0 |" in inference["summary"]  # batch, resumed, computed, seconds
 
 
 def test_a_date_run_again_skips_completed_batches_and_redoes_changed_files(
@@ -154,7 +156,7 @@ def test_changed_model_does_not_reuse_stale_checkpoints(tiny_llm, partition_with
     again = {"ops": {a.key.to_user_string(): {"config": {"skip_completed": False}} for a in BATCH_ASSETS}}
     assert materialize(other, str(inbox), str(out), run_config=again).success
     checkpoint_dirs = list((out / DATE / "alpha" / "_work" / "answers").iterdir())
-    assert len(checkpoint_dirs) == 2  # a new fingerprint, not the old checkpoint
+    assert len(checkpoint_dirs) == 2  # a new checkpoint key, not the old checkpoint
     assert json.loads((out / DATE / "alpha" / "batch.json").read_text())["metadata"]["seed"] == "99"
 
 
@@ -213,3 +215,95 @@ def test_definitions_load_with_expected_assets_jobs_and_resources():
     assert {"llm", "storage"} <= set(repo.get_top_level_resources())
     inference = definitions.resolve_assets_def("inference_results")
     assert inference.op.pool == "gpu"
+
+
+_LATE_FILES: list[tuple[Path, str]] = []
+
+
+class DropsAFileWhenTheModelLoads(SessionLLM):
+    """Copies a batch file into the date's folder at the moment the engine is built (mid-run)."""
+
+    def build_engine(self, kwargs):
+        while _LATE_FILES:
+            path, text = _LATE_FILES.pop()
+            path.write_text(text)
+        return super().build_engine(kwargs)
+
+
+def test_a_file_arriving_mid_run_is_left_for_the_next_run(tiny_llm, tmp_path):
+    """Defect: a file copied into the date's folder after the first step failed batch_outputs
+    (FileNotFoundError on its validation.json). A run finishes exactly the batches it took."""
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    write_batch(inbox / DATE, "early.jsonl", [chat_line(f"e-{i}") for i in range(6)])
+    _LATE_FILES.append((inbox / DATE / "late.jsonl", chat_line("l-1") + "\n" + chat_line("l-2") + "\n"))
+    llm = tiny_llm.rebuilt(DropsAFileWhenTheModelLoads)
+
+    first = materialize(llm, str(inbox), str(out))
+    assert first.success
+    assert (inbox / DATE / "late.jsonl").exists() and not _LATE_FILES  # it did arrive mid-run
+    assert json.loads((out / DATE / "early" / "batch.json").read_text())["status"] == "completed"
+    assert not (out / DATE / "late").exists()  # not touched by the run that did not take it
+    for asset in ("validated_requests", "inference_results", "batch_outputs", "throughput_metrics"):
+        assert metadata_of(first, asset)["batches"] == 1, asset
+    record = json.loads((out / DATE / ".runs" / f"{first.run_id}.json").read_text())
+    assert [b["name"] for b in record["batches"]] == ["early"]
+
+    second = materialize(tiny_llm, str(inbox), str(out))  # the next run (nightly, backfill) takes it
+    assert second.success
+    assert json.loads((out / DATE / "late" / "batch.json").read_text())["request_counts"]["completed"] == 2
+    assert metadata_of(second, "validated_requests")["batches"] == 1  # early is completed: skipped
+
+
+def test_a_later_step_without_the_first_fails_clearly(tiny_llm, partition_with_two_batches):
+    inbox, out = partition_with_two_batches
+    result = dg.materialize(
+        BATCH_ASSETS,
+        selection=["batch_outputs"],
+        partition_key=DATE,
+        resources={"llm": tiny_llm, "storage": StorageResource(input_path=str(inbox), output_path=str(out))},
+        instance=dg.DagsterInstance.ephemeral(),
+        raise_on_error=False,
+    )
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    assert "materialize validated_requests in the same run first" in failure.step_failure_data.error.message
+
+
+def test_a_run_with_nothing_to_do_leaves_results_and_figures_as_they_were(tiny_llm, tmp_path, monkeypatch):
+    """Defect: a sensor run for a file a backfill had finished rewrote metrics.json and the
+    throughput_metrics materialization with zeros (model load 0, inference 0, tok/s 0)."""
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    path = write_batch(inbox / DATE, "night.jsonl", [chat_line(f"n-{i}") for i in range(4)])
+    assert materialize(tiny_llm, str(inbox), str(out)).success  # the backfill
+    folder = out / DATE / "night"
+    before = {name: (folder / name).read_bytes() for name in ("output.jsonl", "errors.jsonl", "batch.json", "metrics.json")}
+    assert json.loads(before["metrics.json"])["inference_seconds"] > 0
+
+    monkeypatch.setattr(type(tiny_llm), "build_engine", lambda self, kwargs: pytest.fail("engine built"))
+    # What the sensor's run for that file asks for: that one file, default config.
+    again = materialize(tiny_llm, "", "", run_config=batch_run_config(str(path), str(folder)))
+    assert again.success
+    assert {name: (folder / name).read_bytes() for name in before} == before
+    assert metadata_of(again, "throughput_metrics") == {"batches": 0}  # no zeros in the UI's plots
+    assert "inference_seconds" not in metadata_of(again, "inference_results")
+
+    # Asked to redo it anyway: the answers are reused and the figures of the run that did the work stay.
+    redo = {"ops": {a.key.to_user_string(): {"config": {"skip_completed": False}} for a in BATCH_ASSETS}}
+    assert materialize(tiny_llm, str(inbox), str(out), run_config=redo).success
+    assert (folder / "output.jsonl").read_bytes() == before["output.jsonl"]
+    first, now = json.loads(before["metrics.json"]), json.loads((folder / "metrics.json").read_text())
+    for key in ("model_load_seconds", "inference_seconds", "output_tokens_per_second", "peak_memory_mb"):
+        assert now[key] == first[key], key
+
+
+def test_a_gpu_preset_without_gpus_fails_the_step_once_before_any_model_loads(tiny_llm, tmp_path, monkeypatch):
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    write_batch(inbox / DATE, "a.jsonl", [chat_line("a-1")])
+    monkeypatch.setenv("ENGINE_PRESET", "h100-8b")
+    monkeypatch.setattr(type(tiny_llm), "build_engine", lambda self, kwargs: pytest.fail("engine built"))
+    result = materialize(tiny_llm, str(inbox), str(out))
+    assert not result.success
+    failures = [e for e in result.all_events if e.is_step_failure]
+    assert [e.step_key for e in failures] == ["inference_results"]
+    assert "ENGINE_PRESET=h100-8b" in failures[0].step_failure_data.error.message
+    assert not [e for e in result.all_events if e.event_type_value == "STEP_RESTARTED"]  # a setting: no retries

@@ -104,3 +104,13 @@ def test_run_creates_a_missing_dagster_home(tmp_path, monkeypatch, capsys):
     assert home.is_dir()  # ...but the run was recorded, not refused for a missing folder
     with dg.DagsterInstance.from_config(str(home)) as instance:
         assert len(instance.get_runs()) == 1
+
+
+def test_run_refuses_a_gpu_preset_on_a_machine_without_gpus(tmp_path, monkeypatch, capsys):
+    """Defect: ENGINE_PRESET=h100-8b on a CPU machine went on to load the model with bf16 and 8k context."""
+    monkeypatch.setenv("ENGINE_PRESET", "h100-8b")
+    path = tmp_path / "in.jsonl"
+    path.write_text(chat_line("a") + "\n")
+    assert main(["run", str(path), "--output-dir", str(tmp_path / "out")]) == EXIT_FAILED
+    assert "ENGINE_PRESET=h100-8b is for 1 x H100 80 GB, but no GPU is visible" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before any step ran

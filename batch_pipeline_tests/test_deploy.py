@@ -501,3 +501,29 @@ def test_env_example_leaves_secrets_empty():
         if SECRET_NAME.search(key):
             assert value == "", f".env.example: {key} must be left empty"
     assert ".env" in (DEPLOY / ".gitignore").read_text().split()
+
+
+def test_definitions_load_from_an_installed_package_without_the_source_tree(tmp_path):
+    """The image installs the package (no pyproject.toml beside it): load_from_defs_folder must still
+    find the project, from the dg.toml shipped inside the package, and load every definition."""
+    import shutil
+    import subprocess
+    import sys
+
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO / "batch_pipeline", site / "batch_pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    script = (
+        "import batch_pipeline\n"
+        "print(batch_pipeline.__file__)\n"
+        "from batch_pipeline.definitions import defs\n"
+        "d = defs()\n"
+        "print(sorted(k.to_user_string() for k in d.resolve_asset_graph().get_all_asset_keys()))\n"
+        "print([s.name for s in d.sensors], [s.name for s in d.schedules])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(str(site / "batch_pipeline"))  # the copy, not the editable source tree
+    assert "['batch_outputs', 'inference_results', 'throughput_metrics', 'validated_requests']" in proc.stdout
+    assert "['batch_upload_sensor'] ['nightly_batch_schedule']" in proc.stdout
+    assert "dg.toml" in (REPO / "pyproject.toml").read_text()  # shipped as package data

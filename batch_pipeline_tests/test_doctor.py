@@ -29,7 +29,10 @@ ENGINE_VARS = (
     "TENSOR_PARALLEL_SIZE",
     "EMBEDDING_MODEL_PATH",
     "MAX_MODEL_LEN",
+    "CHECKPOINT_ANSWERS",
     "SHARD_SIZE",
+    "ENGINE_PRESET",
+    "CHECKPOINT_SECONDS",
     "DTYPE",
 )
 AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_MAX_ATTEMPTS", "S3_SSE", "S3_SSE_KMS_KEY_ID")
@@ -218,3 +221,13 @@ def test_probe_that_cannot_be_deleted_is_a_warning(local_setup: Path, monkeypatc
     (result,) = doctor.run_checks(only=["storage output"])
     assert result.status == "WARN"
     assert "the probe stays: cannot delete" in result.detail and "AccessDenied" in result.detail
+
+
+def test_gpu_preset_on_a_machine_without_gpus_fails_naming_it(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    """Defect: ENGINE_PRESET=h100-8b on these CPUs printed PASS for settings and the GPU check."""
+    monkeypatch.setenv("ENGINE_PRESET", "h100-8b")
+    [gpu] = doctor.run_checks(only=["gpu"])
+    assert gpu.status == "FAIL"
+    assert "ENGINE_PRESET=h100-8b is for 1 x H100 80 GB, but no GPU is visible" in gpu.detail
+    [settings] = doctor.run_checks(only=["settings"])
+    assert "ENGINE_PRESET=h100-8b" in settings.detail

@@ -109,7 +109,7 @@ def smollm2_llm_module(bundled_model_dir):
     from batch_pipeline_tests.conftest import SessionLLM
 
     mp = pytest.MonkeyPatch()
-    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "SHARD_SIZE"):
+    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "SHARD_SIZE", "CHECKPOINT_ANSWERS", "CHECKPOINT_SECONDS"):
         mp.delenv(var, raising=False)
     mp.setenv("KV_CACHE_MEMORY_BYTES", str(512 * 2**20))
     yield SessionLLM(max_model_len=2048)

@@ -15,7 +15,7 @@ from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from batch_pipeline.lib import contract as c
-from batch_pipeline.lib.engine import Engines
+from batch_pipeline.lib.engines import Engines
 from batch_pipeline_tests.conftest import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
 
 
@@ -33,7 +33,7 @@ def req(line: int, url: str = c.CHAT_URL, **body) -> c.BatchRequest:
 
 
 def run(engines: Engines, *requests: c.BatchRequest) -> dict[int, dict]:
-    answers = engines.run("batch_test", list(requests), created=1_700_000_000)
+    answers = list(engines.stream("batch_test", list(requests), created=1_700_000_000))
     assert sorted(a.line for a in answers) == sorted(r.line for r in requests)  # exactly once
     return {a.line: a.record for a in answers}
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 
 from batch_pipeline.lib import models
+from batch_pipeline_tests.tiny_model import build_tiny_llama
 
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return models.build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny-llama")
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +69,7 @@ def test_bundled_model_dir_uses_given_root(tmp_path):
 def test_tiny_llama_second_build_is_a_no_op(tiny):
     marker = (tiny / models.MARKER_NAME).read_text()
     weights_mtime = (tiny / "model.safetensors").stat().st_mtime_ns
-    assert models.build_tiny_llama(tiny) == tiny
+    assert build_tiny_llama(tiny) == tiny
     assert (tiny / models.MARKER_NAME).read_text() == marker
     assert (tiny / "model.safetensors").stat().st_mtime_ns == weights_mtime
 
@@ -102,7 +103,7 @@ def test_tiny_llama_tokenizer_renders_chatml_and_round_trips(tiny):
 
 
 def test_tiny_llama_is_deterministic(tiny, tmp_path):
-    again = models.build_tiny_llama(tmp_path / "tiny-llama")
+    again = build_tiny_llama(tmp_path / "tiny-llama")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert _sha256(again / name) == _sha256(tiny / name)
     assert models.model_identity(again)["revision"] == models.model_identity(tiny)["revision"]
@@ -112,7 +113,7 @@ def test_tiny_llama_rebuilds_damaged_folder(tiny, tmp_path):
     copy = tmp_path / "tiny-llama"
     shutil.copytree(tiny, copy)
     (copy / "model.safetensors").write_bytes(b"truncated")
-    models.build_tiny_llama(copy)
+    build_tiny_llama(copy)
     assert _sha256(copy / "model.safetensors") == _sha256(tiny / "model.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == [".tiny-llama.lock", "tiny-llama"]
 

@@ -55,7 +55,7 @@ def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir
     batch = tmp_path / "big.jsonl"
     batch.write_text("\n".join(chat_line(i, max_tokens=48, ignore_eos=True) for i in ids) + "\n")
     out = tmp_path / "out"
-    env = tiny_env(tiny_model_dir, SHARD_SIZE="20", BATCH_SIZE="32")
+    env = tiny_env(tiny_model_dir, CHECKPOINT_ANSWERS="20", BATCH_SIZE="32")
     command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
 
     victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -135,7 +135,7 @@ def test_terminated_run_says_cancelled_keeps_answers_and_next_run_resumes(tiny_l
     out = tmp_path / "out"
     storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
 
-    interrupted = tiny_llm.rebuilt(InterruptedLLM, batch_size=8, shard_size=4)
+    interrupted = tiny_llm.rebuilt(InterruptedLLM, batch_size=8, checkpoint_answers=4)
     result = run_batch(str(batch), str(out), "2026-11-30", resources={"llm": interrupted, "storage": storage})
     assert not result.success
     outputs, errors, batch_obj = results(out)
@@ -235,7 +235,7 @@ def test_two_concurrent_runs_of_one_batch_neither_corrupt_nor_double_it(tiny_mod
     batch = tmp_path / "shared.jsonl"
     batch.write_text("\n".join(chat_line(i, max_tokens=16, ignore_eos=True) for i in ids) + "\n[1]\n")
     out = tmp_path / "out"
-    env = tiny_env(tiny_model_dir, SHARD_SIZE="8")
+    env = tiny_env(tiny_model_dir, CHECKPOINT_ANSWERS="8")
     command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
     runs = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     for run in runs:
@@ -273,7 +273,7 @@ def test_engine_death_is_retried_by_dagster_and_resumes_from_checkpoints(tiny_ll
     storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
     _DyingEngine.died = False
     result = run_batch(str(batch), str(out), "2026-11-30",
-                       resources={"llm": tiny_llm.rebuilt(DyingLLM, shard_size=2), "storage": storage})
+                       resources={"llm": tiny_llm.rebuilt(DyingLLM, checkpoint_answers=2), "storage": storage})
     assert _DyingEngine.died
     assert result.success  # inference_results' RetryPolicy re-ran the step
     retries = [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]

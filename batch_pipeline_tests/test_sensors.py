@@ -29,7 +29,8 @@ import pytest
 
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline.defs.sensors import LOOKBACK_SECONDS, SENSOR_INTERVAL_SECONDS, UploadCursor, batch_upload_sensor
+from batch_pipeline.defs.sensors import SENSOR_INTERVAL_SECONDS, batch_upload_sensor
+from batch_pipeline.lib.uploads import LOOKBACK_SECONDS, UploadCursor
 from batch_pipeline_tests.s3_server import MotoS3
 
 # In memory: the sensor only reads its cursor from the context (a SQLite instance costs ~1 s each).
@@ -155,7 +156,7 @@ def test_s3_more_than_1000_keys(client, s3_bucket, s3_storage) -> None:
     assert len({r.run_key for r in result.run_requests}) == len(keys)
     partitions = {r.partition_key for r in result.run_requests}
     assert {"2025-03-10", "2025-03-11", "2025-03-12"} < partitions  # plus today's, for the loose files
-    # Compact: about 15 bytes per file (a 12-digit fingerprint), not the file's URI and ETag.
+    # Compact: about 15 bytes per file (a 12-digit version id), not the file's URI and ETag.
     assert len(result.cursor) < 20 * len(keys)
     assert len(UploadCursor.parse(result.cursor).seen) == len(keys)
 
@@ -283,3 +284,26 @@ def test_sensor_as_defined_and_requests_valid_for_batch_job(tmp_path: Path) -> N
     (request,) = evaluate(storage).run_requests
     assert job.partitions_def.has_partition_key(request.partition_key)
     dg.validate_run_config(job, request.run_config)
+
+
+def test_s3_file_versions_already_completed_start_no_run(client, s3_bucket, s3_storage) -> None:
+    """Turned on after a backfill: the files the backfill completed (same ETag) start no run; a file
+    changed since, or one whose batch did not complete, does."""
+    done, done_etag, _ = put(client, s3_bucket, "incoming/2025-03-14/done.jsonl")
+    changed, _, _ = put(client, s3_bucket, "incoming/2025-03-14/changed.jsonl", LINE + LINE)
+    cancelled, cancelled_etag, _ = put(client, s3_bucket, "incoming/2025-03-14/cancelled.jsonl")
+
+    def batch_json(name: str, status: str, etag: str) -> None:
+        body = json.dumps({"status": status, "metadata": {"input_etag": etag}}).encode()
+        client.put_object(Bucket=s3_bucket, Key=f"output/2025-03-14/{name}/batch.json", Body=body)
+
+    batch_json("done", "completed", done_etag)
+    batch_json("changed", "completed", "etag-of-an-older-version")
+    batch_json("cancelled", "cancelled", cancelled_etag)
+
+    log: list[str] = []
+    result = evaluate(s3_storage, log=log)
+    assert set(by_uri(result)) == {changed, cancelled}
+    assert any(done in m and "already completed" in m for m in log)
+    # The cursor still marks the completed file as seen: the next tick does not look at it again.
+    assert evaluate(s3_storage, result.cursor).run_requests == []

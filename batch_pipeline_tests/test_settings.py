@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from batch_pipeline.defs.resources import LLMResource, StorageResource
-from batch_pipeline.lib.engine import engine_kwargs
+from batch_pipeline.lib.engine_args import engine_kwargs
 from batch_pipeline.lib.settings import (
     ConfigError,
     EngineSettings,
@@ -43,6 +43,10 @@ def test_deployment_guide_names_map_to_engine_settings():
         ({"ENABLE_PREFIX_CACHING": "maybe"}, "ENABLE_PREFIX_CACHING='maybe' is not a valid boolean"),
         ({"ENGINE_ARGS": "[1]"}, "ENGINE_ARGS='[1]' is not a valid JSON object"),
         ({"MAX_MODEL_LEN": "8"}, "MAX_MODEL_LEN=8 is out of range"),
+        ({"CHECKPOINT_SECONDS": "0"}, "CHECKPOINT_SECONDS=0.0 is out of range .0.5 to 3600 seconds."),
+        ({"CHECKPOINT_SECONDS": "soon"}, "CHECKPOINT_SECONDS='soon' is not a valid number"),
+        ({"CHECKPOINT_ANSWERS": "0"}, "CHECKPOINT_ANSWERS=0 is out of range .at least 1."),
+        ({"ENGINE_PRESET": "a100"}, "ENGINE_PRESET='a100' is not a preset"),
     ],
 )
 def test_bad_values_name_the_variable(env, message):
@@ -91,3 +95,26 @@ def test_presets_fill_defaults_and_explicit_variables_win():
     assert engine_settings_from_env({"ENGINE_PRESET": "h100x4-70b"}).tensor_parallel_size == 4
     with pytest.raises(ConfigError, match="ENGINE_PRESET='a100' is not a preset; choose one of cpu, h100-8b"):
         engine_settings_from_env({"ENGINE_PRESET": "a100"})
+
+
+def test_checkpoint_settings_default_to_10_seconds_and_take_the_old_name():
+    defaults = engine_settings_from_env({})
+    assert (defaults.checkpoint_answers, defaults.checkpoint_seconds) == (256, 10.0)
+    assert engine_settings_from_env({"CHECKPOINT_SECONDS": "2.5"}).checkpoint_seconds == 2.5
+    assert engine_settings_from_env({"SHARD_SIZE": "64"}).checkpoint_answers == 64  # the name before CHECKPOINT_ANSWERS
+    assert engine_settings_from_env({"SHARD_SIZE": "64", "CHECKPOINT_ANSWERS": "32"}).checkpoint_answers == 32
+    assert LLMResource(checkpoint_seconds=3.0).settings().checkpoint_seconds == 3.0
+
+
+def test_a_gpu_preset_is_refused_without_gpus_and_names_the_preset():
+    from batch_pipeline.lib.engine_args import hardware_problem
+
+    h100 = engine_settings_from_env({"ENGINE_PRESET": "h100-8b"})
+    assert h100.preset == "h100-8b" and h100.dtype == "bfloat16"
+    assert "ENGINE_PRESET=h100-8b is for 1 x H100 80 GB, but no GPU is visible" in hardware_problem(h100, gpus=0)
+    assert hardware_problem(h100, gpus=1) is None
+    tp4 = engine_settings_from_env({"ENGINE_PRESET": "h100x4-70b"})
+    assert "only 2 GPU(s) are visible" in hardware_problem(tp4, gpus=2)
+    assert hardware_problem(engine_settings_from_env({"ENGINE_PRESET": "cpu"}), gpus=0) is None
+    assert hardware_problem(engine_settings_from_env({}), gpus=0) is None
+    assert "TENSOR_PARALLEL_SIZE=2 but only 1 GPU(s)" in hardware_problem(engine_settings_from_env({"TENSOR_PARALLEL_SIZE": "2"}), gpus=1)

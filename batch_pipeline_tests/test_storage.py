@@ -3,9 +3,9 @@
 Covers: join/basename/local_path, write/read/exists/describe/delete round trips, byte-exact streaming
 of lines (CRLF, no final newline) and bounded read-ahead, resuming a broken S3 read (and refusing
 when the object changed meanwhile), atomic open_write (nothing published on exception),
-upload/download, list_objects (hidden files, suffix, non-recursive, sibling prefixes, >1000 keys via
-pagination), delete_prefix, ETag changes, error mapping (FileNotFoundError naming the URI,
-StorageError with the S3 code) and S3_SSE on PUT and upload.
+list_objects (hidden files, suffix, non-recursive, sibling prefixes, >1000 keys via pagination), the
+JSON helpers, ETag changes, error mapping (FileNotFoundError naming the URI, StorageError with the S3
+code) and S3_SSE on PUT and streamed writes.
 
 S3 is moto's standalone server on 127.0.0.1 spoken to over real HTTP (see s3_server.py); boto3 is
 not mocked. Does not touch real AWS, ~/.aws, Dagster or vLLM; local files live in pytest's tmp_path.
@@ -229,20 +229,6 @@ def test_open_write_publishes_nothing_on_exception(
 # --------------------------------------------------------------------------- transfer
 
 
-def test_upload_and_download(base: str, tmp_path: Path) -> None:
-    source = tmp_path / "src.bin"
-    source.write_bytes(bytes(range(256)) * 100)
-    uri = storage.join(base, "nested", "copy.bin")
-    storage.upload_file(source, uri)
-    assert storage.read_bytes(uri) == source.read_bytes()
-    target = tmp_path / "dl" / "again" / "copy.bin"
-    storage.download_file(uri, target)
-    assert target.read_bytes() == source.read_bytes()
-
-
-# --------------------------------------------------------------------------- listing & deleting
-
-
 def test_list_objects_filters_and_sorts(base: str) -> None:
     for rel in ["b.jsonl", "a.jsonl", "_meta.jsonl", "notes.txt", "sub/c.jsonl", "sub/deeper/d.jsonl",
                 ".hidden.jsonl", "sub/.part.jsonl", ".cache/e.jsonl"]:
@@ -259,41 +245,6 @@ def test_list_objects_filters_and_sorts(base: str) -> None:
         "_meta.jsonl", "a.jsonl", "b.jsonl", "sub/c.jsonl", "sub/deeper/d.jsonl"]
     assert rels(storage.list_objects(base, recursive=False)) == ["_meta.jsonl", "a.jsonl", "b.jsonl", "notes.txt"]
     assert storage.list_objects(storage.join(base, "missing")) == []
-
-
-def test_list_objects_paginates_past_1000_keys(s3_bucket: str) -> None:
-    prefix = f"s3://{s3_bucket}/many"
-    uris = [f"{prefix}/part-{i:05d}.jsonl" for i in range(1050)]
-    with ThreadPoolExecutor(max_workers=16) as pool:  # also exercises the shared client from threads
-        list(pool.map(lambda uri: storage.write_bytes(uri, b"{}\n"), uris))
-    infos = storage.list_objects(prefix)
-    assert [info.uri for info in infos] == uris
-    assert {info.size for info in infos} == {3}
-    assert storage.delete_prefix(prefix) == 1050  # DeleteObjects in batches of 1000
-    assert storage.list_objects(prefix) == []
-
-
-def test_delete_prefix(base: str) -> None:
-    for rel in ["run/a", "run/.hidden", "run/sub/b", "runner/c"]:
-        storage.write_bytes(storage.join(base, rel), b"x")
-    assert storage.delete_prefix(storage.join(base, "run")) == 3  # hidden entries go too
-    assert [info.uri for info in storage.list_objects(base)] == [storage.join(base, "runner/c")]
-    assert storage.delete_prefix(storage.join(base, "run")) == 0
-    local = storage.local_path(base)
-    if local is not None:
-        assert not (local / "run").exists()
-
-
-def test_delete_prefix_refuses_roots(s3_bucket: str) -> None:
-    with pytest.raises(ValueError):
-        storage.delete_prefix(f"s3://{s3_bucket}")
-    with pytest.raises(ValueError):
-        storage.delete_prefix(f"s3://{s3_bucket}/")
-    with pytest.raises(ValueError):
-        storage.delete_prefix("/")
-
-
-# --------------------------------------------------------------------------- metadata & errors
 
 
 def test_etag_changes_with_content(base: str) -> None:
@@ -313,18 +264,6 @@ def test_local_etag_format(tmp_path: Path) -> None:
     storage.write_bytes(str(path), b"abc")
     st = path.stat()
     assert storage.describe(str(path)).etag == f"{st.st_mtime_ns}-3"
-
-
-def test_missing_object_raises_file_not_found_naming_uri(base: str, tmp_path: Path) -> None:
-    uri = storage.join(base, "no", "such.jsonl")
-    for call in (storage.read_bytes, storage.open_read, storage.describe, storage.read_text):
-        with pytest.raises(FileNotFoundError) as err:
-            call(uri)
-        assert uri in str(err.value) or str(storage.local_path(uri)) in str(err.value)
-    with pytest.raises(FileNotFoundError) as err:
-        storage.download_file(uri, tmp_path / "dl")
-    assert not (tmp_path / "dl").exists()
-    assert not storage.exists(uri)
 
 
 def test_s3_missing_error_details(s3_bucket: str) -> None:
@@ -350,24 +289,6 @@ def test_other_s3_errors_raise_storage_error_with_code(s3_bucket: str, moto_serv
 
 
 # --------------------------------------------------------------------------- client & SSE
-
-
-def test_sse_aes256_on_put_and_upload(
-    s3_bucket: str, moto_server: MotoS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    monkeypatch.setenv("S3_SSE", "AES256")
-    source = tmp_path / "src"
-    source.write_bytes(b"upload\n")
-    storage.write_bytes(f"s3://{s3_bucket}/put", b"put\n")
-    with storage.open_write(f"s3://{s3_bucket}/stream") as handle:
-        handle.write(b"stream\n")
-    storage.upload_file(source, f"s3://{s3_bucket}/upload")
-    client = moto_server.client()
-    for key in ("put", "stream", "upload"):
-        head = client.head_object(Bucket=s3_bucket, Key=key)
-        if "ServerSideEncryption" in head:  # moto reports it; real S3 does too
-            assert head["ServerSideEncryption"] == "AES256"
-    assert storage.read_bytes(f"s3://{s3_bucket}/stream") == b"stream\n"
 
 
 def test_sse_kms_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -403,3 +324,42 @@ def test_client_is_shared_and_reset_follows_env(s3_env: dict[str, str], monkeypa
     assert storage.s3_client() is client  # cached until reset
     storage.reset_clients()
     assert storage.s3_client().meta.config.retries["total_max_attempts"] == 3  # type: ignore[attr-defined]
+
+
+def test_list_objects_paginates_past_1000_keys(s3_bucket: str) -> None:
+    prefix = f"s3://{s3_bucket}/many"
+    uris = [f"{prefix}/part-{i:05d}.jsonl" for i in range(1050)]
+    with ThreadPoolExecutor(max_workers=16) as pool:  # also exercises the shared client from threads
+        list(pool.map(lambda uri: storage.write_bytes(uri, b"{}\n"), uris))
+    infos = storage.list_objects(prefix)
+    assert [info.uri for info in infos] == uris
+    assert {info.size for info in infos} == {3}
+
+
+def test_missing_object_raises_file_not_found_naming_uri(base: str) -> None:
+    uri = storage.join(base, "no", "such.jsonl")
+    for call in (storage.read_bytes, storage.open_read, storage.describe, storage.read_text, storage.read_json):
+        with pytest.raises(FileNotFoundError) as err:
+            call(uri)
+        assert uri in str(err.value) or str(storage.local_path(uri)) in str(err.value)
+    assert not storage.exists(uri)
+
+
+def test_json_helpers_round_trip(base: str) -> None:
+    storage.write_json(storage.join(base, "doc.json"), {"name": "café", "n": [1, 2]})
+    assert storage.read_json(storage.join(base, "doc.json")) == {"name": "café", "n": [1, 2]}
+    storage.write_bytes(storage.join(base, "rows.jsonl"), storage.json_line({"a": 1}) + b"\n" + storage.json_line({"b": "é"}))
+    assert list(storage.iter_jsonl(storage.join(base, "rows.jsonl"))) == [{"a": 1}, {"b": "é"}]
+
+
+def test_sse_aes256_on_put_and_stream(s3_bucket: str, moto_server: MotoS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("S3_SSE", "AES256")
+    storage.write_bytes(f"s3://{s3_bucket}/put", b"put\n")
+    with storage.open_write(f"s3://{s3_bucket}/stream") as handle:
+        handle.write(b"stream\n")
+    client = moto_server.client()
+    for key in ("put", "stream"):
+        head = client.head_object(Bucket=s3_bucket, Key=key)
+        if "ServerSideEncryption" in head:  # moto reports it; real S3 does too
+            assert head["ServerSideEncryption"] == "AES256"
+    assert storage.read_bytes(f"s3://{s3_bucket}/stream") == b"stream\n"

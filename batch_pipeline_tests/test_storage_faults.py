@@ -7,8 +7,7 @@ AccessDenied, TCP resets (before the answer, partway through an upload, after th
 committed, in the middle of a multi-MB GET body) and silent connections that outlast the client's
 read timeout. Covers write_bytes, open_write (single PUT with ``Expect: 100-continue`` and a multipart upload),
 open_read streaming (botocore retries before the body, storage's ranged If-Match resume inside it),
-download_file, list_objects across pages, describe/exists, delete and delete_prefix (including
-per-key DeleteObjects errors), retries running out (AWS_MAX_ATTEMPTS=3), and the batch validation
+list_objects across pages, describe/exists, delete, retries running out (AWS_MAX_ATTEMPTS=3), and the batch validation
 step (validate_batch) reading and writing S3 through the faults, checked byte for byte against the
 same step on local files.
 
@@ -31,7 +30,8 @@ from typing import Any
 import pytest
 
 from batch_pipeline.lib import storage
-from batch_pipeline.lib.batches import BatchLocation, validate_batch
+from batch_pipeline.lib.ingest import validate_batch
+from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.validation import ValidationSettings
 from batch_pipeline_tests.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
 from batch_pipeline_tests.s3_server import MotoS3, apply_env
@@ -251,15 +251,6 @@ def test_read_resume_fails_fast_on_a_permanent_error(s3: S3) -> None:
     assert s3.uri("in.jsonl") in str(err.value)
 
 
-def test_download_file_survives_mid_body_reset(s3: S3, tmp_path: Path) -> None:
-    s3.put("in.jsonl", BIG)
-    s3.proxy.fail_next(1, "reset", method="GET", after_bytes=int(1.5 * MB))
-    s3.proxy.fail_next(1, "500", method="GET")
-    storage.download_file(s3.uri("in.jsonl"), tmp_path / "copy.jsonl")
-    assert (tmp_path / "copy.jsonl").read_bytes() == BIG
-    assert s3.proxy.injected() == 2
-
-
 # --------------------------------------------------------------------------- listing and metadata
 
 
@@ -303,34 +294,12 @@ def test_describe_and_exists_survive_fault(s3: S3, monkeypatch: pytest.MonkeyPat
 
 
 def test_delete_survives_faults(s3: S3) -> None:
-    for i in range(5):
-        s3.put(f"runs/x/{i}.jsonl", b"x\n")
+    s3.put("runs/x/0.jsonl", b"x\n")
     s3.put("keep.jsonl", b"k\n")
     s3.proxy.fail_next(1, "500", method="DELETE")
     storage.delete(s3.uri("runs/x/0.jsonl"))
-    s3.proxy.fail_next(1, "reset", method="POST", match="?delete")
-    s3.proxy.fail_next(1, "503", method="GET", match="list-type=2")
-    assert storage.delete_prefix(s3.uri("runs")) == 4
     assert s3.keys() == ["keep.jsonl"]
-    assert s3.proxy.injected() == 3
-
-
-def _delete_errors(keys: list[str], code: str) -> bytes:
-    errors = "".join(f"<Error><Key>{k}</Key><Code>{code}</Code><Message>try again</Message></Error>" for k in keys)
-    return f'<?xml version="1.0" encoding="UTF-8"?><DeleteResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">{errors}</DeleteResult>'.encode()
-
-
-def test_delete_prefix_retries_keys_the_batch_call_failed(s3: S3) -> None:
-    keys = [f"runs/y/{i}.jsonl" for i in range(3)]
-    for key in keys:
-        s3.put(key, b"y\n")
-    # DeleteObjects answers 200 but fails every key (nothing reached moto): storage sends them again.
-    body = _delete_errors(keys, "InternalError")
-    s3.proxy.fail_next(1, "reply", method="POST", match="?delete", status=200, body=body,
-                       headers={"Content-Type": "application/xml"})
-    assert storage.delete_prefix(s3.uri("runs")) == 3
-    assert s3.keys() == []
-    assert s3.proxy.injected("reply") == 1 and s3.proxy.count(method="POST", match="?delete") == 2
+    assert s3.proxy.injected() == 1
 
 
 # --------------------------------------------------------------------------- permanent errors and exhausted retries
@@ -387,32 +356,6 @@ def test_exhausted_retries_fail_with_a_clear_error(
         assert "gave up after 3 attempts" in str(err.value)
     assert s3.proxy.injected(kind) == 3  # AWS_MAX_ATTEMPTS counts every attempt, the first included
     assert s3.get("a.jsonl") == b"old\n"
-
-
-def test_download_retries_exhausted_is_a_storage_error(s3: S3, tmp_path: Path) -> None:
-    s3.put("in.jsonl", BIG)
-    s3.proxy.fail_next(20, "reset", method="GET", after_bytes=1000)  # every GET breaks early
-    with pytest.raises(storage.StorageError) as err:
-        storage.download_file(s3.uri("in.jsonl"), tmp_path / "copy.jsonl")
-    assert err.value.uri == s3.uri("in.jsonl") and "retries exhausted" in str(err.value)
-    assert not (tmp_path / "copy.jsonl").exists()
-
-
-def test_delete_prefix_gives_up_on_keys_that_keep_failing(s3: S3, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
-    s3.put("runs/z/0.jsonl", b"z\n")
-    body = _delete_errors(["runs/z/0.jsonl"], "SlowDown")
-    s3.proxy.fail_next(5, "reply", method="POST", match="?delete", status=200, body=body)
-    with pytest.raises(storage.StorageError) as err:
-        storage.delete_prefix(s3.uri("runs"))
-    assert err.value.code == "SlowDown" and err.value.uri == s3.uri("runs/z/0.jsonl")
-    assert "after 2 attempts" in str(err.value)
-    s3.proxy.clear()
-    s3.proxy.fail_next(1, "reply", method="POST", match="?delete", status=200,
-                       body=_delete_errors(["runs/z/0.jsonl"], "AccessDenied"))
-    with pytest.raises(storage.StorageError, match="AccessDenied"):
-        storage.delete_prefix(s3.uri("runs"))
-    assert s3.proxy.count(method="POST", match="?delete") == 3  # a permanent per-key error is not retried
 
 
 # --------------------------------------------------------------------------- the validation step

@@ -31,7 +31,7 @@ from batch_pipeline_tests.conftest import REPO, TINY_NAME
 from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
-# Keep the browser off the network (RECIPES.md).
+# Keep the browser off the network (these flags stop its background fetches).
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",

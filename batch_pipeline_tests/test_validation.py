@@ -6,6 +6,7 @@ must be accepted or rejected with the right code, line number and field in the m
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import tracemalloc
@@ -19,7 +20,6 @@ from batch_pipeline.lib.validation import (
     LineValidator,
     ValidLine,
     ValidationSettings,
-    iter_physical_lines,
     validate_stream,
 )
 
@@ -155,9 +155,11 @@ def test_repeated_custom_id_first_runs_later_are_duplicates():
 
 def test_physical_lines_tolerate_bom_crlf_blank_lines_and_no_final_newline():
     data = b"\xef\xbb\xbf" + line(custom_id="a") + b"\r\n\r\n   \n" + line(custom_id="b") + b"\r\n" + line(custom_id="c")
-    got = list(iter_physical_lines(io.BytesIO(data)))
-    assert [n for n, _ in got] == [1, 4, 5]
-    assert [json.loads(raw)["custom_id"] for _, raw in got] == ["a", "b", "c"]
+    valid, invalid = [], []
+    summary = validate_stream(io.BytesIO(data), SETTINGS, valid.append, invalid.append)
+    assert [(r.line, r.custom_id) for r in valid] == [(1, "a"), (4, "b"), (5, "c")]
+    assert invalid == [] and summary.lines == 3
+    assert summary.sha256 == hashlib.sha256(data).hexdigest()  # the checksum covers the raw bytes, BOM included
 
 
 def test_validate_stream_counts_and_routes_every_line():

@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batch_pipeline.lib.engine import runtime_env  # the same cache/offline variables as the pipeline
+from batch_pipeline.lib.runtime import runtime_env  # the same cache/offline variables as the pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO / ".cache"
@@ -112,7 +112,9 @@ import json, sys
 from pathlib import Path
 from batch_pipeline.defs.resources import LLMResource
 from batch_pipeline.lib import models
-from batch_pipeline.lib.engine import engine_kwargs, is_cpu, vllm_version
+from batch_pipeline.lib.engine_args import engine_kwargs
+from batch_pipeline.lib.runtime import is_cpu
+from batch_pipeline.lib.vllm_adapter import vllm_version
 
 res = LLMResource()                      # what `batch-pipeline run` uses: env vars, then defaults
 settings = res.settings()
@@ -133,7 +135,7 @@ llm_defaults = {
 }
 print("BENCH_PREFLIGHT " + json.dumps({
     "model_path": path, "served_model_name": served, "engine_kwargs": kwargs, "cpu": is_cpu(),
-    "shard_size": settings.shard_size, "llm_class_scheduler": llm_defaults, "engine": vllm_version(),
+    "checkpoint_answers": settings.checkpoint_answers, "checkpoint_seconds": settings.checkpoint_seconds, "llm_class_scheduler": llm_defaults, "engine": vllm_version(),
 }))
 """
 
@@ -577,7 +579,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "llm_class_scheduler": pre["llm_class_scheduler"],
             "run_batch_scheduler": scheduler or "vLLM's run_batch defaults",
             "run_batch_disable_log_stats": ctx["run_batch_disable_log_stats"],
-            "pipeline_shard_size": pre["shard_size"],
+            "pipeline_checkpoint_answers": pre["checkpoint_answers"],
             "pipeline_source": source,
             "repeats": args.repeats,
             "work_dir": str(work),

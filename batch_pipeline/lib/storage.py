@@ -14,7 +14,7 @@ Guarantees:
   instead of splicing two versions together.
 * Writes publish atomically. Local files are written to a hidden temp file in the target directory
   and moved into place with ``os.replace``; S3 objects are a single PUT (or one managed upload for
-  :func:`open_write` / :func:`upload_file`, which only becomes visible once complete). A failed
+  :func:`open_write`, which only becomes visible once complete). A failed
   :func:`open_write` publishes nothing.
 * Errors are uniform. A missing object (or bucket) raises ``FileNotFoundError`` whose ``filename`` is
   the URI; any other S3 failure raises :class:`StorageError` naming the URI and the S3 error code.
@@ -22,8 +22,7 @@ Guarantees:
   part of a managed upload) goes through botocore's retry handler: 500/502/503/504 (``SlowDown``
   included), ``RequestTimeout``, connection resets and connect/read timeouts are retried with
   jittered exponential backoff, up to ``AWS_MAX_ATTEMPTS`` attempts in all. A read that breaks after
-  its response started is resumed as described above; keys that a batch delete reports as failed
-  with a transient code are deleted again. Anything else (``AccessDenied``, ...) fails at once.
+  its response started is resumed as described above. Anything else (``AccessDenied``, ...) fails at once.
   Note botocore's own limits: connection errors and 5xx back off from 50 ms (SlowDown from 1 s), so
   8 attempts ride out a few seconds of network trouble, not minutes; and in ``standard``/``adaptive``
   mode each client (one per process here) has a retry quota that a burst of failed retries drains,
@@ -42,9 +41,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import os
 import re
-import shutil
 import tempfile
 import threading
 import time
@@ -63,10 +62,9 @@ __all__ = [
     "StorageError",
     "basename",
     "delete",
-    "delete_prefix",
     "describe",
-    "download_file",
     "exists",
+    "iter_jsonl",
     "is_s3",
     "join",
     "list_objects",
@@ -74,12 +72,14 @@ __all__ = [
     "open_read",
     "open_write",
     "read_bytes",
+    "read_json",
     "read_text",
     "reset_clients",
+    "split_s3",
     "s3_client",
-    "upload_file",
     "write_bytes",
-    "write_text",
+    "write_json",
+    "json_line",
 ]
 
 S3_SCHEME = "s3://"
@@ -91,12 +91,9 @@ DEFAULT_MAX_ATTEMPTS = 8
 MAX_POOL_CONNECTIONS = 32  # callers upload from thread pools
 READ_BUFFER_SIZE = 1 << 20  # bytes held by open_read's buffer
 STREAM_RESUMES = 5  # consecutive failed resumes of one S3 read before giving up
-DELETE_BATCH = 1000  # DeleteObjects limit
 
 # Error codes that mean "there is nothing at this URI".
 _MISSING_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchBucket"})
-# Per-key DeleteObjects error codes worth another try (the batch call itself succeeded).
-_TRANSIENT_CODES = frozenset({"InternalError", "SlowDown", "ServiceUnavailable", "RequestTimeout", "500", "503"})
 
 
 class StorageError(RuntimeError):
@@ -133,7 +130,8 @@ def _split_scheme(uri: str) -> tuple[str, str]:
     return "", uri
 
 
-def _split_s3(uri: str) -> tuple[str, str]:
+def split_s3(uri: str) -> tuple[str, str]:
+    """(bucket, key) of an s3:// URI."""
     if not is_s3(uri):
         raise ValueError(f"not an s3:// URI: {uri!r}")
     bucket, _, key = uri[5:].partition("/")
@@ -189,7 +187,7 @@ def join(base: str, *parts: str) -> str:
 def basename(uri: str) -> str:
     """The last path segment, ignoring a trailing slash; "" for a bucket or filesystem root."""
     if is_s3(uri):
-        _, key = _split_s3(uri)
+        _, key = split_s3(uri)
         return key.rstrip("/").rsplit("/", 1)[-1]
     return _split_scheme(uri)[1].rstrip("/").rsplit("/", 1)[-1]
 
@@ -402,7 +400,7 @@ def open_read(uri: str) -> BinaryIO:
     """
     if not is_s3(uri):
         return open(_require_local(uri), "rb")  # noqa: SIM115 - the caller owns the handle
-    bucket, key = _split_s3(uri)
+    bucket, key = split_s3(uri)
     client = s3_client()
     with _s3_errors(uri, "read"):
         response = client.get_object(Bucket=bucket, Key=key)
@@ -447,27 +445,12 @@ def _publish_local(tmp: Path, target: Path) -> None:
 def write_bytes(uri: str, data: bytes) -> None:
     """Write a whole object atomically (readers see the old content or the new, never a part)."""
     if is_s3(uri):
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         with _s3_errors(uri, "write"):
             s3_client().put_object(Bucket=bucket, Key=key, Body=bytes(data), **_sse_args())
         return
-    target = _require_local(uri)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(target)
-    try:
-        with _open_new(tmp) as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _publish_local(tmp, target)
-
-
-def write_text(uri: str, text: str, encoding: str = "utf-8") -> None:
-    write_bytes(uri, text.encode(encoding))
+    with open_write(uri) as handle:
+        handle.write(data)
 
 
 @contextlib.contextmanager
@@ -478,7 +461,7 @@ def open_write(uri: str) -> Iterator[BinaryIO]:
     filesystem); S3 targets spool in ``tempfile.gettempdir()`` and are uploaded as one object.
     """
     if is_s3(uri):
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         fd, name = tempfile.mkstemp(prefix="storage-", suffix=".part")
         tmp = Path(name)
         try:
@@ -506,41 +489,6 @@ def open_write(uri: str) -> Iterator[BinaryIO]:
     _publish_local(tmp, target)
 
 
-def upload_file(local_path: str | os.PathLike[str], uri: str) -> None:
-    """Copy a local file to a location of either kind (atomically for local targets)."""
-    source = Path(local_path)
-    if is_s3(uri):
-        if not source.is_file():
-            raise FileNotFoundError(errno.ENOENT, "no such file", str(source))
-        bucket, key = _split_s3(uri)
-        with _s3_errors(uri, "upload"):
-            s3_client().upload_file(str(source), bucket, key, ExtraArgs=_sse_args() or None)
-        return
-    target = _require_local(uri)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_sibling(target)
-    try:
-        shutil.copyfile(source, tmp)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _publish_local(tmp, target)
-
-
-def download_file(uri: str, local_path: str | os.PathLike[str]) -> None:
-    """Copy a location of either kind to a local file (created atomically, parents made)."""
-    target = Path(local_path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if is_s3(uri):
-        bucket, key = _split_s3(uri)
-        # boto3 downloads into a temporary sibling and renames it into place.
-        with _s3_errors(uri, "download"):
-            s3_client().download_file(bucket, key, str(target))
-        return
-    upload_file(_require_local(uri), str(target))
-
-
 # --------------------------------------------------------------------------- metadata
 
 
@@ -554,7 +502,7 @@ def _etag(value: str | None) -> str:
 
 def describe(uri: str) -> ObjectInfo:
     if is_s3(uri):
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         with _s3_errors(uri, "describe"):
             head = s3_client().head_object(Bucket=bucket, Key=key)
         return ObjectInfo(uri, int(head["ContentLength"]), _etag(head.get("ETag")), head["LastModified"].timestamp())
@@ -582,7 +530,7 @@ def _hidden(relative: str) -> bool:
 
 def _prefix_key(prefix_uri: str) -> tuple[str, str]:
     """Bucket and key prefix, treating the prefix as a folder (``runs/a`` never matches ``runs/ab``)."""
-    bucket, key = _split_s3(prefix_uri)
+    bucket, key = split_s3(prefix_uri)
     if key and not key.endswith("/"):
         key += "/"
     return bucket, key
@@ -649,81 +597,33 @@ def list_objects(prefix_uri: str, suffix: str | None = None, recursive: bool = T
 def delete(uri: str) -> None:
     """Delete one object / file; a missing one is fine."""
     if is_s3(uri):
-        bucket, key = _split_s3(uri)
+        bucket, key = split_s3(uri)
         with _s3_errors(uri, "delete"):
             s3_client().delete_object(Bucket=bucket, Key=key)
         return
     _require_local(uri).unlink(missing_ok=True)
 
 
-def delete_prefix(prefix_uri: str) -> int:
-    """Delete everything under a folder-like prefix (hidden entries included); returns the count.
+# --------------------------------------------------------------------------- JSON files
 
-    Refuses a bucket root or filesystem root. Local folders are removed along with their files.
-    """
-    if is_s3(prefix_uri):
-        bucket, key_prefix = _prefix_key(prefix_uri)
-        if not key_prefix:
-            raise ValueError(f"refusing to delete a whole bucket: {prefix_uri!r}")
-        client = s3_client()
-        deleted = 0
-        batch: list[dict[str, str]] = []
 
-        def flush() -> None:
-            # DeleteObjects can succeed as a call and still fail single keys (InternalError,
-            # SlowDown, ...): botocore does not retry those, so the transient ones are sent again.
-            nonlocal deleted
-            pending = list(batch)
-            attempts = _max_attempts()
-            for attempt in range(1, attempts + 1):
-                response = client.delete_objects(Bucket=bucket, Delete={"Objects": pending, "Quiet": True})
-                errors = response.get("Errors") or []
-                if not errors:
-                    break
-                permanent = [e for e in errors if e.get("Code") not in _TRANSIENT_CODES]
-                if permanent or attempt == attempts:
-                    first = (permanent or errors)[0]
-                    tried = f" after {attempt} attempts" if not permanent else ""
-                    raise StorageError(
-                        _s3_uri(bucket, first.get("Key", "")),
-                        first.get("Code", "Unknown"),
-                        f"{first.get('Message', '')} ({len(errors)} of {len(batch)} deletes failed{tried})",
-                        "delete",
-                    )
-                pending = [{"Key": e["Key"]} for e in errors]
-                time.sleep(min(0.2 * 2 ** (attempt - 1), 5.0))
-            deleted += len(batch)
-            batch.clear()
+def json_line(obj: Any) -> bytes:
+    """One compact JSON Lines record (UTF-8, newline-terminated)."""
+    return (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n").encode("utf-8")
 
-        with _s3_errors(prefix_uri, "delete"):
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=key_prefix):
-                for obj in page.get("Contents", ()):
-                    batch.append({"Key": obj["Key"]})
-                    if len(batch) >= DELETE_BATCH:
-                        flush()
-            if batch:
-                flush()
-        return deleted
-    if not prefix_uri.strip():
-        raise ValueError("refusing to delete an empty prefix")
-    root = _require_local(prefix_uri)
-    if root.resolve() == Path(root.resolve().anchor):
-        raise ValueError(f"refusing to delete a filesystem root: {prefix_uri!r}")
-    if not root.is_dir():
-        return 0
-    deleted = 0
-    for dirpath, dirnames, filenames in os.walk(root, topdown=False):
-        for name in filenames:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(dirpath, name))
-                deleted += 1
-        for name in dirnames:
-            full = os.path.join(dirpath, name)
-            if os.path.islink(full):
-                os.unlink(full)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.rmdir(full)
-    with contextlib.suppress(FileNotFoundError):
-        os.rmdir(root)
-    return deleted
+
+def write_json(uri: str, obj: Any) -> None:
+    """An indented JSON document, written atomically."""
+    write_bytes(uri, (json.dumps(obj, ensure_ascii=False, indent=2) + "\n").encode("utf-8"))
+
+
+def read_json(uri: str) -> Any:
+    return json.loads(read_text(uri))
+
+
+def iter_jsonl(uri: str) -> Iterator[dict[str, Any]]:
+    """The records of a JSON Lines object, streamed; blank lines are skipped."""
+    with open_read(uri) as f:
+        for raw in f:
+            if raw.strip():
+                yield json.loads(raw)

@@ -12,15 +12,15 @@ import json
 import re
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, NamedTuple
 
 from pydantic import ValidationError
 
-from batch_pipeline.lib import contract as c
+from batch_pipeline.lib import contract
 from batch_pipeline.lib import fastpath
-from batch_pipeline.lib.ids import request_line_id
+from batch_pipeline.lib.responses import error_line
 
 _BOM = b"\xef\xbb\xbf"
 _decode_fast = fastpath.decoder.decode
@@ -35,11 +35,11 @@ class ValidationSettings:
 
     served_model_name: str
     embedding_model_name: str | None = None
-    max_custom_id_length: int = c.MAX_CUSTOM_ID_LENGTH
+    max_custom_id_length: int = contract.MAX_CUSTOM_ID_LENGTH
     max_line_bytes: int = 10 * 2**20
 
     def models_for(self, url: str) -> tuple[str, ...]:
-        if url == c.EMBEDDINGS_URL:
+        if url == contract.EMBEDDINGS_URL:
             return (self.embedding_model_name,) if self.embedding_model_name else ()
         return (self.served_model_name,)
 
@@ -60,15 +60,15 @@ class ValidationSummary:
         """The batch's endpoint: the most common one among valid lines (OpenAI allows one per file)."""
         if self.endpoints:
             return self.endpoints.most_common(1)[0][0]
-        return c.CHAT_URL
+        return contract.CHAT_URL
 
-    def file_error(self) -> c.BatchFileError | None:
+    def file_error(self) -> contract.BatchFileError | None:
         """A file-level problem that makes the whole batch `failed`, or None."""
         if self.lines == 0:
-            return c.BatchFileError(code="empty_file", message="the input file has no requests")
+            return contract.BatchFileError(code="empty_file", message="the input file has no requests")
         if self.valid == 0:
             codes = ", ".join(f"{code}: {n}" for code, n in sorted(self.errors_by_code.items()))
-            return c.BatchFileError(
+            return contract.BatchFileError(
                 code="no_valid_lines", message=f"every one of the {self.lines} lines is invalid ({codes})"
             )
         return None
@@ -93,9 +93,9 @@ class ValidLine(NamedTuple):
         return json.loads(self.raw)["body"]
 
 
-def request_from_record(record: dict[str, Any]) -> c.BatchRequest:
+def request_from_record(record: dict[str, Any]) -> contract.BatchRequest:
     request = record["request"]
-    return c.BatchRequest(line=record["line"], custom_id=request["custom_id"], url=request["url"], body=request["body"])
+    return contract.BatchRequest(line=record["line"], custom_id=request["custom_id"], url=request["url"], body=request["body"])
 
 
 @dataclass(frozen=True)
@@ -105,25 +105,8 @@ class InvalidLine:
     code: str
     message: str
 
-    def to_error_line(self, batch_seed: str) -> dict[str, Any]:
-        return {
-            "id": request_line_id(batch_seed, self.line),
-            "custom_id": self.custom_id,
-            "response": None,
-            "error": {"code": self.code, "message": self.message, "line": self.line},
-        }
-
-
-def iter_physical_lines(stream: BinaryIO, hasher: Any | None = None) -> Iterator[tuple[int, bytes]]:
-    """Yield (line number, bytes) of each non-blank line; tolerates a BOM, CRLF and no final newline."""
-    for number, raw in enumerate(stream, start=1):
-        if hasher is not None:
-            hasher.update(raw)
-        if number == 1 and raw.startswith(_BOM):
-            raw = raw[len(_BOM) :]
-        raw = raw.rstrip(b"\r\n")
-        if raw.strip():
-            yield number, raw
+    def to_error_line(self, batch_id: str) -> dict[str, Any]:
+        return error_line(batch_id, self.line, self.custom_id, self.code, self.message)
 
 
 def _reject_constant(name: str) -> None:
@@ -218,7 +201,7 @@ class LineValidator:
     def __init__(self, settings: ValidationSettings):
         self.settings = settings
         self._seen = IdSet()
-        self._models = {url: settings.models_for(url) for url in c.SUPPORTED_URLS}
+        self._models = {url: settings.models_for(url) for url in contract.SUPPORTED_URLS}
         self._max_line_bytes = settings.max_line_bytes
         self._max_id = settings.max_custom_id_length
 
@@ -255,63 +238,63 @@ class LineValidator:
 
         if len(raw) > self.settings.max_line_bytes:
             return bad(
-                c.INVALID_REQUEST,
+                contract.INVALID_REQUEST,
                 f"the line is {len(raw)} bytes, over the limit of {self.settings.max_line_bytes} (MAX_LINE_BYTES)",
                 _salvage_custom_id(raw[:4096]),
             )
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            return bad(c.INVALID_JSON, f"not valid UTF-8 (byte {e.start})", _salvage_custom_id(raw))
+            return bad(contract.INVALID_JSON, f"not valid UTF-8 (byte {e.start})", _salvage_custom_id(raw))
         try:
             obj = json.loads(text, parse_constant=_reject_constant)
         except RecursionError:
-            return bad(c.INVALID_JSON, "not valid JSON: nested too deeply", _salvage_custom_id(raw))
+            return bad(contract.INVALID_JSON, "not valid JSON: nested too deeply", _salvage_custom_id(raw))
         except ValueError as e:
             detail = f"{e.msg} (column {e.colno})" if isinstance(e, json.JSONDecodeError) else str(e)
-            return bad(c.INVALID_JSON, f"not valid JSON: {detail}", _salvage_custom_id(raw))
+            return bad(contract.INVALID_JSON, f"not valid JSON: {detail}", _salvage_custom_id(raw))
         if not isinstance(obj, dict):
             kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
-            return bad(c.INVALID_REQUEST, f"expected a JSON object, got {kind}")
+            return bad(contract.INVALID_REQUEST, f"expected a JSON object, got {kind}")
 
         custom_id = obj.get("custom_id")
         if custom_id is None:
-            return bad(c.INVALID_REQUEST, "custom_id: required field is missing")
+            return bad(contract.INVALID_REQUEST, "custom_id: required field is missing")
         if not isinstance(custom_id, str) or not custom_id:
-            return bad(c.INVALID_REQUEST, f"custom_id: must be a non-empty string (got {_short(custom_id)})")
+            return bad(contract.INVALID_REQUEST, f"custom_id: must be a non-empty string (got {_short(custom_id)})")
         if len(custom_id) > self.settings.max_custom_id_length:
             return bad(
-                c.INVALID_REQUEST,
+                contract.INVALID_REQUEST,
                 f"custom_id: {len(custom_id)} characters, over the limit of {self.settings.max_custom_id_length}",
                 custom_id,
             )
         if not self._remember(custom_id):
-            return bad(c.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} was already used by an earlier line", custom_id)
+            return bad(contract.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} was already used by an earlier line", custom_id)
 
         method = obj.get("method")
         if not isinstance(method, str) or method.upper() != "POST":
-            return bad(c.INVALID_METHOD, f"method: must be POST (got {_short(method)})", custom_id)
+            return bad(contract.INVALID_METHOD, f"method: must be POST (got {_short(method)})", custom_id)
         url = obj.get("url")
-        if url not in c.SUPPORTED_URLS:
+        if url not in contract.SUPPORTED_URLS:
             return bad(
-                c.UNSUPPORTED_URL,
-                f"url: {_short(url)} is not supported; supported endpoints are {', '.join(c.SUPPORTED_URLS)}",
+                contract.UNSUPPORTED_URL,
+                f"url: {_short(url)} is not supported; supported endpoints are {', '.join(contract.SUPPORTED_URLS)}",
                 custom_id,
             )
         body = obj.get("body")
         if not isinstance(body, dict):
             if body is None:
-                return bad(c.INVALID_REQUEST, "body: required field is missing", custom_id)
-            return bad(c.INVALID_REQUEST, f"body: must be a JSON object (got {_short(body)})", custom_id)
+                return bad(contract.INVALID_REQUEST, "body: required field is missing", custom_id)
+            return bad(contract.INVALID_REQUEST, f"body: must be a JSON object (got {_short(body)})", custom_id)
         try:
-            parsed = c.BODY_MODELS[url].model_validate(body)
+            parsed = contract.BODY_MODELS[url].model_validate(body)
         except ValidationError as e:
-            return bad(c.INVALID_REQUEST, _describe_pydantic(e, "body"), custom_id)
+            return bad(contract.INVALID_REQUEST, _describe_pydantic(e, "body"), custom_id)
         served = self.settings.models_for(url)
         if parsed.model not in served:  # type: ignore[attr-defined]
             serving = f"{served[0]!r}" if served else "no model"
             return bad(
-                c.MODEL_NOT_FOUND,
+                contract.MODEL_NOT_FOUND,
                 f"body.model: {parsed.model!r} is not served here; {url} serves {serving}",  # type: ignore[attr-defined]
                 custom_id,
             )

@@ -1,0 +1,34 @@
+"""/v1/embeddings on a second vLLM `LLM` with the pooling runner (`LLM.embed`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from batch_pipeline.lib import contract, responses, vllm_adapter
+from batch_pipeline.lib.responses import Answer
+
+
+class EmbeddingEngine(vllm_adapter.ServedModel):
+    """A pooling-runner `LLM` serving /v1/embeddings."""
+
+    def run(self, batch_id: str, requests: Sequence[contract.BatchRequest]) -> list[Answer]:
+        from vllm import PoolingParams
+
+        answers: list[Answer] = []
+        for req in requests:
+            body = req.parsed_body()
+            inputs = body.inputs()
+            longest = max(len(self.tokenizer.encode(text)) for text in inputs)
+            if longest > self.max_model_len:
+                message = f"an input is {longest} tokens; the embedding model's limit is {self.max_model_len}"
+                answers.append(responses.contract_error(batch_id, req, contract.CONTEXT_LENGTH_EXCEEDED, message))
+                continue
+            # Requests differ in `dimensions`, so each request is its own embed call over its inputs;
+            # the pooling runner is not the bottleneck of a batch that is mostly generation.
+            try:
+                params = PoolingParams(dimensions=body.dimensions) if body.dimensions else None
+                outs = self.llm.embed(inputs, pooling_params=params, use_tqdm=False)
+            except Exception as e:  # noqa: BLE001 - e.g. dimensions on a model without Matryoshka
+                answers.append(responses.engine_error(batch_id, req, e))
+                continue
+            answers.append(responses.embeddings_body(batch_id, req, body, outs, self.served_model_name))
+        return answers

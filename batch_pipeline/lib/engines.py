@@ -1,0 +1,102 @@
+"""The engines of one run: built on first use, fed one stream of mixed requests, always shut down."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from batch_pipeline.lib import contract
+from batch_pipeline.lib.embeddings import EmbeddingEngine
+from batch_pipeline.lib.engine_args import engine_kwargs
+from batch_pipeline.lib.generation import GenerationEngine
+from batch_pipeline.lib.responses import Answer
+from batch_pipeline.lib.settings import EngineSettings
+from batch_pipeline.lib.vllm_adapter import build_llm, shutdown_llm
+
+EMBEDDING_CHUNK = 64
+
+
+class Engines:
+    """The generation and the embedding engine, each built only when its first request comes."""
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        model_path: str,
+        served_name: str,
+        embedding_path: str | None,
+        embedding_name: str | None,
+        log: Callable[[str], None] = lambda _m: None,
+        builder: Callable[[dict[str, Any]], Any] = build_llm,
+    ):
+        self.settings = settings
+        self.model_path = model_path
+        self.served_name = served_name
+        self.embedding_path = embedding_path
+        self.embedding_name = embedding_name
+        self.log = log
+        self.builder = builder
+        self._generation: GenerationEngine | None = None
+        self._embedding: EmbeddingEngine | None = None
+        self.load_seconds = 0.0
+
+    def _build(self, runner: str, path: str, name: str) -> Any:
+        started = time.perf_counter()
+        self.log(f"loading {runner} model {name} from {path}")
+        llm = self.builder(engine_kwargs(self.settings, path, name, runner))
+        elapsed = time.perf_counter() - started
+        self.load_seconds += elapsed
+        self.log(f"{runner} model {name} loaded in {elapsed:.1f}s")
+        return llm
+
+    @property
+    def generation(self) -> GenerationEngine:
+        if self._generation is None:
+            llm = self._build("generate", self.model_path, self.served_name)
+            self._generation = GenerationEngine(llm, self.served_name, self.model_path)
+        return self._generation
+
+    @property
+    def embedding(self) -> EmbeddingEngine:
+        if self._embedding is None:
+            if not self.embedding_path or not self.embedding_name:
+                raise RuntimeError("no embedding model is configured (EMBEDDING_MODEL_PATH)")
+            llm = self._build("pooling", self.embedding_path, self.embedding_name)
+            self._embedding = EmbeddingEngine(llm, self.embedding_name, self.embedding_path)
+        return self._embedding
+
+    def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int) -> Iterator[Answer]:
+        """Answer a stream of mixed requests, each exactly once, in the order they finish."""
+        ready: deque[Answer] = deque()
+        embeddings: list[contract.BatchRequest] = []
+
+        def generation_only() -> Iterator[contract.BatchRequest]:
+            for req in requests:
+                if req.url != contract.EMBEDDINGS_URL:
+                    yield req
+                    continue
+                embeddings.append(req)
+                if len(embeddings) >= EMBEDDING_CHUNK:
+                    ready.extend(self.embedding.run(batch_id, embeddings))
+                    embeddings.clear()
+
+        generation = generation_only()
+        first = next(generation, None)
+        if first is not None:
+            for answer in self.generation.stream(batch_id, itertools.chain([first], generation), created):
+                yield answer
+                while ready:
+                    yield ready.popleft()
+        if embeddings:
+            ready.extend(self.embedding.run(batch_id, embeddings))
+        while ready:
+            yield ready.popleft()
+
+    def close(self) -> None:
+        for engine in (self._generation, self._embedding):
+            if engine is not None:
+                shutdown_llm(engine.llm)
+        self._generation = self._embedding = None

@@ -1,0 +1,172 @@
+"""Chat and completions on one vLLM `LLM`: requests streamed in, one answer per request out.
+
+Chat goes through `LLM.enqueue_chat` (the queueing form of `LLM.chat`: same chat template and
+rendering), completions through `LLM.enqueue` (the form of `LLM.generate`). Prompts are measured
+with the model's own tokenizer first, so an over-long prompt becomes a `context_length_exceeded`
+line instead of an exception, and `max_tokens` beyond the room left in the context is clamped to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from batch_pipeline.lib import contract, responses, vllm_adapter
+from batch_pipeline.lib.responses import Answer
+
+# vLLM's own extensions to the OpenAI body, accepted as its online server accepts them.
+VLLM_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens")
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine: parsed body, prompts and one SamplingParams per prompt."""
+
+    req: contract.BatchRequest
+    body: Any
+    prompts: list[Any]  # conversations (chat) or strings (completions)
+    params: list[Any]
+    prompt_lens: list[int] = field(default_factory=list)
+
+
+class GenerationEngine(vllm_adapter.ServedModel):
+    """One vLLM `LLM` serving chat and completions for the duration of a run."""
+
+    def __init__(self, llm: Any, served_model_name: str, model_path: str):
+        super().__init__(llm, served_model_name, model_path)
+        self._defaults = vllm_adapter.default_sampling_values(llm)
+
+    # -- preparation ------------------------------------------------------------------------
+
+    def _count_chat(self, conversation: list[dict[str, Any]]) -> int:
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _count_text(self, prompt: str) -> int:
+        return len(self.tokenizer.encode(prompt))
+
+    def _sampling(self, body: Any, max_tokens: int, logprobs: int | None) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import StructuredOutputsParams
+
+        values = dict(self._defaults)
+        overrides = {
+            "n": body.n,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "seed": body.seed,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "stop": body.stop_list() or None,
+            "max_tokens": max_tokens,
+            "logprobs": logprobs,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        extras = body.model_extra or {}
+        values.update({k: extras[k] for k in VLLM_SAMPLING_EXTRAS if extras.get(k) is not None})
+        fmt = getattr(body, "response_format", None)
+        if fmt is not None and fmt.type == "json_object":
+            values["structured_outputs"] = StructuredOutputsParams(json_object=True)
+        elif fmt is not None and fmt.type == "json_schema":
+            values["structured_outputs"] = StructuredOutputsParams(json=fmt.json_schema.schema_)
+        return SamplingParams(**values)
+
+    def _room(self, prompt_len: int, requested: int | None) -> int:
+        room = self.max_model_len - prompt_len
+        return room if requested is None else min(requested, room)
+
+    def prepare(self, batch_id: str, req: contract.BatchRequest) -> Prepared | Answer:
+        """Parse, measure and build sampling params; an Answer when the request cannot run."""
+        try:
+            body = req.parsed_body()
+            if req.url == contract.CHAT_URL:
+                conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
+                lengths = [self._count_chat(conversation)]
+                prompts: list[Any] = [conversation]
+                logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            else:
+                prompts = body.prompts()
+                lengths = [self._count_text(p) for p in prompts]
+                logprobs = body.logprobs
+        except Exception as e:  # noqa: BLE001 - a template or tokenizer refusing one request
+            return responses.engine_error(batch_id, req, e)
+        longest = max(lengths)
+        if longest >= self.max_model_len:
+            return responses.contract_error(
+                batch_id,
+                req,
+                contract.CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt is {longest} tokens; MAX_MODEL_LEN is {self.max_model_len}, which leaves no room "
+                "for output",
+            )
+        try:
+            params = [self._sampling(body, self._room(n, body.token_limit()), logprobs) for n in lengths]
+        except Exception as e:  # noqa: BLE001 - vLLM refusing a parameter combination
+            return responses.engine_error(batch_id, req, e)
+        return Prepared(req=req, body=body, prompts=prompts, params=params, prompt_lens=lengths)
+
+    # -- execution --------------------------------------------------------------------------
+
+    def _enqueue(self, item: Prepared) -> list[str]:
+        if item.req.url == contract.CHAT_URL:
+            return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False)
+        return self.llm.enqueue(item.prompts, item.params, use_tqdm=False)
+
+    def window(self) -> int:
+        """Requests kept queued in the engine: enough that the scheduler always has a full batch."""
+        return max(4 * vllm_adapter.max_num_seqs(self.llm), 64)
+
+    def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int) -> Iterator[Answer]:
+        """Answer requests as they finish, keeping the engine fed (continuous batching over the
+        whole batch, no barriers). Each request is answered exactly once."""
+        window = self.window()
+        pending: dict[str, tuple[Prepared, int, str]] = {}  # output id -> (item, prompt index, enqueued id)
+        collected: dict[int, list[Any]] = {}  # input line -> outputs per prompt
+        source = iter(requests)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(pending) < window:
+                    req = next(source, None)
+                    if req is None:
+                        exhausted = True
+                        break
+                    prepared = self.prepare(batch_id, req)
+                    if isinstance(prepared, Answer):
+                        yield prepared
+                        continue
+                    try:
+                        enqueued = self._enqueue(prepared)
+                    except Exception as e:  # noqa: BLE001 - the engine refused this request (e.g. its schema)
+                        yield responses.engine_error(batch_id, req, e)
+                        continue
+                    collected[req.line] = [None] * len(enqueued)
+                    for index, enqueued_id in enumerate(enqueued):
+                        pending[vllm_adapter.output_request_id(enqueued_id)] = (prepared, index, enqueued_id)
+                if not pending:
+                    if exhausted:
+                        return
+                    continue
+                if not vllm_adapter.has_unfinished(self.llm):
+                    lines = sorted(item.req.line for item, _, _ in pending.values())
+                    raise RuntimeError(f"the engine dropped {len(pending)} requests (lines {lines[:10]})")
+                for out in vllm_adapter.step(self.llm):
+                    if not out.finished or out.request_id not in pending:
+                        continue
+                    item, index, _ = pending.pop(out.request_id)
+                    slots = collected[item.req.line]
+                    slots[index] = out
+                    if all(slot is not None for slot in slots):
+                        del collected[item.req.line]
+                        yield self._answer(batch_id, item, slots, created)
+        finally:
+            if pending:  # interrupted: do not leave half-done requests running in the engine
+                vllm_adapter.abort(self.llm, [enqueued_id for _, _, enqueued_id in pending.values()])
+
+    def _answer(self, batch_id: str, item: Prepared, outputs: list[Any], created: int) -> Answer:
+        if item.req.url == contract.CHAT_URL:
+            return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.served_model_name, created)
+        return responses.completion_body(
+            batch_id, item.req, item.body, item.prompts, outputs, self.served_model_name, created
+        )

@@ -1,0 +1,97 @@
+"""Throughput figures: per batch (metrics.json) and summed over the batches of a run."""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+from batch_pipeline.lib import storage
+from batch_pipeline.lib.locations import BatchLocation
+
+
+def peak_memory_mb() -> float:
+    # ru_maxrss is in KiB on Linux: the process-wide peak, engine included.
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
+    """Throughput figures of one batch from its result and work files, written to metrics.json.
+
+    Every figure comes from what the steps recorded when they did the work (inference.json keeps
+    the timings and peak memory of the run that answered), so measuring again, e.g. in a later run
+    that found nothing left to do, writes the same figures.
+    """
+    batch = storage.read_json(loc.out("batch.json"))
+    validation = storage.read_json(loc.work("validation.json"))
+    inference = storage.read_json(loc.work("inference.json")) if validation["valid"] else {}
+    finalize = storage.read_json(loc.work("finalize.json"))
+    infer_s = float(inference.get("inference_seconds", 0.0))
+    counts, usage = batch["request_counts"], batch["usage"]
+
+    def per_second(value: float) -> float:
+        return round(value / infer_s, 3) if infer_s > 0 else 0.0
+
+    metrics = {
+        "batch_id": batch["id"],
+        "status": batch["status"],
+        "requests_total": counts["total"],
+        "requests_completed": counts["completed"],
+        "requests_failed": counts["failed"],
+        "input_tokens": usage["input_tokens"],
+        "output_tokens": usage["output_tokens"],
+        "total_tokens": usage["total_tokens"],
+        "model_load_seconds": float(inference.get("model_load_seconds", 0.0)),
+        "validation_seconds": float(validation["seconds"]),
+        "inference_seconds": infer_s,
+        "writing_seconds": float(finalize["seconds"]),
+        "requests_per_second": per_second(counts["completed"]),
+        "input_tokens_per_second": per_second(usage["input_tokens"]),
+        "output_tokens_per_second": per_second(usage["output_tokens"]),
+        "total_tokens_per_second": per_second(usage["total_tokens"]),
+        "peak_memory_mb": float(inference.get("peak_memory_mb") or peak_memory_mb()),
+        "resumed_requests": int(inference.get("resumed_requests", 0)),
+        "checkpoint_parts": int(inference.get("checkpoint_parts", 0)),
+        "checkpoint_write_seconds": float(inference.get("checkpoint_write_seconds", 0.0)),
+        **inference.get("gpu", {}),
+        **inference.get("engine", {}),
+    }
+    storage.write_json(loc.out("metrics.json"), metrics)
+    return metrics
+
+
+_SUMMED = (
+    "requests_total", "requests_completed", "requests_failed", "input_tokens", "output_tokens", "total_tokens",
+    "model_load_seconds", "validation_seconds", "inference_seconds", "writing_seconds",
+    "checkpoint_parts", "checkpoint_write_seconds",
+)
+_RATES = (
+    ("requests_per_second", "requests_completed"),
+    ("input_tokens_per_second", "input_tokens"),
+    ("output_tokens_per_second", "output_tokens"),
+    ("total_tokens_per_second", "total_tokens"),
+)
+
+
+def aggregate_metrics(per_batch: list[dict[str, Any]]) -> dict[str, Any]:
+    """One set of figures for the batches of a run (what the Dagster UI plots per partition).
+
+    With no batches there are no figures, only `batches: 0`: a run that had nothing to do must not
+    plot zeros over the real throughput of the run that did the work.
+    """
+    if not per_batch:
+        return {"batches": 0}
+    totals: dict[str, Any] = {key: sum(m.get(key, 0) for m in per_batch) for key in _SUMMED}
+    seconds = totals["inference_seconds"]
+    for key, numerator in _RATES:
+        totals[key] = round(totals[numerator] / seconds, 3) if seconds > 0 else 0.0
+    totals["batches"] = len(per_batch)
+    gpu_util = [m["gpu_utilization_mean_pct"] for m in per_batch if "gpu_utilization_mean_pct" in m]
+    if gpu_util:
+        totals["gpu_utilization_mean_pct"] = round(sum(gpu_util) / len(gpu_util), 1)
+        totals["gpu_memory_peak_mb"] = max(m["gpu_memory_peak_mb"] for m in per_batch if "gpu_memory_peak_mb" in m)
+    totals["peak_memory_mb"] = max(m["peak_memory_mb"] for m in per_batch)
+    for key in ("served_model_name", "engine", "model_path", "model_revision"):
+        values = sorted({str(m[key]) for m in per_batch if key in m})
+        if values:
+            totals[key] = ", ".join(values)
+    return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in totals.items()}

