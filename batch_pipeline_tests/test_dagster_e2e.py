@@ -195,5 +195,5 @@ def test_schedule_fired_by_the_daemon_runs_an_empty_date_fast(e2e) -> None:
     # Measured ~10 s here (process start and Dagster imports); with the model it would be 25 s+.
     assert stats.end_time - stats.start_time < 60
     inference = materialization_metadata(server, run.run_id, "inference_results")
-    assert inference["batches"] == 0 and inference["model_load_seconds"] == 0
+    assert inference["batches"] == 0 and "model_load_seconds" not in inference  # no zeros in the plots
     assert materialization_metadata(server, run.run_id, "validated_requests")["batches"] == 0
