@@ -14,7 +14,7 @@ import pytest
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.lib import contract as c
+from batch_pipeline.lib import contract
 from batch_pipeline.lib.engines import Engines
 from batch_pipeline_tests.conftest import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
 
@@ -25,14 +25,14 @@ def engines(tiny_llm):
         yield e
 
 
-def req(line: int, url: str = c.CHAT_URL, **body) -> c.BatchRequest:
-    if url == c.CHAT_URL:
+def req(line: int, url: str = contract.CHAT_URL, **body) -> contract.BatchRequest:
+    if url == contract.CHAT_URL:
         body.setdefault("messages", [{"role": "user", "content": "hello there"}])
-    body.setdefault("model", EMBED_NAME if url == c.EMBEDDINGS_URL else TINY_NAME)
-    return c.BatchRequest(line=line, custom_id=f"id-{line}", url=url, body=body)
+    body.setdefault("model", EMBED_NAME if url == contract.EMBEDDINGS_URL else TINY_NAME)
+    return contract.BatchRequest(line=line, custom_id=f"id-{line}", url=url, body=body)
 
 
-def run(engines: Engines, *requests: c.BatchRequest) -> dict[int, dict]:
+def run(engines: Engines, *requests: contract.BatchRequest) -> dict[int, dict]:
     answers = list(engines.stream("batch_test", list(requests), created=1_700_000_000))
     assert sorted(a.line for a in answers) == sorted(r.line for r in requests)  # exactly once
     return {a.line: a.record for a in answers}
@@ -87,7 +87,7 @@ def test_chat_logprobs_have_top_k_alternatives(engines):
 
 def test_completions_with_list_prompt_echo_and_logprobs(engines):
     body = body_of(
-        run(engines, req(1, url=c.COMPLETIONS_URL, prompt=["The sky", "Rivers"], max_tokens=3, echo=True, logprobs=2, n=2))[1]
+        run(engines, req(1, url=contract.COMPLETIONS_URL, prompt=["The sky", "Rivers"], max_tokens=3, echo=True, logprobs=2, n=2))[1]
     )
     completion = Completion.model_validate(body)
     assert completion.object == "text_completion"
@@ -98,7 +98,7 @@ def test_completions_with_list_prompt_echo_and_logprobs(engines):
 
 
 def test_completions_default_to_16_tokens_like_openai(engines):
-    body = body_of(run(engines, req(1, url=c.COMPLETIONS_URL, prompt="Once upon", temperature=0, ignore_eos=True))[1])
+    body = body_of(run(engines, req(1, url=contract.COMPLETIONS_URL, prompt="Once upon", temperature=0, ignore_eos=True))[1])
     assert Completion.model_validate(body).usage.completion_tokens <= 16
 
 
@@ -106,7 +106,7 @@ def test_prompt_over_max_model_len_is_an_error_line_not_an_exception(engines):
     long = "word " * (TINY_MAX_MODEL_LEN * 2)
     records = run(engines, req(1, messages=[{"role": "user", "content": long}]), req(2, max_tokens=2))
     assert records[1]["response"] is None
-    assert records[1]["error"]["code"] == c.CONTEXT_LENGTH_EXCEEDED and records[1]["error"]["line"] == 1
+    assert records[1]["error"]["code"] == contract.CONTEXT_LENGTH_EXCEEDED and records[1]["error"]["line"] == 1
     assert f"MAX_MODEL_LEN is {TINY_MAX_MODEL_LEN}" in records[1]["error"]["message"]
     body_of(records[2])  # the neighbour still ran
 
@@ -117,7 +117,7 @@ def test_max_tokens_beyond_the_room_left_is_clamped(engines):
     prompt_tokens = len(tokenizer.encode(prompt))
     room = TINY_MAX_MODEL_LEN - prompt_tokens
     body = body_of(
-        run(engines, req(1, url=c.COMPLETIONS_URL, prompt=prompt, max_tokens=TINY_MAX_MODEL_LEN * 4, temperature=0, ignore_eos=True))[1]
+        run(engines, req(1, url=contract.COMPLETIONS_URL, prompt=prompt, max_tokens=TINY_MAX_MODEL_LEN * 4, temperature=0, ignore_eos=True))[1]
     )
     usage = Completion.model_validate(body).usage
     assert usage.prompt_tokens == prompt_tokens
@@ -143,8 +143,8 @@ def test_json_object_output_is_constrained(engines):
 def test_embeddings_float_and_base64(engines):
     records = run(
         engines,
-        req(1, url=c.EMBEDDINGS_URL, input=["hello", "world"]),
-        req(2, url=c.EMBEDDINGS_URL, input="hello", encoding_format="base64"),
+        req(1, url=contract.EMBEDDINGS_URL, input=["hello", "world"]),
+        req(2, url=contract.EMBEDDINGS_URL, input="hello", encoding_format="base64"),
     )
     floats = CreateEmbeddingResponse.model_validate(body_of(records[1]))
     assert [d.index for d in floats.data] == [0, 1] and len(floats.data[0].embedding) == 384
@@ -156,6 +156,6 @@ def test_embeddings_float_and_base64(engines):
 
 
 def test_embedding_dimensions_the_model_cannot_do_is_a_400(engines):
-    record = run(engines, req(1, url=c.EMBEDDINGS_URL, input="x", dimensions=8))[1]
+    record = run(engines, req(1, url=contract.EMBEDDINGS_URL, input="x", dimensions=8))[1]
     assert record["response"]["status_code"] == 400
     assert "dimensions" in record["response"]["body"]["error"]["message"]

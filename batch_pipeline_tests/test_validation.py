@@ -13,7 +13,7 @@ import tracemalloc
 
 import pytest
 
-from batch_pipeline.lib import contract as c
+from batch_pipeline.lib import contract
 from batch_pipeline.lib import fastpath
 from batch_pipeline.lib.validation import (
     InvalidLine,
@@ -31,7 +31,7 @@ def chat(**body):
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}
 
 
-def line(custom_id="r1", method="POST", url=c.CHAT_URL, body=None, **extra):
+def line(custom_id="r1", method="POST", url=contract.CHAT_URL, body=None, **extra):
     obj = {"custom_id": custom_id, "method": method, "url": url, "body": chat() if body is None else body, **extra}
     return json.dumps(obj, ensure_ascii=False).encode()
 
@@ -56,9 +56,9 @@ VALID = [
     ("json_schema", line(body=chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}))),
     ("unknown body fields are ignored", line(body=chat(user="u-1", stream=False))),
     ("chinese text", line(body=chat(messages=[{"role": "user", "content": "北京是哪个国家的首都？"}]))),
-    ("completions string", line(url=c.COMPLETIONS_URL, body={"model": MODEL, "prompt": "Once", "echo": True, "logprobs": 2})),
-    ("completions list", line(url=c.COMPLETIONS_URL, body={"model": MODEL, "prompt": ["a", "b"]})),
-    ("embeddings", line(url=c.EMBEDDINGS_URL, body={"model": "embed-model", "input": ["a", "b"], "encoding_format": "base64"})),
+    ("completions string", line(url=contract.COMPLETIONS_URL, body={"model": MODEL, "prompt": "Once", "echo": True, "logprobs": 2})),
+    ("completions list", line(url=contract.COMPLETIONS_URL, body={"model": MODEL, "prompt": ["a", "b"]})),
+    ("embeddings", line(url=contract.EMBEDDINGS_URL, body={"model": "embed-model", "input": ["a", "b"], "encoding_format": "base64"})),
     ("64-character custom_id", line(custom_id="x" * 64)),
 ]
 
@@ -74,48 +74,48 @@ def test_valid_lines_pass(raw):
 
 INVALID = [
     # (id, raw line, code, text the message must contain)
-    ("truncated json", b'{"custom_id": "t1", "method": "POST", "url": "/v1/chat', c.INVALID_JSON, "not valid JSON"),
-    ("not utf-8", b'{"custom_id": "u1", "x": "\xff\xfe"}', c.INVALID_JSON, "UTF-8"),
-    ("NaN", line(body=chat(temperature=float("nan"))), c.INVALID_JSON, "NaN"),
-    ("Infinity", b'{"custom_id": "i", "method": "POST", "url": "/v1/chat/completions", "body": {"x": Infinity}}', c.INVALID_JSON, "Infinity"),
-    ("deeply nested", b'{"custom_id": "d", "a": ' + b"[" * 100000 + b"]" * 100000 + b"}", c.INVALID_JSON, "nested"),
-    ("json array", b'[{"custom_id": "a"}]', c.INVALID_REQUEST, "expected a JSON object, got an array"),
-    ("missing custom_id", json.dumps({"method": "POST", "url": c.CHAT_URL, "body": chat()}).encode(), c.INVALID_REQUEST, "custom_id"),
-    ("numeric custom_id", line(custom_id=5), c.INVALID_REQUEST, "custom_id"),
-    ("empty custom_id", line(custom_id=""), c.INVALID_REQUEST, "custom_id"),
-    ("custom_id over 64", line(custom_id="x" * 65), c.INVALID_REQUEST, "custom_id: 65 characters"),
-    ("GET", line(method="GET"), c.INVALID_METHOD, "method"),
-    ("missing method", json.dumps({"custom_id": "m", "url": c.CHAT_URL, "body": chat()}).encode(), c.INVALID_METHOD, "method"),
-    ("unsupported url", line(url="/v1/images/generations"), c.UNSUPPORTED_URL, "/v1/chat/completions"),
-    ("missing body", json.dumps({"custom_id": "b", "method": "POST", "url": c.CHAT_URL}).encode(), c.INVALID_REQUEST, "body"),
-    ("body not object", line(body=[1]), c.INVALID_REQUEST, "body: must be a JSON object"),
-    ("empty messages", line(body=chat(messages=[])), c.INVALID_REQUEST, "body.messages"),
-    ("missing messages", line(body={"model": MODEL}), c.INVALID_REQUEST, "body.messages"),
-    ("unknown role", line(body=chat(messages=[{"role": "wizard", "content": "x"}])), c.INVALID_REQUEST, "body.messages[0].role"),
-    ("content missing", line(body=chat(messages=[{"role": "user"}])), c.INVALID_REQUEST, "body.messages[0]"),
+    ("truncated json", b'{"custom_id": "t1", "method": "POST", "url": "/v1/chat', contract.INVALID_JSON, "not valid JSON"),
+    ("not utf-8", b'{"custom_id": "u1", "x": "\xff\xfe"}', contract.INVALID_JSON, "UTF-8"),
+    ("NaN", line(body=chat(temperature=float("nan"))), contract.INVALID_JSON, "NaN"),
+    ("Infinity", b'{"custom_id": "i", "method": "POST", "url": "/v1/chat/completions", "body": {"x": Infinity}}', contract.INVALID_JSON, "Infinity"),
+    ("deeply nested", b'{"custom_id": "d", "a": ' + b"[" * 100000 + b"]" * 100000 + b"}", contract.INVALID_JSON, "nested"),
+    ("json array", b'[{"custom_id": "a"}]', contract.INVALID_REQUEST, "expected a JSON object, got an array"),
+    ("missing custom_id", json.dumps({"method": "POST", "url": contract.CHAT_URL, "body": chat()}).encode(), contract.INVALID_REQUEST, "custom_id"),
+    ("numeric custom_id", line(custom_id=5), contract.INVALID_REQUEST, "custom_id"),
+    ("empty custom_id", line(custom_id=""), contract.INVALID_REQUEST, "custom_id"),
+    ("custom_id over 64", line(custom_id="x" * 65), contract.INVALID_REQUEST, "custom_id: 65 characters"),
+    ("GET", line(method="GET"), contract.INVALID_METHOD, "method"),
+    ("missing method", json.dumps({"custom_id": "m", "url": contract.CHAT_URL, "body": chat()}).encode(), contract.INVALID_METHOD, "method"),
+    ("unsupported url", line(url="/v1/images/generations"), contract.UNSUPPORTED_URL, "/v1/chat/completions"),
+    ("missing body", json.dumps({"custom_id": "b", "method": "POST", "url": contract.CHAT_URL}).encode(), contract.INVALID_REQUEST, "body"),
+    ("body not object", line(body=[1]), contract.INVALID_REQUEST, "body: must be a JSON object"),
+    ("empty messages", line(body=chat(messages=[])), contract.INVALID_REQUEST, "body.messages"),
+    ("missing messages", line(body={"model": MODEL}), contract.INVALID_REQUEST, "body.messages"),
+    ("unknown role", line(body=chat(messages=[{"role": "wizard", "content": "x"}])), contract.INVALID_REQUEST, "body.messages[0].role"),
+    ("content missing", line(body=chat(messages=[{"role": "user"}])), contract.INVALID_REQUEST, "body.messages[0]"),
     ("image part", line(body=chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])),
-     c.INVALID_REQUEST, "body.messages[0].content"),
-    ("temperature too high", line(body=chat(temperature=3.5)), c.INVALID_REQUEST, "body.temperature"),
-    ("temperature negative", line(body=chat(temperature=-0.1)), c.INVALID_REQUEST, "body.temperature"),
-    ("top_p zero", line(body=chat(top_p=0)), c.INVALID_REQUEST, "body.top_p"),
-    ("n zero", line(body=chat(n=0)), c.INVALID_REQUEST, "body.n"),
-    ("max_tokens zero", line(body=chat(max_tokens=0)), c.INVALID_REQUEST, "body.max_tokens"),
-    ("max_tokens string", line(body=chat(max_tokens="ten")), c.INVALID_REQUEST, "body.max_tokens"),
-    ("five stops", line(body=chat(stop=["a", "b", "c", "d", "e"])), c.INVALID_REQUEST, "body.stop"),
-    ("penalty out of range", line(body=chat(presence_penalty=2.5)), c.INVALID_REQUEST, "body.presence_penalty"),
-    ("top_logprobs without logprobs", line(body=chat(top_logprobs=2)), c.INVALID_REQUEST, "top_logprobs requires logprobs"),
-    ("top_logprobs over 20", line(body=chat(logprobs=True, top_logprobs=21)), c.INVALID_REQUEST, "body.top_logprobs"),
-    ("bad response_format", line(body=chat(response_format={"type": "xml"})), c.INVALID_REQUEST, "body.response_format"),
-    ("json_schema without schema", line(body=chat(response_format={"type": "json_schema"})), c.INVALID_REQUEST, "json_schema"),
-    ("missing model", line(body={"messages": [{"role": "user", "content": "x"}]}), c.INVALID_REQUEST, "body.model"),
-    ("unknown model", line(body=chat(model="gpt-4o")), c.MODEL_NOT_FOUND, "'gpt-4o'"),
-    ("embedding model on chat", line(body=chat(model="embed-model")), c.MODEL_NOT_FOUND, "embed-model"),
-    ("completions without prompt", line(url=c.COMPLETIONS_URL, body={"model": MODEL}), c.INVALID_REQUEST, "body.prompt"),
-    ("completions logprobs over 5", line(url=c.COMPLETIONS_URL, body={"model": MODEL, "prompt": "x", "logprobs": 6}),
-     c.INVALID_REQUEST, "body.logprobs"),
-    ("embeddings bad encoding", line(url=c.EMBEDDINGS_URL, body={"model": "embed-model", "input": "x", "encoding_format": "hex"}),
-     c.INVALID_REQUEST, "body.encoding_format"),
-    ("embeddings wrong model", line(url=c.EMBEDDINGS_URL, body={"model": MODEL, "input": "x"}), c.MODEL_NOT_FOUND, "embed-model"),
+     contract.INVALID_REQUEST, "body.messages[0].content"),
+    ("temperature too high", line(body=chat(temperature=3.5)), contract.INVALID_REQUEST, "body.temperature"),
+    ("temperature negative", line(body=chat(temperature=-0.1)), contract.INVALID_REQUEST, "body.temperature"),
+    ("top_p zero", line(body=chat(top_p=0)), contract.INVALID_REQUEST, "body.top_p"),
+    ("n zero", line(body=chat(n=0)), contract.INVALID_REQUEST, "body.n"),
+    ("max_tokens zero", line(body=chat(max_tokens=0)), contract.INVALID_REQUEST, "body.max_tokens"),
+    ("max_tokens string", line(body=chat(max_tokens="ten")), contract.INVALID_REQUEST, "body.max_tokens"),
+    ("five stops", line(body=chat(stop=["a", "b", "c", "d", "e"])), contract.INVALID_REQUEST, "body.stop"),
+    ("penalty out of range", line(body=chat(presence_penalty=2.5)), contract.INVALID_REQUEST, "body.presence_penalty"),
+    ("top_logprobs without logprobs", line(body=chat(top_logprobs=2)), contract.INVALID_REQUEST, "top_logprobs requires logprobs"),
+    ("top_logprobs over 20", line(body=chat(logprobs=True, top_logprobs=21)), contract.INVALID_REQUEST, "body.top_logprobs"),
+    ("bad response_format", line(body=chat(response_format={"type": "xml"})), contract.INVALID_REQUEST, "body.response_format"),
+    ("json_schema without schema", line(body=chat(response_format={"type": "json_schema"})), contract.INVALID_REQUEST, "json_schema"),
+    ("missing model", line(body={"messages": [{"role": "user", "content": "x"}]}), contract.INVALID_REQUEST, "body.model"),
+    ("unknown model", line(body=chat(model="gpt-4o")), contract.MODEL_NOT_FOUND, "'gpt-4o'"),
+    ("embedding model on chat", line(body=chat(model="embed-model")), contract.MODEL_NOT_FOUND, "embed-model"),
+    ("completions without prompt", line(url=contract.COMPLETIONS_URL, body={"model": MODEL}), contract.INVALID_REQUEST, "body.prompt"),
+    ("completions logprobs over 5", line(url=contract.COMPLETIONS_URL, body={"model": MODEL, "prompt": "x", "logprobs": 6}),
+     contract.INVALID_REQUEST, "body.logprobs"),
+    ("embeddings bad encoding", line(url=contract.EMBEDDINGS_URL, body={"model": "embed-model", "input": "x", "encoding_format": "hex"}),
+     contract.INVALID_REQUEST, "body.encoding_format"),
+    ("embeddings wrong model", line(url=contract.EMBEDDINGS_URL, body={"model": MODEL, "input": "x"}), contract.MODEL_NOT_FOUND, "embed-model"),
 ]
 
 
@@ -139,7 +139,7 @@ def test_custom_id_is_salvaged_from_a_truncated_line():
 def test_line_over_the_size_limit_is_rejected_without_parsing():
     validator = LineValidator(ValidationSettings(MODEL, max_line_bytes=100))
     result = validator.validate(1, line(body=chat(messages=[{"role": "user", "content": "x" * 200}])))
-    assert isinstance(result, InvalidLine) and result.code == c.INVALID_REQUEST
+    assert isinstance(result, InvalidLine) and result.code == contract.INVALID_REQUEST
     assert "over the limit of 100" in result.message and result.custom_id == "r1"
 
 
@@ -149,8 +149,8 @@ def test_repeated_custom_id_first_runs_later_are_duplicates():
     second = validator.validate(2, line(custom_id="same"))
     third = validator.validate(3, line(custom_id="same"))
     assert isinstance(first, ValidLine)
-    assert isinstance(second, InvalidLine) and second.code == c.DUPLICATE_CUSTOM_ID and second.line == 2
-    assert isinstance(third, InvalidLine) and third.code == c.DUPLICATE_CUSTOM_ID
+    assert isinstance(second, InvalidLine) and second.code == contract.DUPLICATE_CUSTOM_ID and second.line == 2
+    assert isinstance(third, InvalidLine) and third.code == contract.DUPLICATE_CUSTOM_ID
 
 
 def test_physical_lines_tolerate_bom_crlf_blank_lines_and_no_final_newline():
@@ -167,9 +167,9 @@ def test_validate_stream_counts_and_routes_every_line():
     valid, invalid = [], []
     summary = validate_stream(io.BytesIO(data), SETTINGS, valid.append, invalid.append)
     assert [r.custom_id for r in valid] == ["a", "c"]
-    assert [(i.line, i.code) for i in invalid] == [(2, c.INVALID_REQUEST), (3, c.DUPLICATE_CUSTOM_ID), (5, c.INVALID_METHOD)]
+    assert [(i.line, i.code) for i in invalid] == [(2, contract.INVALID_REQUEST), (3, contract.DUPLICATE_CUSTOM_ID), (5, contract.INVALID_METHOD)]
     assert (summary.lines, summary.valid, summary.invalid) == (5, 2, 3)
-    assert summary.endpoint == c.CHAT_URL and summary.file_error() is None
+    assert summary.endpoint == contract.CHAT_URL and summary.file_error() is None
     assert len(summary.sha256) == 64 and summary.bytes_read == len(data)
 
 

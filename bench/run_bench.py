@@ -713,14 +713,14 @@ def validate_bench(args: argparse.Namespace) -> dict[str, Any]:
     source = pipeline_source(args, work, {})
     if "path" in source:
         sys.path.insert(0, source["path"])  # before batch_pipeline is first imported
-    from batch_pipeline.lib import contract as c
-    from batch_pipeline.lib import validation as v
+    from batch_pipeline.lib import contract
+    from batch_pipeline.lib import validation
     from batch_pipeline.lib.validation import ValidationSettings, validate_stream
 
-    say(f"validator from {Path(v.__file__).parent.parent}")
+    say(f"validator from {Path(validation.__file__).parent.parent}")
     # What validate_batch writes per valid request and how infer_batch reads it back differs between
     # versions of the code: a BatchRequest dumped as JSON, or a ValidLine's own record() bytes.
-    to_request = getattr(v, "request_from_record", None) or c.BatchRequest.model_validate
+    to_request = getattr(validation, "request_from_record", None) or contract.BatchRequest.model_validate
 
     def record_bytes(req: Any) -> bytes:
         if hasattr(req, "record"):
@@ -737,7 +737,7 @@ def validate_bench(args: argparse.Namespace) -> dict[str, Any]:
                 "max_tokens": args.output_len,
                 "temperature": 0,
             }
-            f.write(json.dumps({"custom_id": f"req-{i:07d}", "method": "POST", "url": c.CHAT_URL, "body": body}) + "\n")
+            f.write(json.dumps({"custom_id": f"req-{i:07d}", "method": "POST", "url": contract.CHAT_URL, "body": body}) + "\n")
     size = path.stat().st_size
     say(f"validate-only: {args.validate_lines} lines, {size / 2**20:.1f} MiB -> {path}")
     settings = ValidationSettings(served_model_name=served)
@@ -818,7 +818,7 @@ def validate_bench(args: argparse.Namespace) -> dict[str, Any]:
             "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "mode": "validate-only",
             "pipeline_source": source,
-            "validator_module": v.__file__,
+            "validator_module": validation.__file__,
             "lines": args.validate_lines,
             "bytes": size,
             "rounds": args.validate_rounds,
