@@ -155,12 +155,17 @@ def inference_results(
                         loc, engines, identity, settings.checkpoint_answers, settings.checkpoint_seconds,
                         log=context.log.info,
                     )
-                except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt):
+                except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt) as interrupt:
                     # Terminated from the UI (or Ctrl-C): keep what is answered, say "cancelled".
                     for cancelled in pending[i:]:
                         finalize_batch(cancelled, {"dagster_run_id": context.run.run_id}, cancelled=True)
                         context.log.warning(f"{cancelled.name}: cancelled; the next run resumes the rest")
-                    raise
+                    # Not the interrupt itself: Dagster turns an interrupt inside a step with a
+                    # RetryPolicy into a retry, which would resume at once the batch just cancelled.
+                    raise dg.Failure(
+                        description="cancelled: " + ", ".join(c.name for c in pending[i:]) + "; the next run resumes the rest",
+                        allow_retries=False,
+                    ) from interrupt
                 if info["computed_requests"]:
                     load_seconds += info["model_load_seconds"]
                     infer_seconds += info["inference_seconds"]

