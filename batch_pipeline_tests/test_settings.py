@@ -97,9 +97,9 @@ def test_presets_fill_defaults_and_explicit_variables_win():
         engine_settings_from_env({"ENGINE_PRESET": "a100"})
 
 
-def test_checkpoint_settings_default_to_10_seconds_and_take_the_old_name():
+def test_checkpoint_settings_default_to_5_seconds_and_take_the_old_name():
     defaults = engine_settings_from_env({})
-    assert (defaults.checkpoint_answers, defaults.checkpoint_seconds) == (256, 10.0)
+    assert (defaults.checkpoint_answers, defaults.checkpoint_seconds) == (256, 5.0)
     assert engine_settings_from_env({"CHECKPOINT_SECONDS": "2.5"}).checkpoint_seconds == 2.5
     assert engine_settings_from_env({"SHARD_SIZE": "64"}).checkpoint_answers == 64  # the name before CHECKPOINT_ANSWERS
     assert engine_settings_from_env({"SHARD_SIZE": "64", "CHECKPOINT_ANSWERS": "32"}).checkpoint_answers == 32

@@ -50,7 +50,7 @@ class LLMResource(dg.ConfigurableResource):
     )
     checkpoint_seconds: Optional[float] = Field(
         default=None,
-        description="CHECKPOINT_SECONDS: longest an answer waits before its checkpoint part is written (default 10)",
+        description="CHECKPOINT_SECONDS: longest an answer waits before its checkpoint part is written (default 5)",
     )
 
     def settings(self) -> EngineSettings:

@@ -73,7 +73,7 @@ class EngineSettings:
     # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
     # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
     checkpoint_answers: int = 256
-    checkpoint_seconds: float = 10.0
+    checkpoint_seconds: float = 5.0
     preset: str = ""  # ENGINE_PRESET that filled in the defaults, if any
 
     def __post_init__(self) -> None:
