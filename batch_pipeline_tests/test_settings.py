@@ -73,7 +73,7 @@ def test_served_name_defaults_to_the_model_folder(monkeypatch, tmp_path):
 def test_cpu_defaults_are_float32_and_eager():
     kwargs = engine_kwargs(EngineSettings(), "/m", "m", "generate")
     assert kwargs["dtype"] == "float32" and kwargs["enforce_eager"] is True
-    assert kwargs["kv_cache_memory_bytes"] == 2**30  # "/m" has no config.json: the plain CPU default
+    assert kwargs["kv_cache_memory_bytes"] == 2**30
 
 
 def test_storage_paths_and_validation_limits(monkeypatch):
@@ -120,21 +120,11 @@ def test_a_gpu_preset_is_refused_without_gpus_and_names_the_preset():
     assert "TENSOR_PARALLEL_SIZE=2 but only 1 GPU(s)" in hardware_problem(engine_settings_from_env({"TENSOR_PARALLEL_SIZE": "2"}), gpus=1)
 
 
-def test_cpu_kv_cache_default_is_1_gib_unless_the_context_needs_more(tmp_path):
-    from batch_pipeline.lib.engine_args import CPU_KV_CACHE_BYTES, cpu_kv_cache_bytes
+def test_cpu_kv_cache_default_is_1_gib_and_the_context_fits_it():
+    from batch_pipeline.lib.engine_args import CPU_KV_CACHE_BYTES
 
-    small = tmp_path / "small"
-    small.mkdir()
-    # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64: 46,080 bytes per token in fp32.
-    (small / "config.json").write_text('{"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, '
-                                       '"num_hidden_layers": 30, "max_position_embeddings": 8192}')
-    assert CPU_KV_CACHE_BYTES == 2**30
-    assert cpu_kv_cache_bytes(str(small), None) == 2**30  # 2 x 8192 tokens need ~0.75 GB
-    big = tmp_path / "big"
-    big.mkdir()
-    (big / "config.json").write_text('{"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, '
-                                     '"num_hidden_layers": 32, "max_position_embeddings": 131072}')
-    per_token = 2 * 32 * 8 * 128 * 4
-    assert cpu_kv_cache_bytes(str(big), None) == 2 * 131072 * per_token
-    assert cpu_kv_cache_bytes(str(big), 1024) == 2**30  # MAX_MODEL_LEN bounds it
-    assert cpu_kv_cache_bytes(str(tmp_path / "missing"), None) == 2**30
+    kwargs = engine_kwargs(EngineSettings(), "/m", "m", "generate")
+    assert CPU_KV_CACHE_BYTES == 2**30 and kwargs["kv_cache_memory_bytes"] == 2**30
+    assert kwargs["max_model_len"] == -1  # vLLM fits the context to the cache
+    assert engine_kwargs(EngineSettings(max_model_len=4096), "/m", "m", "generate")["max_model_len"] == 4096
+    assert "max_model_len" not in engine_kwargs(EngineSettings(), "/m", "m", "pooling")

@@ -2,7 +2,7 @@
 
 CPU defaults (a machine without a GPU, where vLLM cannot size the KV cache from device memory):
 fp32 (bf16 ran ~10x slower on the CPUs measured), eager mode (compiling took ~50 s to start), and a
-1 GiB KV cache, raised to hold two sequences of the full context when the model needs more.
+1 GiB KV cache, with the context fitted to it (vLLM's max_model_len=-1) unless MAX_MODEL_LEN is set.
 Measured with the bundled SmolLM2-135M (46 KB of KV per token) on 2 cores: building the engine took
 4.2 s with 1 GiB against 5.8 s with the former 2 GiB default, and 1 GB less memory; the context
 length itself (2048 or the model's 8192) changed the start by well under a second. 1 GiB holds
@@ -12,8 +12,6 @@ keep busy.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from batch_pipeline.lib.presets import HARDWARE
@@ -48,31 +46,18 @@ def engine_kwargs(settings: EngineSettings, model_path: str, served_name: str, r
         kwargs.update({k: v for k, v in optional.items() if v is not None})
     if cpu:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes or (
-            cpu_kv_cache_bytes(model_path, settings.max_model_len) if runner == "generate" else CPU_EMBEDDING_KV_CACHE_BYTES
+            CPU_KV_CACHE_BYTES if runner == "generate" else CPU_EMBEDDING_KV_CACHE_BYTES
         )
+        if runner == "generate" and settings.max_model_len is None:
+            # vLLM's auto-fit: the model's context, or as much as the KV cache holds (a 128k-context
+            # model still starts; longer prompts become context_length_exceeded lines).
+            kwargs["max_model_len"] = -1
     else:
         kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         if settings.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     kwargs.update(settings.extra_engine_args)
     return kwargs
-
-
-def cpu_kv_cache_bytes(model_path: str, max_model_len: int | None, fp_bytes: int = 4) -> int:
-    """CPU_KV_CACHE_BYTES, or room for two full-context sequences when the model needs more (vLLM
-    refuses to start when one sequence of max_model_len does not fit). From config.json; a folder
-    without a readable one gets the plain default."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-        config = config.get("text_config", config)
-        heads = int(config["num_attention_heads"])
-        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        kv_heads = int(config.get("num_key_value_heads") or heads)
-        per_token = 2 * int(config["num_hidden_layers"]) * kv_heads * head_dim * fp_bytes
-        context = int(max_model_len or config.get("max_position_embeddings") or 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return CPU_KV_CACHE_BYTES
-    return max(CPU_KV_CACHE_BYTES, 2 * context * per_token)
 
 
 def hardware_problem(settings: EngineSettings, gpus: int | None = None) -> str | None:
