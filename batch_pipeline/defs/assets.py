@@ -1,7 +1,9 @@
 """The batch assets: validate the day's batch files, answer them with vLLM, write the results, measure."""
 
 
+import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
@@ -46,12 +48,12 @@ def _runs_folder(config: BatchConfig, storage: StorageResource, partition: str) 
     return locations.runs_folder(config.input_uri, config.output_uri, s.output_path, partition)
 
 
-def _already_done(loc: BatchLocation, llm: LLMResource) -> bool:
+def _already_done(loc: BatchLocation, identity: Callable[[], dict[str, Any]]) -> bool:
     batch = locations.completed_batch(loc)
     if batch is None:
         return False
     # Answers from another model or other engine settings are not "done" for this run's model.
-    key = checkpoints.checkpoint_key(batch["metadata"].get("input_sha256", ""), llm.identity())
+    key = checkpoints.checkpoint_key(batch["metadata"].get("input_sha256", ""), identity())
     return batch["metadata"].get("checkpoint_key") == key
 
 
@@ -61,7 +63,8 @@ def take_batches(
     """The first step of a run: find the batches, leave out finished ones, record the list."""
     s = storage.settings()
     found = locations.resolve_batches(config.input_uri, config.output_uri, s.input_path, s.output_path, context.partition_key)
-    skipped = [loc for loc in found if config.skip_completed and _already_done(loc, llm)] if found else []
+    identity = functools.cache(llm.identity)  # computed once, and only when a completed batch is found
+    skipped = [loc for loc in found if config.skip_completed and _already_done(loc, identity)]
     if skipped:
         context.log.info(
             f"{len(skipped)} batch(es) already completed from the same file with this model, left as they are: "
