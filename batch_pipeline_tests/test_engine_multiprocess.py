@@ -18,8 +18,8 @@ VLLM_ENABLE_V1_MULTIPROCESSING=1, and the tests watch its process tree (vLLM nam
 
 Each test starts its own CLI process (a fresh vLLM import and engine, about 20-45 s on 2 busy
 cores): multiprocess mode never reaches the session's shared in-process engines (conftest.py).
-In the tests that interrupt an engine, its processes run at the lowest CPU priority from when the
-model is loaded until the interruption (see LONG_ENV).
+In the tests that interrupt an engine, its processes are paused (SIGSTOP) half of the time from
+when the model is loaded until the interruption (see LONG_ENV).
 Not covered here: the in-process variants of the same failures (test_reliability.py), GPUs,
 tensor parallelism (more than one worker process) and the embedding engine.
 """
@@ -50,10 +50,13 @@ EXIT_AFTER_RESULTS = 20.0
 # 8-15 s of decoding, each answer checkpointed as it comes (the interruption follows the first).
 LONG_LINES, LONG_TOKENS = 32, 320
 LONG_ENV = {"BATCH_SIZE": "1", "CHECKPOINT_ANSWERS": "1"}
-# With such a run, CliRun(lower_engine_priority=True): on 2 shared cores the engine core and its
-# worker (both busy while decoding, in many threads) otherwise starve the CLI process, which then
-# collects the answers and writes their checkpoints in one burst once the engine is done, leaving
-# nothing to interrupt. On a GPU, decoding leaves the CPU to the CLI process.
+# With such a run, CliRun(throttle_engine=True): on 2 shared cores the engine core (busy while
+# decoding, in many threads) otherwise starves the CLI process, which then collects the answers and
+# writes their checkpoints in one burst once the engine is done, leaving nothing to interrupt (seen
+# in CI with the engine at nice 19: 3 parts written when all 32 answers were done). Pausing the
+# engine processes THROTTLE_STOPPED s in every THROTTLE_PERIOD s leaves the CLI both cores in those
+# pauses, whatever the scheduler does. On a GPU, decoding leaves the CPU to the CLI process.
+THROTTLE_PERIOD, THROTTLE_STOPPED = 0.3, 0.15
 
 
 def chat_line(custom_id: str, max_tokens: int) -> str:
@@ -99,7 +102,7 @@ class CliRun:
     """`batch-pipeline run` in its own session (process group), its output lines time-stamped as
     they arrive and its process tree sampled while it runs."""
 
-    def __init__(self, batch: Path, out: Path, env: dict[str, str], lower_engine_priority: bool = False):
+    def __init__(self, batch: Path, out: Path, env: dict[str, str], throttle_engine: bool = False):
         self.lines: list[tuple[float, str, str]] = []  # (monotonic time, "out"/"err", text)
         self.processes: dict[int, psutil.Process] = {}  # every descendant seen
         self.titles: dict[int, str] = {}  # pid -> last process title seen
@@ -107,16 +110,16 @@ class CliRun:
         self.last_alive: dict[int, float] = {}  # pid -> when last seen running (not a zombie)
         self.exited_at: float | None = None
         self.loads = 0  # "model ... loaded in" lines so far
-        self.lower_engine_priority = lower_engine_priority
-        self._loads_when_seen: dict[int, int] = {}
-        self._niced: set[int] = set()  # thread ids
+        self.throttle_engine = throttle_engine
+        self._throttle_lock = threading.Lock()
         self.proc = subprocess.Popen(
             [str(CLI), "run", str(batch), "--output-dir", str(out)],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )
         self._threads = [threading.Thread(target=self._read, args=(self.proc.stdout, "out"), daemon=True),
                          threading.Thread(target=self._read, args=(self.proc.stderr, "err"), daemon=True),
-                         threading.Thread(target=self._watch, daemon=True)]
+                         threading.Thread(target=self._watch, daemon=True),
+                         threading.Thread(target=self._throttle, daemon=True)]
         for t in self._threads:
             t.start()
 
@@ -146,34 +149,38 @@ class CliRun:
                     self.titles[child.pid] = title
                 if running:
                     self.last_alive[child.pid] = now
-                loaded_since_seen = self.loads > self._loads_when_seen.setdefault(child.pid, self.loads)
-                if self.lower_engine_priority and title.startswith("VLLM::") and loaded_since_seen:
-                    self._renice(child, 19)
             time.sleep(0.1)
         self.exited_at = time.monotonic()
 
-    def _renice(self, child: psutil.Process, niceness: int) -> None:
-        """Set the niceness of every thread of a process (Linux keeps one per thread, and torch
-        computes in several); threads done already are skipped."""
-        try:
-            threads = [t.id for t in child.threads()]
-        except psutil.NoSuchProcess:
-            return
-        for tid in threads:
-            if niceness and tid in self._niced:
+    def _throttle(self) -> None:
+        """While `throttle_engine` holds and a model is loaded, stop every engine process (SIGSTOP)
+        for THROTTLE_STOPPED seconds out of each THROTTLE_PERIOD, so the CLI process gets both cores
+        regularly and checkpoints answers as they come instead of in one burst at the end."""
+        while self.proc.poll() is None and self.throttle_engine:
+            if not self.loads:
+                time.sleep(0.05)
                 continue
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, niceness)
-            except OSError:  # the thread ended, or no right to raise a priority again
-                pass
-            self._niced.add(tid)
+            with self._throttle_lock:
+                if not self.throttle_engine:
+                    break
+                self._signal_engine(signal.SIGSTOP)
+            time.sleep(THROTTLE_STOPPED)
+            with self._throttle_lock:
+                self._signal_engine(signal.SIGCONT)
+            time.sleep(THROTTLE_PERIOD - THROTTLE_STOPPED)
 
-    def restore_engine_priority(self) -> None:
-        """Stop lowering engine priorities (see `lower_engine_priority` in the tests) and undo it
-        where allowed, so that shutdown and a rebuilt engine run at the normal priority."""
-        self.lower_engine_priority = False
+    def _signal_engine(self, sig: int) -> None:
         for p in self.engine_processes():
-            self._renice(p, 0)
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+
+    def stop_throttling(self) -> None:
+        """Let the engine processes run freely again (shutdown and a rebuilt engine run unhindered)."""
+        with self._throttle_lock:
+            self.throttle_engine = False
+            self._signal_engine(signal.SIGCONT)
 
     # -- what was seen ------------------------------------------------------------------------
 
@@ -320,7 +327,7 @@ def test_sigint_mid_inference_cancels_and_the_next_run_resumes(target, then_resu
     batch_file = write_batch(tmp_path / "in.jsonl", ids, LONG_TOKENS)
     out = tmp_path / "out"
     env = multiprocess_env(tiny_model_dir, **LONG_ENV)
-    run = cli_runs(batch_file, out, env, lower_engine_priority=True)
+    run = cli_runs(batch_file, out, env, throttle_engine=True)
     wait_for(lambda: part_files(out) or run.proc.poll() is not None, 600, "the first checkpoint part", run)
     assert run.proc.poll() is None, "the run ended before it could be interrupted\n" + run.tail()
     assert run.alive(ENGINE_CORE), f"no engine core process while inferring: {run.titles}"
@@ -329,7 +336,7 @@ def test_sigint_mid_inference_cancels_and_the_next_run_resumes(target, then_resu
         os.kill(run.proc.pid, signal.SIGINT)
     else:
         os.killpg(run.proc.pid, signal.SIGINT)
-    run.restore_engine_priority()
+    run.stop_throttling()
     code = run.wait(timeout=300)
 
     # Cancelled, not retried: Dagster's RetryPolicy must not run the cancelled step again.
@@ -364,12 +371,12 @@ def test_engine_core_killed_mid_batch_is_retried_and_resumes(tiny_model_dir, tmp
     ids = [f"kill-{i:02d}" for i in range(LONG_LINES)]
     out = tmp_path / "out"
     run = cli_runs(write_batch(tmp_path / "in.jsonl", ids, LONG_TOKENS), out,
-                   multiprocess_env(tiny_model_dir, **LONG_ENV), lower_engine_priority=True)
+                   multiprocess_env(tiny_model_dir, **LONG_ENV), throttle_engine=True)
     wait_for(lambda: part_files(out) or run.proc.poll() is not None, 600, "the first checkpoint part", run)
     assert run.proc.poll() is None, "the run ended before its engine core could be killed\n" + run.tail()
     [core] = wait_for(lambda: run.engine_processes(ENGINE_CORE), 10, "the engine core process", run)
     core.kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
-    run.restore_engine_priority()
+    run.stop_throttling()
     saved = sum(len(p.read_text().splitlines()) for p in part_files(out))
 
     # The step fails (no hang on the dead core) and Dagster's retry resumes in the same run.
