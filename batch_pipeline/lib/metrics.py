@@ -52,6 +52,11 @@ def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
         "resumed_requests": int(inference.get("resumed_requests", 0)),
         "checkpoint_parts": int(inference.get("checkpoint_parts", 0)),
         "checkpoint_write_seconds": float(inference.get("checkpoint_write_seconds", 0.0)),
+        # Balance over the engines: requests each data-parallel rank answered in the run that did
+        # the work (answers resumed from checkpoints are not counted again).
+        "data_parallel_size": int(inference.get("data_parallel_size", 1)),
+        "shards": int(inference.get("shards", 1)),
+        "requests_per_rank": list(inference.get("requests_per_rank", [int(inference.get("computed_requests", 0))])),
         **inference.get("gpu", {}),
         **inference.get("engine", {}),
     }
@@ -90,6 +95,14 @@ def aggregate_metrics(per_batch: list[dict[str, Any]]) -> dict[str, Any]:
         totals["gpu_utilization_mean_pct"] = round(sum(gpu_util) / len(gpu_util), 1)
         totals["gpu_memory_peak_mb"] = max(m["gpu_memory_peak_mb"] for m in per_batch if "gpu_memory_peak_mb" in m)
     totals["peak_memory_mb"] = max(m["peak_memory_mb"] for m in per_batch)
+    totals["data_parallel_size"] = max(int(m.get("data_parallel_size", 1)) for m in per_batch)
+    totals["shards"] = max(int(m.get("shards", 1)) for m in per_batch)
+    per_rank = [0] * totals["data_parallel_size"]
+    for m in per_batch:
+        for rank, count in enumerate(m.get("requests_per_rank", [])):
+            if rank < len(per_rank):
+                per_rank[rank] += int(count)
+    totals["requests_per_rank"] = per_rank
     for key in ("served_model_name", "engine", "model_path", "model_revision"):
         values = sorted({str(m[key]) for m in per_batch if key in m})
         if values:

@@ -26,6 +26,7 @@ class Answer:
     record: dict[str, Any]
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    rank: int = 0  # the data-parallel rank that computed it (ranks.py); 0 with one engine
 
 
 def error_line(batch_id: str, line: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:

@@ -17,6 +17,7 @@ ENGINE_ENV = {
     "MODEL_PATH": "model_path",
     "SERVED_MODEL_NAME": "served_model_name",
     "TENSOR_PARALLEL_SIZE": "tensor_parallel_size",
+    "DATA_PARALLEL_SIZE": "data_parallel_size",
     "MAX_MODEL_LEN": "max_model_len",
     "BATCH_SIZE": "batch_size",
     "DTYPE": "dtype",
@@ -38,6 +39,7 @@ ENGINE_ENV_ALIASES = {"SHARD_SIZE": "CHECKPOINT_ANSWERS"}
 
 RANGES = {
     "TENSOR_PARALLEL_SIZE": " (at least 1)",
+    "DATA_PARALLEL_SIZE": " (at least 1)",
     "MAX_MODEL_LEN": " (at least 16)",
     "BATCH_SIZE": " (at least 1)",
     "GPU_MEMORY_UTILIZATION": " (above 0, at most 1)",
@@ -58,6 +60,7 @@ class EngineSettings:
     model_path: str = ""  # empty: the bundled SmolLM2-135M-Instruct checkpoint
     served_model_name: str = ""  # empty: the model folder's name
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine ranks, each on its own TENSOR_PARALLEL_SIZE GPUs (placement.py)
     max_model_len: int | None = None
     batch_size: int | None = None  # vLLM's max_num_seqs
     dtype: str = "auto"  # auto: float32 on CPU (bfloat16 ran ~10x slower there), the model's dtype on GPU
@@ -79,6 +82,7 @@ class EngineSettings:
     def __post_init__(self) -> None:
         checks = {
             "TENSOR_PARALLEL_SIZE": self.tensor_parallel_size >= 1,
+            "DATA_PARALLEL_SIZE": self.data_parallel_size >= 1,
             "MAX_MODEL_LEN": self.max_model_len is None or self.max_model_len >= 16,
             "BATCH_SIZE": self.batch_size is None or self.batch_size >= 1,
             "GPU_MEMORY_UTILIZATION": 0 < self.gpu_memory_utilization <= 1,

@@ -1,0 +1,233 @@
+"""DATA_PARALLEL_SIZE: one batch over several engine ranks, each a process of its own.
+
+No GPU here: the CPU equivalent of "each rank on its own GPUs" is each rank pinned to its own CPU
+core (placement.py), which is what these tests run on 2 cores, through `batch-pipeline run` in
+its own process (cli_runs.py watches its process tree: ranks are titled batch-pipeline::rankN).
+
+- the plan: GPUs and cores split into disjoint slices, refused (naming the variables) when they do
+  not fit, and printed by `doctor`;
+- two ranks answer every line once, both do work, each on its own core, and no rank outlives the
+  run: on the tiny random model with exactly one engine's greedy answers, on the bundled SmolLM2
+  with right ones;
+- a rank killed with SIGKILL mid-batch fails the step, whose retry resumes from the checkpoints:
+  nothing lost or doubled, no process left;
+- Ctrl-C (SIGINT) mid-batch cancels the batch and stops every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from batch_pipeline.lib import placement
+from batch_pipeline.lib.doctor import run_checks
+from batch_pipeline.lib.ranks import RANK_TITLE
+from batch_pipeline.lib.settings import ConfigError, EngineSettings, engine_settings_from_env
+from batch_pipeline_tests.cli_runs import (
+    CLI,
+    answered_once,
+    assert_engine_shut_down_with_its_step,
+    assert_no_engine_process_left,
+    part_files,
+    read_results,
+    wait_for,
+    write_batch,
+)
+from batch_pipeline_tests.conftest import tiny_env
+
+# One request at a time per engine (BATCH_SIZE=1): a greedy answer then does not depend on which
+# requests share its batch, so two ranks must give exactly one engine's answers. (Sampled answers
+# would not match: each engine draws from its own seeded generator, in the order it gets requests.)
+ALONE = {"BATCH_SIZE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def ranks_env(tiny_model_dir: Path, ranks: int, **extra: str) -> dict[str, str]:
+    return tiny_env(tiny_model_dir, DATA_PARALLEL_SIZE=str(ranks), **ALONE, **extra)
+
+
+def ranks_seen(run) -> list:
+    """Rank processes the run started (a rank's own short-lived children, forked before they exec
+    something else, carry its title for a moment: they are not ranks)."""
+    return [p for p in run.engine_processes() if run.parents[p.pid] == run.proc.pid]
+
+
+def choices(out: Path) -> dict[str, list]:
+    outputs, errors, batch = read_results(out)
+    assert errors == [] and batch["status"] == "completed", (errors[:3], batch["status"])
+    return {o["custom_id"]: o["response"]["body"]["choices"] for o in outputs}
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+
+def test_ranks_get_disjoint_gpu_slices_of_the_visible_devices():
+    plans = placement.plan_ranks(EngineSettings(data_parallel_size=4, tensor_parallel_size=2), gpus=8, env={})
+    assert [p.gpus for p in plans] == [("0", "1"), ("2", "3"), ("4", "5"), ("6", "7")]
+    assert [p.env for p in plans] == [{"CUDA_VISIBLE_DEVICES": d} for d in ("0,1", "2,3", "4,5", "6,7")]
+    # A container given devices 4-7 names them so: the ranks split those, not 0-3.
+    plans = placement.plan_ranks(EngineSettings(data_parallel_size=2, tensor_parallel_size=2), gpus=4,
+                                 env={"CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plans] == ["4,5", "6,7"]
+
+
+def test_ranks_on_the_cpu_get_disjoint_cores_and_thread_binding():
+    plans = placement.plan_ranks(EngineSettings(data_parallel_size=2), gpus=0, cpus=[0, 1])
+    assert [p.cpus for p in plans] == [(0,), (1,)]
+    assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == ["0", "1"]
+    plans = placement.plan_ranks(EngineSettings(data_parallel_size=2, tensor_parallel_size=2), gpus=0, cpus=list(range(8)))
+    assert [p.env["VLLM_CPU_OMP_THREADS_BIND"] for p in plans] == ["0,1|2,3", "4,5|6,7"]
+
+
+@pytest.mark.parametrize(
+    "dp,tp,gpus,cpus,expected",
+    [
+        (3, 1, 2, None, "DATA_PARALLEL_SIZE=3 x TENSOR_PARALLEL_SIZE=1 needs 3 GPUs, but only 2 are visible"),
+        (2, 4, 4, None, "DATA_PARALLEL_SIZE=2 x TENSOR_PARALLEL_SIZE=4 needs 8 GPUs, but only 4 are visible"),
+        (3, 1, 0, [0, 1], "DATA_PARALLEL_SIZE=3 x TENSOR_PARALLEL_SIZE=1 needs 3 CPU cores"),
+    ],
+)
+def test_ranks_that_do_not_fit_are_refused_naming_both_numbers(dp, tp, gpus, cpus, expected):
+    with pytest.raises(ConfigError, match=expected):
+        placement.plan_ranks(EngineSettings(data_parallel_size=dp, tensor_parallel_size=tp), gpus=gpus, cpus=cpus)
+
+
+@pytest.mark.parametrize("raw,expected", [("0", "DATA_PARALLEL_SIZE=0 is out of range (at least 1)"),
+                                          ("two", "DATA_PARALLEL_SIZE='two' is not a valid integer")])
+def test_bad_data_parallel_size_names_the_variable(raw, expected):
+    with pytest.raises(ConfigError) as caught:
+        engine_settings_from_env({"DATA_PARALLEL_SIZE": raw})
+    assert str(caught.value) == expected
+
+
+def test_too_many_ranks_fail_the_run_before_any_model_loads(tiny_model_dir, tmp_path):
+    too_many = len(placement.usable_cpus()) + 1
+    batch = write_batch(tmp_path / "in.jsonl", ["a", "b"], 4)
+    done = subprocess.run([str(CLI), "run", str(batch), "--output-dir", str(tmp_path / "out")],
+                          env=ranks_env(tiny_model_dir, too_many), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert f"DATA_PARALLEL_SIZE={too_many} x TENSOR_PARALLEL_SIZE=1 needs {too_many} CPU cores" in done.stderr
+    assert "loading" not in done.stderr and not (tmp_path / "out" / "output.jsonl").exists()
+
+
+def test_doctor_prints_the_plan(monkeypatch):
+    monkeypatch.setenv("DATA_PARALLEL_SIZE", "2")
+    [gpu] = run_checks(["gpu"])
+    assert gpu.status == "PASS", gpu.detail
+    assert "plan: 2 ranks on the CPU; rank 0: CPU core 0; rank 1: CPU core 1" in gpu.detail
+    monkeypatch.setenv("DATA_PARALLEL_SIZE", str(len(placement.usable_cpus()) + 1))
+    [gpu] = run_checks(["gpu"])
+    assert gpu.status == "FAIL" and "DATA_PARALLEL_SIZE=" in gpu.detail
+
+
+# -- two ranks, end to end -----------------------------------------------------------------
+
+
+def capitals_batch(path: Path, model: str) -> tuple[Path, list[str]]:
+    questions = {"france": "What is the capital of France?", "germany": "What is the capital of Germany?",
+                 "japan": "What is the capital of Japan?", "italy": "What is the capital of Italy?",
+                 "spain": "What is the capital of Spain?", "egypt": "What is the capital of Egypt?"}
+    rows = []
+    for key, question in questions.items():
+        body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 16, "temperature": 0}
+        rows.append(json.dumps({"custom_id": key, "method": "POST", "url": "/v1/chat/completions", "body": body}))
+    path.write_text("\n".join(rows) + "\n")
+    return path, list(questions)
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_two_ranks_answer_every_line_once_each_on_its_own_core(model, tiny_model_dir, bundled_model_dir, tmp_path, cli_runs):
+    if model == "tiny":
+        ids = [f"dp-{i:02d}" for i in range(48)]
+        batch = write_batch(tmp_path / "in.jsonl", ids, 12, temperature=0)
+        env = {"1": ranks_env(tiny_model_dir, 1), "2": ranks_env(tiny_model_dir, 2)}
+    else:
+        batch, ids = capitals_batch(tmp_path / "in.jsonl", bundled_model_dir.name)
+        base = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "SERVED_MODEL_NAME", "DAGSTER_HOME")}
+        env = {"2": {**base, **ALONE, "DATA_PARALLEL_SIZE": "2", "MAX_MODEL_LEN": "1024",
+                   "KV_CACHE_MEMORY_BYTES": str(256 * 2**20)}}
+
+    two = cli_runs(batch, tmp_path / "two", env["2"], engine_title=RANK_TITLE)
+    ranks = wait_for(lambda: len(ranks_seen(two)) == 2 and ranks_seen(two), 120, "two rank processes", two)
+    cores = [set(p.cpu_affinity()) for p in ranks]
+    assert two.wait(timeout=600) == 0, two.tail()
+    assert cores[0] and cores[1] and not cores[0] & cores[1], f"ranks share cores: {cores}"
+    assert sorted(two.titles[p.pid] for p in ranks) == [f"{RANK_TITLE}0", f"{RANK_TITLE}1"]
+    assert_no_engine_process_left(two)
+    assert_engine_shut_down_with_its_step(two, RANK_TITLE)
+
+    outputs, errors, _ = read_results(tmp_path / "two")
+    answered_once(outputs, errors, ids)
+    metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    assert metrics["data_parallel_size"] == 2 and metrics["shards"] == 1
+    assert sum(metrics["requests_per_rank"]) == len(ids) and min(metrics["requests_per_rank"]) > 0, metrics
+
+    if model == "smollm2":  # real answers, right ones
+        answers = {k: v[0]["message"]["content"] for k, v in choices(tmp_path / "two").items()}
+        assert "Paris" in answers["france"] and "Berlin" in answers["germany"], answers
+        return
+    one = cli_runs(batch, tmp_path / "one", env["1"], engine_title=RANK_TITLE)
+    assert one.wait(timeout=600) == 0, one.tail()
+    assert ranks_seen(one) == [], "DATA_PARALLEL_SIZE=1 runs the engine in the run process"
+    assert choices(tmp_path / "two") == choices(tmp_path / "one")
+    assert json.loads((tmp_path / "one" / "metrics.json").read_text())["requests_per_rank"] == [len(ids)]
+
+
+# -- a rank killed, a run cancelled --------------------------------------------------------
+
+# Long enough to interrupt on 2 busy cores: 32 requests x 128 tokens, one at a time per rank (about
+# 4 ms a token on one core), each answer checkpointed as it comes; the rank processes are paused
+# half of the time (CliRun(throttle_engine=True)) so the run process keeps up.
+LONG_LINES, LONG_TOKENS = 32, 128
+
+
+def start_long_run(tiny_model_dir: Path, tmp_path: Path, cli_runs, prefix: str):
+    ids = [f"{prefix}-{i:02d}" for i in range(LONG_LINES)]
+    out = tmp_path / "out"
+    run = cli_runs(write_batch(tmp_path / "in.jsonl", ids, LONG_TOKENS), out,
+                   ranks_env(tiny_model_dir, 2, CHECKPOINT_ANSWERS="1"), throttle_engine=True, engine_title=RANK_TITLE)
+    wait_for(lambda: part_files(out) or run.proc.poll() is not None, 600, "the first checkpoint part", run)
+    assert run.proc.poll() is None, "the run ended before it could be interrupted\n" + run.tail()
+    return run, out, ids
+
+
+def test_a_rank_killed_mid_batch_fails_the_step_and_the_retry_resumes(tiny_model_dir, tmp_path, cli_runs):
+    run, out, ids = start_long_run(tiny_model_dir, tmp_path, cli_runs, "kill")
+    first = {run.titles[p.pid]: p for p in ranks_seen(run)}
+    first[f"{RANK_TITLE}1"].kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
+    run.stop_throttling()
+    saved = sum(len(p.read_text().splitlines()) for p in part_files(out))
+
+    wait_for(lambda: run.line_at("already answered; resuming") or run.proc.poll() is not None, 180,
+             "the retry of inference_results after a rank was killed", run)
+    assert run.line_at("already answered; resuming") is not None, f"no retry ({saved} checkpointed)\n{run.tail()}"
+    assert run.line_at("rank 1: CPU core 1 was killed by SIGKILL") is not None, run.tail()
+    assert run.wait(timeout=600) == 0, run.tail()
+    outputs, errors, batch = read_results(out)
+    answered_once(outputs, errors, ids)
+    assert errors == [] and batch["request_counts"] == {"total": LONG_LINES, "completed": LONG_LINES, "failed": 0}
+    resumed = json.loads((out / "metrics.json").read_text())["resumed_requests"]
+    assert saved <= resumed < LONG_LINES, (saved, resumed)
+    assert not first[f"{RANK_TITLE}0"].is_running() or first[f"{RANK_TITLE}0"].status() == "zombie", (
+        "the surviving rank of the failed attempt was not stopped")
+    assert len(ranks_seen(run)) == 4, f"the retry starts two new ranks: {run.titles}"
+    assert_no_engine_process_left(run)
+
+
+def test_ctrl_c_mid_batch_cancels_and_stops_every_rank(tiny_model_dir, tmp_path, cli_runs):
+    run, out, ids = start_long_run(tiny_model_dir, tmp_path, cli_runs, "int")
+    os.killpg(run.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the run process and its ranks
+    run.stop_throttling()
+    code = run.wait(timeout=300)
+    assert code in (130, 2), f"exit code {code}\n{run.tail()}"
+    assert run.line_at("already answered; resuming") is None, "the cancelled step was retried\n" + run.tail()
+    outputs, errors, batch = read_results(out)
+    assert batch["status"] == "cancelled"
+    answered_once(outputs, errors, ids)
+    assert outputs and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert len(ranks_seen(run)) == 2, run.titles
+    assert_no_engine_process_left(run)
