@@ -72,7 +72,7 @@ def _instance() -> Any:
 
 
 def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[str, Any] | None = None,
-              instance: Any = None, log_level: str = "INFO") -> Any:
+              instance: Any = None, log_level: str = "INFO", shard: str = "") -> Any:
     """Materialize the batch assets for one input file in-process; returns Dagster's result."""
     import dagster as dg
 
@@ -81,7 +81,7 @@ def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[s
     from batch_pipeline.defs.resources import LLMResource, StorageResource
 
     run_config = {
-        **batch_run_config(input_uri, output_dir),
+        **batch_run_config(input_uri, output_dir, shard=shard),
         "loggers": {"console": {"config": {"log_level": log_level}}},
     }
     return dg.materialize(
@@ -93,6 +93,16 @@ def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[s
         raise_on_error=False,
         tags={"batch_pipeline/source": "cli"},
     )
+
+
+def _shards_waiting(input_uri: str, output_dir: str, partition: str, shard: Any) -> list[int]:
+    """The shards of this batch that have not finished (numbered from 1)."""
+    from batch_pipeline.lib import locations
+    from batch_pipeline.lib.shards import shard_records
+
+    loc = locations.BatchLocation(locations.batch_name(input_uri), input_uri, output_dir, partition)
+    records = shard_records(loc, shard.count)
+    return [i for i, record in enumerate(records, 1) if not (record and record.get("finished_at"))]
 
 
 def _failure_reason(result: Any) -> str:
@@ -118,8 +128,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from batch_pipeline.defs.resources import LLMResource
     from batch_pipeline.lib.engine_args import require_hardware
 
+    from batch_pipeline.lib.shards import Shard
+
+    shard = Shard.parse(args.shard, "--shard")
     require_hardware(LLMResource().settings())  # before any work: e.g. a GPU preset on a CPU machine
-    result = run_batch(input_uri, output_dir, args.date)
+    result = run_batch(input_uri, output_dir, args.date, shard=args.shard)
+    if not shard.whole and result.success:
+        waiting = _shards_waiting(input_uri, output_dir, args.date, shard)
+        if waiting:
+            print(f"shard {shard} of {input_uri} done; waiting for shard(s) {', '.join(map(str, waiting))}: "
+                  f"the last one to finish writes the results into {output_dir}")
+            return EXIT_OK
     batch_uri = storage.join(output_dir, "batch.json")
     batch = json.loads(storage.read_text(batch_uri)) if storage.exists(batch_uri) else None
     if batch is None or (not result.success and batch.get("status") == "completed"):
@@ -181,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--date",
         default=dt.datetime.now(dt.timezone.utc).date().isoformat(),
         help="partition date the run is recorded under (default: today, UTC)",
+    )
+    p.add_argument(
+        "--shard",
+        default="",
+        help="i/n: answer only the i-th of n line ranges (e.g. 2/4), one command per server; the last shard "
+        "to finish writes the results into --output-dir (shared storage, e.g. s3://)",
     )
     p.set_defaults(func=cmd_run)
 

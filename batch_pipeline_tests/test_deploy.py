@@ -1,8 +1,9 @@
 """Tests for the production manifests in deploy/: they parse and agree with the code.
 
 Covers: deploy/dagster.yaml (PostgreSQL from DAGSTER_POSTGRES_*, queued runs limited under
-`concurrency:`, the GPU pool, run retries, telemetry off), the two Dockerfiles (CUDA base, the `gpu`
-extra, non-root USER, health check, the gRPC command), docker-compose.yaml and .env.example (GPU
+`concurrency:`, the GPU pool, run retries, telemetry off), the two Dockerfiles (vLLM's own image at
+the version pyproject.toml pins, kernels fetched at build time, non-root USER, health check, the
+gRPC command), docker-compose.yaml and .env.example (GPU
 reservation, read-only model mount, health-gated start order, credentials only by reference),
 deploy/workspace.yaml and the Helm values (entry module, the `batch_pipeline` location name, run pods
 asking for `nvidia.com/gpu` = TENSOR_PARALLEL_SIZE on tolerated GPU nodes, the model PVC read-only,
@@ -25,7 +26,8 @@ from typing import Any
 import pytest
 import yaml
 
-from batch_pipeline.lib.settings import ENGINE_ENV
+from batch_pipeline.lib import placement
+from batch_pipeline.lib.settings import ENGINE_ENV, EngineSettings
 
 try:
     import tomllib
@@ -40,7 +42,7 @@ ENTRY_MODULE = "batch_pipeline.definitions"
 POSTGRES_ENV = {f"DAGSTER_POSTGRES_{k}" for k in ("USER", "PASSWORD", "HOSTNAME", "DB", "PORT")}
 
 # Project settings outside ENGINE_ENV; each must still be read somewhere in the package (checked).
-PROJECT_EXTRAS = {"S3_SSE", "S3_SSE_KMS_KEY_ID", "MAX_FAILED_LINE_RATE", "BATCH_PIPELINE_CACHE"}
+PROJECT_EXTRAS = {"S3_SSE", "S3_SSE_KMS_KEY_ID", "MAX_FAILED_LINE_RATE", "BATCH_PIPELINE_CACHE", "SHARDS"}
 # Set for the platform, not read by our code: Dagster, Python, pip, Hugging Face, vLLM.
 PLATFORM_ENV = {
     "DAGSTER_HOME",
@@ -57,7 +59,7 @@ PLATFORM_ENV = {
     "DO_NOT_TRACK",
 }
 # docker compose's own knobs (interpolated into docker-compose.yaml, never read by the code).
-COMPOSE_ONLY = {"MODEL_HOST_DIR", "BATCH_PIPELINE_TAG", "DAGSTER_WEBSERVER_PORT"}
+COMPOSE_ONLY = {"MODEL_HOST_DIR", "BATCH_PIPELINE_TAG", "DAGSTER_WEBSERVER_PORT", "GPUS"}
 
 
 # ----------------------------------------------------------------------------------- parsing
@@ -249,18 +251,22 @@ def test_helm_instance_settings():
 # ----------------------------------------------------------------------------------- images
 
 
-def test_gpu_image():
+def test_gpu_image_is_vllms_own_image_for_the_pinned_version():
     instructions = dockerfile("Dockerfile")
-    (arg_base,) = [a for k, a in instructions if k == "ARG" and a.startswith("CUDA_IMAGE=")]
+    (arg_base,) = [a for k, a in instructions if k == "ARG" and a.startswith("VLLM_IMAGE=")]
     base = arg_base.split("=", 1)[1]
-    assert re.fullmatch(r"nvidia/cuda:13\.[\d.]+-runtime-ubuntu[\d.]+", base), base
-    assert ("FROM", "${CUDA_IMAGE}") in instructions
-    runs = "\n".join(a for k, a in instructions if k == "RUN")
-    assert "pip install '.[gpu]'" in runs
-    assert "python3.12" in runs
-    assert not [a for k, a in instructions if k == "ENTRYPOINT"], "the Helm chart passes the command as args"
-
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    (vllm_pin,) = [d for d in pyproject["project"]["optional-dependencies"]["gpu"] if d.startswith("vllm==")]
+    assert base == "vllm/vllm-openai:v" + vllm_pin.split("==")[1], (base, vllm_pin)
+    assert ("FROM", "${VLLM_IMAGE}") in instructions
+    runs = "\n".join(a for k, a in instructions if k == "RUN")
+    assert "vllm download-kernels" in runs  # kernels fetched at build time, not at every pod start
+    install = next(a for k, a in instructions if k == "RUN" and "'.[gpu]'" in a)
+    # The engine of the image is pinned while our dependencies resolve: nothing of it is replaced.
+    assert "--constraint /opt/vllm-image-constraints.txt" in install and "pip freeze" in install
+    assert all(name in install for name in ("vllm", "torch", "triton", "flashinfer", "nvidia-"))
+    assert [a for k, a in instructions if k == "ENTRYPOINT"] == ["[]"], "vLLM's `vllm serve` entrypoint is cleared"
+
     pins = dict(re.match(r"([\w-]+)==(.+)", d).groups() for d in pyproject["project"]["dependencies"] if "==" in d)
     assert f"dagster-k8s=={pins['dagster-postgres']}" in runs  # the integrations move together
 
@@ -323,7 +329,7 @@ def test_compose_reserves_gpus_for_the_code_server_only():
     (device,) = services["user-code"]["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia"
     assert device["capabilities"] == ["gpu"]
-    assert device["count"] == "${TENSOR_PARALLEL_SIZE:-1}"  # one engine's worth of GPUs
+    assert device["count"] == "${GPUS:-all}"  # the server's GPUs: ranks x TP of them per run
     for name in ("postgres", "dagster-webserver", "dagster-daemon"):
         assert "deploy" not in services[name]
 
@@ -369,13 +375,27 @@ def test_compose_database_settings_match_the_instance_yaml():
 # --------------------------------------------------------------------------------------- helm
 
 
-def test_helm_run_pods_request_gpus_equal_to_tensor_parallel_size():
+def test_helm_run_pods_request_one_gpu_per_engine_rank_and_tensor_parallel_slice():
     limits = helm_run_k8s()["containerConfig"]["resources"]["limits"]
-    tp = helm_deployment()["env"]["TENSOR_PARALLEL_SIZE"]
-    assert limits["nvidia.com/gpu"] == tp
-    assert int(tp) >= 1
+    env = helm_deployment()["env"]
+    tp, dp = int(env["TENSOR_PARALLEL_SIZE"]), int(env["DATA_PARALLEL_SIZE"])
+    assert limits["nvidia.com/gpu"] == str(dp * tp) and dp * tp >= 1
+    # The same plan the run makes: it fits the GPUs the pod asks for.
+    settings = EngineSettings(data_parallel_size=dp, tensor_parallel_size=tp)
+    assert placement.placement_problem(settings, gpus=dp * tp) is None
+    assert [p.gpus for p in placement.plan_ranks(settings, gpus=dp * tp, env={})][-1] == (str(dp * tp - 1),)
     # Copied onto run pods by includeConfigInLaunchedRuns, code-server resources would override these.
     assert "resources" not in helm_deployment()
+
+
+def test_helm_run_pods_keep_the_engine_cache_on_a_claim():
+    k8s = helm_run_k8s()
+    launcher = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())["runLauncher"]["config"]["k8sRunLauncher"]
+    volumes = {v["name"]: v for v in launcher["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in launcher["volumeMounts"]}
+    assert volumes["engine-cache"]["persistentVolumeClaim"]["claimName"]
+    assert mounts["engine-cache"] == helm_deployment()["env"]["BATCH_PIPELINE_CACHE"]
+    assert k8s["containerConfig"]["resources"]["requests"]["cpu"]
 
 
 def test_helm_run_pods_land_on_gpu_nodes():

@@ -18,6 +18,7 @@ from batch_pipeline.lib.inference import infer_batch
 from batch_pipeline.lib.locations import BatchLocation, RunBatches
 from batch_pipeline.lib.results import finalize_batch
 from batch_pipeline.lib.settings import ConfigError
+from batch_pipeline.lib.shards import Shard, merge_if_complete, reusable_validation
 from batch_pipeline.lib.storage import read_json
 
 DEFAULT_MAX_FAILED_RATE = 0.10
@@ -34,6 +35,14 @@ class BatchConfig(dg.Config):
         default="",
         description="Result folder for a single input file; blank = STORAGE_OUTPUT_PATH/<date>/<batch name>/",
     )
+    shard: str = Field(
+        default="",
+        description=(
+            "i/n: answer only the i-th of n line ranges of each batch (e.g. 2/4), so n runs, on n servers, "
+            "share a batch; the last shard to finish writes the results. Blank = the whole batch (or SHARDS "
+            "from the upload sensor)"
+        ),
+    )
     skip_completed: bool = Field(
         default=True,
         description=(
@@ -41,6 +50,23 @@ class BatchConfig(dg.Config):
             "and engine settings: their results, batch.json and metrics stay as they are"
         ),
     )
+
+
+def _shard(config: BatchConfig) -> Shard:
+    try:
+        return Shard.parse(config.shard)
+    except ConfigError as e:
+        raise dg.Failure(description=str(e), allow_retries=False) from None
+
+
+def _assembled(loc: BatchLocation, shard: Shard) -> bool:
+    """Whether the batch's results can be written: always for a whole batch; for a shard, once
+    every shard of the batch has finished (inference.json then holds their merged record)."""
+    if shard.whole or not read_json(loc.work("validation.json"))["valid"]:
+        return True
+    own = read_json(loc.work(shard.record_name()))
+    finished, _ = merge_if_complete(loc, own["checkpoint_key"], shard.count)
+    return finished == shard.count
 
 
 def _runs_folder(config: BatchConfig, storage: StorageResource, partition: str) -> str:
@@ -120,9 +146,14 @@ def validated_requests(
     context: dg.AssetExecutionContext, config: BatchConfig, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
     settings = llm.validation_settings()
+    shard = _shard(config)
     rows = []
     for loc in take_batches(context, config, storage, llm):
-        info = validate_batch(loc, settings, log=progress.first_n_logger(context.log.info, 20))
+        info = None if shard.whole else reusable_validation(loc)
+        if info is not None:  # another shard of this batch validated this very file already
+            context.log.info(f"{loc.name}: validation of this file version by another shard reused")
+        else:
+            info = validate_batch(loc, settings, log=progress.first_n_logger(context.log.info, 20))
         context.log.info(f"{loc.name}: {info['lines']} lines, {info['valid']} valid, {info['invalid']} invalid")
         rows.append({"batch": loc.name, "lines": info["lines"], "valid": info["valid"], "invalid": info["invalid"]})
     return dg.MaterializeResult(metadata=_summary(rows, "lines", "valid", "invalid"))
@@ -150,17 +181,19 @@ def inference_results(
             require_hardware(settings)
         except ConfigError as e:  # a setting, not a crash: retrying cannot help
             raise dg.Failure(description=str(e), allow_retries=False) from None
+        shard = _shard(config)
         with llm.open(log=context.log.info) as engines:
             identity = llm.identity()
             for i, loc in enumerate(pending):
                 try:
                     info = infer_batch(
                         loc, engines, identity, settings.checkpoint_answers, settings.checkpoint_seconds,
-                        log=context.log.info,
+                        log=context.log.info, shard=shard,
                     )
                 except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt) as interrupt:
                     # Terminated from the UI (or Ctrl-C): keep what is answered, say "cancelled".
-                    for cancelled in pending[i:]:
+                    # A shard writes no results: the other shards may still be answering theirs.
+                    for cancelled in pending[i:] if shard.whole else ():
                         finalize_batch(cancelled, {"dagster_run_id": context.run.run_id}, cancelled=True)
                         context.log.warning(f"{cancelled.name}: cancelled; the next run resumes the rest")
                     # Not the interrupt itself: Dagster turns an interrupt inside a step with a
@@ -202,7 +235,11 @@ def batch_outputs(
     context: dg.AssetExecutionContext, config: BatchConfig, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
     rows = []
+    shard = _shard(config)
     for loc in run_batches(context, config, storage):
+        if not _assembled(loc, shard):
+            context.log.info(f"{loc.name}: shard {shard} is done; the last shard of the batch to finish writes its results")
+            continue
         batch = finalize_batch(loc, extra_metadata={"dagster_run_id": context.run.run_id})
         counts = batch["request_counts"]
         context.log.info(
@@ -240,7 +277,8 @@ def failed_line_rate(failed: int, total: int) -> dg.AssetCheckResult:
 def throughput_metrics(
     context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
-    per_batch = [metrics.batch_metrics(loc) for loc in run_batches(context, config, storage)]
+    shard = _shard(config)
+    per_batch = [metrics.batch_metrics(loc) for loc in run_batches(context, config, storage) if _assembled(loc, shard)]
     return dg.MaterializeResult(metadata=metrics.aggregate_metrics(per_batch))
 
 

@@ -13,7 +13,8 @@ batch_job = dg.define_asset_job(
 )
 
 
-def batch_run_config(input_uri: str = "", output_uri: str = "") -> dict[str, Any]:
-    """Run config that points every batch asset at one input file/folder and one output folder."""
-    config = {"input_uri": input_uri, "output_uri": output_uri}
+def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "") -> dict[str, Any]:
+    """Run config that points every batch asset at one input file/folder and one output folder
+    (and, with `shard` "i/n", at one line range of each batch)."""
+    config = {"input_uri": input_uri, "output_uri": output_uri, **({"shard": shard} if shard else {})}
     return {"ops": {asset.key.to_user_string(): {"config": config} for asset in BATCH_ASSETS}}

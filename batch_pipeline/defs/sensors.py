@@ -4,7 +4,8 @@ What counts as new, which date a file runs as and the cursor live in `lib/upload
 version that a backfill, the nightly schedule or an earlier run already completed (its batch.json
 says `completed` for the same ETag) starts no run. The run key `<uri>@<etag>` is the second guard:
 Dagster never launches the same key twice for this sensor, so a lost or reset cursor re-requests
-old files but starts no run for them.
+old files but starts no run for them. With SHARDS=n, each new file starts n runs, one per line
+range (`<uri>@<etag>#shard-i-of-n`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from batch_pipeline.defs.jobs import batch_job, batch_run_config
 from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.lib import locations
+from batch_pipeline.lib.settings import shards_from_env
 from batch_pipeline.lib.storage import list_objects
 from batch_pipeline.lib.uploads import (
     NewBatch,
@@ -40,14 +42,23 @@ def partition_range() -> PartitionRange:
     return PartitionRange(first, last)
 
 
-def run_request(new: NewBatch) -> dg.RunRequest:
+def run_requests(new: NewBatch, shards: int = 1) -> list[dg.RunRequest]:
+    """One run for the file, or with SHARDS=n, one run per line-range shard (lib/shards.py): n runs
+    that queue for the `gpu` pool like any other and, on Kubernetes, land on n GPU pods."""
     uri = new.info.uri
-    return dg.RunRequest(
-        run_key=new.run_key,
-        partition_key=new.partition,
-        run_config=batch_run_config(input_uri=uri),
-        tags={"batch_pipeline/input_uri": uri, "batch_pipeline/batch_name": locations.batch_name(uri)},
-    )
+    tags = {"batch_pipeline/input_uri": uri, "batch_pipeline/batch_name": locations.batch_name(uri)}
+    if shards == 1:
+        return [dg.RunRequest(run_key=new.run_key, partition_key=new.partition,
+                              run_config=batch_run_config(input_uri=uri), tags=tags)]
+    return [
+        dg.RunRequest(
+            run_key=f"{new.run_key}#shard-{i}-of-{shards}",
+            partition_key=new.partition,
+            run_config=batch_run_config(input_uri=uri, shard=f"{i}/{shards}"),
+            tags={**tags, "batch_pipeline/shard": f"{i}/{shards}"},
+        )
+        for i in range(1, shards + 1)
+    ]
 
 
 # Stopped until someone turns it on (UI: Automation, or `dagster sensor start batch_upload_sensor`):
@@ -69,6 +80,7 @@ def batch_upload_sensor(context: dg.SensorEvaluationContext, storage: StorageRes
     output = folder_prefix(settings.output_path)
     # Results written under the input folder must never trigger runs of their own.
     exclude = output if output.startswith(folder_prefix(root)) else ""
+    shards = shards_from_env()  # a bad SHARDS fails the tick, naming the variable
     cursor = UploadCursor.parse(context.cursor)
     objects = list_objects(root)
     found, new_cursor = find_new_batches(
@@ -79,8 +91,11 @@ def batch_upload_sensor(context: dg.SensorEvaluationContext, storage: StorageRes
         if already_completed(new, settings.output_path):
             context.log.info(f"{new.info.uri} (etag {new.info.etag}) is already completed; no run")
             continue
-        context.log.info(f"new batch file {new.info.uri} (etag {new.info.etag}) -> partition {new.partition}")
-        requests.append(run_request(new))
+        context.log.info(
+            f"new batch file {new.info.uri} (etag {new.info.etag}) -> partition {new.partition}"
+            + (f", {shards} shard runs" if shards > 1 else "")
+        )
+        requests.extend(run_requests(new, shards))
     return dg.SensorResult(
         run_requests=requests,
         skip_reason=None if requests else f"no new batch files under {root} ({len(objects)} objects listed)",

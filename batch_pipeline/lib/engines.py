@@ -71,8 +71,10 @@ class Engines:
             self._embedding = EmbeddingEngine(llm, self.embedding_name, self.embedding_path)
         return self._embedding
 
-    def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int) -> Iterator[Answer]:
-        """Answer a stream of mixed requests, each exactly once, in the order they finish."""
+    def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int,
+               expected: int | None = None) -> Iterator[Answer]:
+        """Answer a stream of mixed requests, each exactly once, in the order they finish.
+        (`expected`, the stream's length, matters only to RankedEngines.)"""
         ready: deque[Answer] = deque()
         embeddings: list[contract.BatchRequest] = []
 

@@ -2,18 +2,40 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from batch_pipeline.lib import storage
 from batch_pipeline.lib.checkpoints import Checkpoint, answered_lines, answers_folder, checkpoint_key
 from batch_pipeline.lib.engines import Engines
 from batch_pipeline.lib.ranks import RankedEngines
+from batch_pipeline.lib.shards import Shard, merge_if_complete
 from batch_pipeline.lib.gpu import GpuSampler
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.metrics import peak_memory_mb
 from batch_pipeline.lib.progress import Log, Progress, quiet
 from batch_pipeline.lib.validation import request_from_record
+
+_LINE = re.compile(rb'\{"line":(\d+),')
+
+
+def _requests_of(loc: BatchLocation, positions: range | None) -> Iterator[tuple[int, bytes]]:
+    """(input line, raw record) of the valid requests, in input order; with `positions`, only those
+    at these ordinal positions (a shard). The line number is read off the record's start
+    (`{"line":N,...}`, as ingest writes it), so skipping other shards' requests parses nothing."""
+    with storage.open_read(loc.work("requests.jsonl")) as f:
+        position = -1
+        for raw in f:
+            if not raw.strip():
+                continue
+            position += 1
+            if positions is not None and position not in positions:
+                continue
+            match = _LINE.match(raw)
+            yield (int(match.group(1)) if match else json.loads(raw)["line"]), raw
 
 
 def infer_batch(
@@ -23,54 +45,71 @@ def infer_batch(
     checkpoint_answers: int,
     checkpoint_seconds: float,
     log: Log = quiet,
+    shard: Shard = Shard(),
 ) -> dict[str, Any]:
-    """Answer the requests in _work/requests.jsonl that no earlier attempt answered; returns what
-    _work/inference.json records (engine identity, timings, checkpoint parts, peak memory).
+    """Answer the requests in _work/requests.jsonl (of `shard` only, when given) that no earlier
+    attempt answered; returns what the shard's record (_work/inference.json for a whole batch)
+    holds: engine identity, timings, checkpoint parts, peak memory.
 
-    When every request is answered already, no engine is built and inference.json is left as the
-    attempt that did the work wrote it, so its figures survive a run that had nothing to do.
+    When every request is answered already, no engine is built and the record is left as the
+    attempt that did the work wrote it, so its figures survive a run that had nothing to do. The
+    shard that completes a sharded batch merges the shards' records into inference.json.
     """
     validation = storage.read_json(loc.work("validation.json"))
     key = checkpoint_key(validation["sha256"], identity)
     done = answered_lines(loc, key)
-    previous = storage.read_json(loc.work("inference.json")) if storage.exists(loc.work("inference.json")) else None
-    if done.count == validation["valid"] and previous and previous.get("checkpoint_key") == key and previous.get("finished_at"):
-        log(f"{loc.name}: all {done.count} requests already answered; nothing to compute")
+    record = loc.work(shard.record_name())
+    positions = None if shard.whole else shard.positions(validation["valid"])
+    total = validation["valid"] if positions is None else len(positions)
+    answered = done.count if positions is None else sum(1 for line, _ in _requests_of(loc, positions) if line in done)
+    label = loc.name if shard.whole else f"{loc.name} shard {shard}"
+    previous = storage.read_json(record) if storage.exists(record) else None
+    if answered == total and previous and previous.get("checkpoint_key") == key and previous.get("finished_at"):
+        log(f"{label}: all {answered} requests already answered; nothing to compute")
+        _merge_shards(loc, key, shard, log)
         return {**previous, "computed_requests": 0}
     info: dict[str, Any] = {
         "checkpoint_key": key,
         "engine": identity,
-        "resumed_requests": done.count,
+        "resumed_requests": answered,
         "in_progress_at": int(time.time()),
         "finished_at": None,
     }
-    storage.write_json(loc.work("inference.json"), info)
-    if done.count:
-        log(f"{loc.name}: {done.count} of {validation['valid']} requests already answered; resuming")
+    if not shard.whole:
+        info["shard"] = str(shard)
+    storage.write_json(record, info)
+    if answered:
+        log(f"{label}: {answered} of {total} requests already answered; resuming")
     remaining = (
-        request_from_record(r) for r in storage.iter_jsonl(loc.work("requests.jsonl")) if r["line"] not in done
+        request_from_record(json.loads(raw)) for line, raw in _requests_of(loc, positions) if line not in done
     )
-    progress = Progress(validation["valid"], done.count, log, loc.name)
+    progress = Progress(total, answered, log, label)
     load_before = engines.load_seconds
     ranks = getattr(engines, "data_parallel_size", 1)
     per_rank = [0] * ranks
-    started = time.monotonic()
+    started, started_at = time.monotonic(), time.time()
     with Checkpoint(answers_folder(loc, key), checkpoint_answers, checkpoint_seconds) as checkpoint, GpuSampler() as gpu:
-        for answer in engines.stream(validation["batch_id"], remaining, created=int(time.time())):
+        stream = engines.stream(validation["batch_id"], remaining, created=int(time.time()), expected=total - answered)
+        for answer in stream:
             if not done.add(answer.line):
-                raise RuntimeError(f"{loc.name}: line {answer.line} answered twice")
+                raise RuntimeError(f"{label}: line {answer.line} answered twice")
             checkpoint.add(answer)
             per_rank[answer.rank] += 1
+            answered += 1
             progress.excluded = engines.load_seconds - load_before
             progress.advance(answer.completion_tokens)
-    if done.count != validation["valid"]:
-        raise RuntimeError(f"{loc.name}: {validation['valid']} valid requests but {done.count} answers")
+    if answered != total:
+        raise RuntimeError(f"{label}: {total} valid requests but {answered} answers")
     load_seconds = engines.load_seconds - load_before
     info.update(
         finished_at=int(time.time()),
-        computed_requests=done.count - info["resumed_requests"],
+        computed_requests=answered - info["resumed_requests"],
         model_load_seconds=round(load_seconds, 3),
         inference_seconds=round(max(time.monotonic() - started - load_seconds, 0.0), 3),
+        # Wall-clock span of the answering (after the model load), for merging shards that ran
+        # side by side on other servers (shards.busy_seconds).
+        inference_started_at=round(started_at + load_seconds, 3),
+        inference_finished_at=round(time.time(), 3),
         data_parallel_size=ranks,
         requests_per_rank=per_rank,
         checkpoint_parts=checkpoint.parts,
@@ -79,5 +118,16 @@ def infer_batch(
         peak_memory_mb=round(peak_memory_mb() + sum(getattr(engines, "rank_peak_memory_mb", [])), 1),
         gpu=gpu.figures(),
     )
-    storage.write_json(loc.work("inference.json"), info)
+    storage.write_json(record, info)
+    _merge_shards(loc, key, shard, log)
     return info
+
+
+def _merge_shards(loc: BatchLocation, key: str, shard: Shard, log: Log) -> None:
+    if shard.whole:
+        return
+    finished, merged = merge_if_complete(loc, key, shard.count)
+    if merged is None:
+        log(f"{loc.name}: shard {shard} done; {finished} of {shard.count} shards finished, the last one writes the results")
+    else:
+        log(f"{loc.name}: all {shard.count} shards finished")

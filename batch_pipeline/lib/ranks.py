@@ -64,6 +64,8 @@ class _Rank:
         self.load_seconds = 0.0
         self.peak_memory_mb = 0.0
         self.in_batch = False
+        self.outstanding = 0  # requests handed to it and not answered yet (this batch)
+        self.wants: deque[int] = deque()  # how many it asked for, per "want" not answered yet
 
     def exit_description(self) -> str:
         code = self.process.exitcode
@@ -71,6 +73,53 @@ class _Rank:
             name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else str(-code)
             return f"was killed by {name}"
         return f"exited with code {code}"
+
+
+class _Feeder:
+    """Hands requests to the ranks that ask ("want"), one reply per want, deferred while the rank
+    already holds its share.
+
+    A rank's share is the work left (requests not handed out yet, plus those the ranks hold) split
+    evenly over the ranks: the first rank to load cannot take a small batch whole, nor the last
+    few hundred requests of a large one while the others run dry. A rank that answers faster comes
+    back sooner and so still does more. Without `expected` (the stream's length), a rank gets what
+    it asks for.
+    """
+
+    def __init__(self, source: Iterator[contract.BatchRequest], expected: int | None, ranks: int):
+        self.source, self.expected, self.ranks = source, expected, ranks
+        self.handed_out = 0
+        self.exhausted = False
+
+    def _share(self, ranks: list[_Rank]) -> int | None:
+        if self.expected is None:
+            return None
+        left = max(self.expected - self.handed_out, 0) + sum(r.outstanding for r in ranks)
+        return max(-(-left // self.ranks), 1)
+
+    def serve(self, ranks: list[_Rank]) -> None:
+        for rank in ranks:
+            while rank.wants:
+                if self.exhausted:
+                    rank.conn.send(("end",))
+                    rank.wants.popleft()
+                    continue
+                share = self._share(ranks)
+                asked = rank.wants[0]
+                allowed = asked if share is None else min(asked, share - rank.outstanding)
+                if allowed <= 0:
+                    break  # answered once this rank has handed back some of what it holds
+                items: list[contract.BatchRequest] = []
+                while len(items) < allowed:
+                    item = next(self.source, None)
+                    if item is None:
+                        self.exhausted = True
+                        break
+                    items.append(item)
+                rank.conn.send(("requests", items) if items else ("end",))
+                rank.wants.popleft()
+                rank.outstanding += len(items)
+                self.handed_out += len(items)
 
 
 class RankedEngines:
@@ -122,15 +171,18 @@ class RankedEngines:
             theirs.close()  # only the rank holds its end: its death reads as end-of-file here
             self._ranks.append(_Rank(plan, process, ours))
 
-    def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int) -> Iterator[Answer]:
+    def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int,
+               expected: int | None = None) -> Iterator[Answer]:
         """Answer a stream of mixed requests over every rank, each exactly once, as they finish.
-        Answers carry the rank that computed them."""
+        Answers carry the rank that computed them. With `expected` (how many requests the stream
+        holds), no rank holds more than an even share of the work left (see _Feeder)."""
         self._start()
-        source = iter(requests)
-        exhausted = False
+        feeder = _Feeder(iter(requests), expected, len(self._ranks))
         for rank in self._ranks:
             rank.conn.send(("batch", batch_id, created))
             rank.in_batch = True
+            rank.outstanding = 0
+            rank.wants.clear()
         finished = False
         try:
             while any(r.in_batch for r in self._ranks):
@@ -144,16 +196,10 @@ class RankedEngines:
                     for message in self._receive(rank):
                         kind = message[0]
                         if kind == "answer":
+                            rank.outstanding -= 1
                             yield replace(message[1], rank=rank.plan.rank)
                         elif kind == "want":
-                            items: list[contract.BatchRequest] = []
-                            while not exhausted and len(items) < message[1]:
-                                item = next(source, None)
-                                if item is None:
-                                    exhausted = True
-                                else:
-                                    items.append(item)
-                            rank.conn.send(("requests", items) if items else ("end",))
+                            rank.wants.append(message[1])
                         elif kind == "log":
                             rank.load_seconds = message[2]
                             self.log(f"rank {rank.plan.rank}: {message[1]}")
@@ -162,6 +208,7 @@ class RankedEngines:
                             rank.in_batch = False
                         elif kind == "error":
                             raise RankFailed(f"engine {rank.plan.describe()} failed:\n{message[1]}")
+                feeder.serve(self._ranks)
             finished = True
         except RankFailed as e:
             self.log(str(e))  # the step's failure says it too, but only at debug level before a retry

@@ -160,6 +160,18 @@ def storage_settings_from_env(env: dict[str, str] | None = None) -> StorageSetti
     )
 
 
+def shards_from_env(env: dict[str, str] | None = None) -> int:
+    """SHARDS: how many runs the upload sensor starts for each new batch file (default 1)."""
+    env = os.environ if env is None else env
+    raw = env.get("SHARDS", "").strip()
+    if not raw:
+        return 1
+    value = _coerce("SHARDS", raw, int)
+    if not 1 <= value <= 1024:
+        raise ConfigError(f"SHARDS={raw!r} is out of range (1 to 1024)")
+    return value
+
+
 def validation_limits_from_env(env: dict[str, str] | None = None) -> dict[str, int]:
     """MAX_LINE_BYTES and MAX_CUSTOM_ID_LENGTH, where set (ValidationSettings keeps the defaults)."""
     env = os.environ if env is None else env

@@ -119,3 +119,14 @@ def merge_if_complete(loc: BatchLocation, key: str, count: int) -> tuple[int, di
     merged = merge_records(done)
     storage.write_json(loc.work("inference.json"), merged)
     return count, merged
+
+
+def reusable_validation(loc: BatchLocation) -> dict[str, Any] | None:
+    """The batch's validation record when it describes the input file as it is now (same ETag),
+    else None. Shards of a batch start side by side: the first validates, the others reuse it
+    instead of rewriting the same files under a shard that is already answering."""
+    uri = loc.work("validation.json")
+    if not (storage.exists(uri) and storage.exists(loc.work("requests.jsonl")) and storage.exists(loc.work("invalid.jsonl"))):
+        return None
+    info = storage.read_json(uri)
+    return info if info.get("input_etag") == storage.describe(loc.input_uri).etag else None
