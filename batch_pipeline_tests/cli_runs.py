@@ -51,9 +51,10 @@ def read_results(out: Path) -> tuple[list[dict], list[dict], dict]:
     return outputs, errors, json.loads((out / "batch.json").read_text())
 
 
-def answered_once(outputs: list[dict], errors: list[dict], ids: list[str]) -> None:
+def answered_once(outputs: list[dict], errors: list[dict], ids: list[str | None]) -> None:
+    """Every custom_id exactly once across output and error lines (None: a line without one)."""
     got = [r["custom_id"] for r in outputs + errors]
-    assert sorted(got) == sorted(ids), "every custom_id exactly once"
+    assert sorted(got, key=str) == sorted(ids, key=str), "every custom_id exactly once"
 
 
 def part_files(out: Path) -> list[Path]:

@@ -118,7 +118,10 @@ def test_doctor_prints_the_plan(monkeypatch):
     monkeypatch.setenv("DATA_PARALLEL_SIZE", "2")
     [gpu] = run_checks(["gpu"])
     assert gpu.status == "PASS", gpu.detail
-    assert "plan: 2 ranks on the CPU; rank 0: CPU core 0; rank 1: CPU core 1" in gpu.detail
+    cpus = placement.usable_cpus()
+    half = len(cpus) // 2
+    first, second = ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:2 * half]))
+    assert f"plan: 2 ranks on the CPU; rank 0: CPU core {first}; rank 1: CPU core {second}" in gpu.detail
     monkeypatch.setenv("DATA_PARALLEL_SIZE", str(len(placement.usable_cpus()) + 1))
     [gpu] = run_checks(["gpu"])
     assert gpu.status == "FAIL" and "DATA_PARALLEL_SIZE=" in gpu.detail
@@ -179,10 +182,11 @@ def test_two_ranks_answer_every_line_once_each_on_its_own_core(model, tiny_model
 
 # -- a rank killed, a run cancelled --------------------------------------------------------
 
-# Long enough to interrupt on 2 busy cores: 32 requests x 128 tokens, one at a time per rank (about
+# Long enough to interrupt on 2 busy cores: 32 requests x 64 tokens, one at a time per rank (about
 # 4 ms a token on one core), each answer checkpointed as it comes; the rank processes are paused
-# half of the time (CliRun(throttle_engine=True)) so the run process keeps up.
-LONG_LINES, LONG_TOKENS = 32, 128
+# half of the time (CliRun(throttle_engine=True)) so the run process keeps up, and the interruption
+# follows the first answer, with ~30 left.
+LONG_LINES, LONG_TOKENS = 32, 64
 
 
 def start_long_run(tiny_model_dir: Path, tmp_path: Path, cli_runs, prefix: str):

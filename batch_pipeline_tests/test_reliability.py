@@ -26,6 +26,7 @@ import pytest
 
 from batch_pipeline.cli import run_batch
 from batch_pipeline.defs.resources import StorageResource
+from batch_pipeline_tests.cli_runs import answered_once, read_results
 from batch_pipeline_tests.conftest import TINY_NAME, SessionLLM, tiny_env
 
 
@@ -33,17 +34,6 @@ def chat_line(custom_id: str, max_tokens: int = 4, content: str = "", **body) ->
     payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": content or f"question {custom_id}"}],
                "max_tokens": max_tokens, **body}
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": payload})
-
-
-def results(out: Path) -> tuple[list[dict], list[dict], dict]:
-    outputs = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]
-    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
-    return outputs, errors, json.loads((out / "batch.json").read_text())
-
-
-def answered_once(outputs: list[dict], errors: list[dict], expected: list[str]) -> None:
-    ids = [r["custom_id"] for r in outputs + errors]
-    assert sorted(ids, key=str) == sorted(expected, key=str), "every custom_id exactly once"
 
 
 def part_files(out: Path) -> list[Path]:
@@ -74,7 +64,7 @@ def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"{saved} of {len(ids)} requests already answered; resuming" in second.stderr
-    outputs, errors, batch_obj = results(out)
+    outputs, errors, batch_obj = read_results(out)
     answered_once(outputs, errors, ids)
     assert errors == [] and batch_obj["status"] == "completed"
     assert batch_obj["request_counts"] == {"total": 300, "completed": 300, "failed": 0}
@@ -138,7 +128,7 @@ def test_terminated_run_says_cancelled_keeps_answers_and_next_run_resumes(tiny_l
     interrupted = tiny_llm.rebuilt(InterruptedLLM, batch_size=8, checkpoint_answers=4)
     result = run_batch(str(batch), str(out), "2026-11-30", resources={"llm": interrupted, "storage": storage})
     assert not result.success
-    outputs, errors, batch_obj = results(out)
+    outputs, errors, batch_obj = read_results(out)
     assert batch_obj["status"] == "cancelled" and batch_obj["cancelled_at"]
     answered_once(outputs, errors, ids + [None])
     cancelled = [e for e in errors if e["error"] and e["error"]["code"] == "batch_cancelled"]
@@ -147,7 +137,7 @@ def test_terminated_run_says_cancelled_keeps_answers_and_next_run_resumes(tiny_l
 
     result = run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage})
     assert result.success
-    outputs2, errors2, batch2 = results(out)
+    outputs2, errors2, batch2 = read_results(out)
     answered_once(outputs2, errors2, ids + [None])
     assert batch2["status"] == "completed" and len(outputs2) == 40
     kept = {o["custom_id"]: o["response"]["body"]["choices"] for o in outputs}
@@ -170,7 +160,7 @@ def test_hostile_line_is_an_error_line_and_its_neighbours_run(case, tiny_llm, tm
     out = tmp_path / "out"
     storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
     assert run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage}).success
-    outputs, errors, batch_obj = results(out)
+    outputs, errors, batch_obj = read_results(out)
     assert sorted(o["custom_id"] for o in outputs) == ["after", "before"]
     assert [(e["error"]["code"], e["error"]["line"]) for e in errors] == [(code, 2)]
     assert batch_obj["status"] == "completed" and batch_obj["request_counts"]["total"] == 3
@@ -196,7 +186,7 @@ def test_repeated_runs_write_identical_results(tiny_llm, tmp_path):
     storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
     for _ in range(2):
         assert run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage}).success
-        outputs, errors, _ = results(out)
+        outputs, errors, _ = read_results(out)
         answered_once(outputs, errors, [f"r-{i}" for i in range(6)])
     assert len(list((out / "_work" / "answers").iterdir())) == 1
 
@@ -218,7 +208,7 @@ def test_logs_and_dagster_events_carry_no_prompt_or_completion_text(tiny_llm, tm
     captured = capfd.readouterr()
     completions = [
         choice["message"]["content"]
-        for o in results(out)[0]
+        for o in read_results(out)[0]
         for choice in o["response"]["body"]["choices"]
         if len(choice["message"]["content"].strip()) >= 12
     ]
@@ -241,7 +231,7 @@ def test_two_concurrent_runs_of_one_batch_neither_corrupt_nor_double_it(tiny_mod
     for run in runs:
         _, err = run.communicate(timeout=900)
         assert run.returncode == 0, err[-3000:]
-    outputs, errors, batch_obj = results(out)
+    outputs, errors, batch_obj = read_results(out)
     answered_once(outputs, errors, ids + [None])
     assert batch_obj["status"] == "completed"
     assert batch_obj["request_counts"] == {"total": 61, "completed": 60, "failed": 1}
@@ -278,7 +268,7 @@ def test_engine_death_is_retried_by_dagster_and_resumes_from_checkpoints(tiny_ll
     assert result.success  # inference_results' RetryPolicy re-ran the step
     retries = [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
     assert len(retries) == 1
-    outputs, errors, batch_obj = results(out)
+    outputs, errors, batch_obj = read_results(out)
     answered_once(outputs, errors, ids)
     assert batch_obj["status"] == "completed"
     assert json.loads((out / "_work" / "inference.json").read_text())["resumed_requests"] > 0
@@ -292,7 +282,7 @@ def test_a_50_mb_line_is_rejected_and_its_neighbours_run(tiny_llm, tmp_path):
     out = tmp_path / "out"
     storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
     assert run_batch(str(batch), str(out), "2026-11-30", resources={"llm": tiny_llm, "storage": storage}).success
-    outputs, errors, _ = results(out)
+    outputs, errors, _ = read_results(out)
     assert sorted(o["custom_id"] for o in outputs) == ["small-1", "small-2"]
     [error] = errors
     assert error["custom_id"] == "huge" and error["error"]["code"] == "invalid_request"

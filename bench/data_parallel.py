@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_bench import DEFAULT_CACHE, REPO, child_env, make_workload, preflight, say  # noqa: E402
+from run_bench import DEFAULT_CACHE, REPO, prepare_chat_workload, say  # noqa: E402
 
 
 def run_once(cli: str, workload: Path, out: Path, env: dict[str, str], ranks: int, log: Path) -> dict[str, Any]:
@@ -63,19 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--python", default=sys.executable)
-    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--cache", type=Path, default=Path(os.environ.get("BATCH_PIPELINE_CACHE") or DEFAULT_CACHE))
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     counts = [int(x) for x in args.ranks.split(",") if x.strip()]
 
     work = Path(tempfile.mkdtemp(prefix="bench-dp-"))
-    env = child_env(args.cache, work / "tmp")
-    pre = preflight(args.python, env)
-    wl = argparse.Namespace(workload="chat", num_requests=args.num_requests, output_len=args.output_len,
-                            seed=args.seed, input_len=None, prefix_len=None)
-    workload = work / "workload.jsonl"
-    make_workload(wl, pre["served_model_name"], pre["model_path"], workload)
-    cli = str(Path(args.python).parent / "batch-pipeline")
+    env, pre, workload, cli = prepare_chat_workload(args, work)
     say(f"{args.num_requests} x {args.output_len} greedy chat requests on {pre['served_model_name']}; "
         f"ranks {counts}; {args.rounds} round(s); {os.cpu_count()} CPU(s); logs in {work}")
 
@@ -101,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:>5}  {r['wall_seconds']:>11.1f}  {r['wall_seconds'] / base:>5.2f}x  {r['model_load_seconds']:>6.1f}  "
               f"{r['inference_seconds']:>7.1f}  {r['output_tokens_per_second']:>7.0f}  {per} ({balance})")
     if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "best": best, "workload": vars(wl)}, indent=2))
+        args.json.write_text(json.dumps({"runs": runs, "best": best, "workload": {"num_requests": args.num_requests, "output_len": args.output_len, "seed": args.seed}}, indent=2))
     return 0
 
 

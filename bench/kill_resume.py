@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_bench import REPO, DEFAULT_CACHE, child_env, make_workload, preflight, say  # noqa: E402
+from run_bench import REPO, DEFAULT_CACHE, prepare_chat_workload, say  # noqa: E402
 
 LOADED_MARK = "loaded in"  # "generate model <name> loaded in 12.3s" (lib/engines.py)
 
@@ -96,13 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="batch_pipeline_kill_"))
-    env = child_env(args.cache, work / "tmp")
-    pre = preflight(args.python, env)
-    wl = argparse.Namespace(workload="chat", num_requests=args.num_requests, output_len=args.output_len,
-                            seed=args.seed, input_len=None, prefix_len=None)
-    workload = work / "workload.jsonl"
-    make_workload(wl, pre["served_model_name"], pre["model_path"], workload)
-    cli = str(Path(args.python).parent / "batch-pipeline")
+    env, pre, workload, cli = prepare_chat_workload(args, work)
     values = [float(v) for v in args.seconds.split(",") if v.strip()]
     say(f"{args.num_requests} x {args.output_len} chat requests; CHECKPOINT_SECONDS {values}; kill at {args.kill_at:.0%}")
 

@@ -260,6 +260,19 @@ def make_workload(args: argparse.Namespace, served: str, model_path: str, out: P
     return info
 
 
+def prepare_chat_workload(args: argparse.Namespace, work: Path) -> tuple[dict[str, str], dict[str, Any], Path, str]:
+    """For the scripts that run `batch-pipeline run` alone (kill_resume.py, data_parallel.py): the
+    child environment, the preflight, a greedy chat workload of args.num_requests x args.output_len
+    in `work`, and the CLI's path."""
+    env = child_env(args.cache, work / "tmp")
+    pre = preflight(args.python, env)
+    wl = argparse.Namespace(workload="chat", num_requests=args.num_requests, output_len=args.output_len,
+                            seed=args.seed, input_len=None, prefix_len=None)
+    workload = work / "workload.jsonl"
+    make_workload(wl, pre["served_model_name"], pre["model_path"], workload)
+    return env, pre, workload, str(Path(args.python).parent / "batch-pipeline")
+
+
 # =============================================================================================
 # The three systems
 # =============================================================================================
