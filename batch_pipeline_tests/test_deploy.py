@@ -398,6 +398,17 @@ def test_helm_run_pods_keep_the_engine_cache_on_a_claim():
     assert k8s["containerConfig"]["resources"]["requests"]["cpu"]
 
 
+def test_helm_code_server_reads_the_same_database_as_the_chart():
+    values = yaml.safe_load((DEPLOY / "helm" / "values.yaml").read_text())
+    pg, env = values["postgresql"], helm_deployment()["env"]
+    assert env["DAGSTER_POSTGRES_HOSTNAME"] == pg["postgresqlHost"]
+    assert env["DAGSTER_POSTGRES_USER"] == pg["postgresqlUsername"]
+    assert env["DAGSTER_POSTGRES_DB"] == pg["postgresqlDatabase"]
+    assert env["DAGSTER_POSTGRES_PORT"] == str(pg["service"]["port"])
+    assert all(isinstance(v, str) for v in env.values()), "the chart's env map takes strings"
+    assert "DAGSTER_POSTGRES_PASSWORD" not in env  # the chart's DAGSTER_PG_PASSWORD (a Secret) stands in
+
+
 def test_helm_run_pods_land_on_gpu_nodes():
     pod = helm_run_k8s()["podSpecConfig"]
     assert pod["nodeSelector"]

@@ -185,6 +185,16 @@ def test_doctor_names_a_missing_database_variable(dagster_home: Path, monkeypatc
     assert "DAGSTER_POSTGRES_PASSWORD" in result.detail
 
 
+def test_doctor_in_a_helm_code_server_pod_uses_the_charts_password_variable(dagster_home: Path, monkeypatch: pytest.MonkeyPatch):
+    # The chart sets DAGSTER_PG_PASSWORD (and values.yaml the other DAGSTER_POSTGRES_*), not DAGSTER_POSTGRES_PASSWORD.
+    password = os.environ["DAGSTER_POSTGRES_PASSWORD"]
+    monkeypatch.delenv("DAGSTER_POSTGRES_PASSWORD")
+    monkeypatch.setenv("DAGSTER_PG_PASSWORD", password)
+    (result,) = doctor.run_checks(only=["dagster instance"])
+    assert result.status == "PASS", result.detail
+    assert "DAGSTER_POSTGRES_PASSWORD" not in os.environ  # borrowed for the check only
+
+
 def test_console_script_run_is_recorded_in_postgres(dagster_home: Path, database: str, tmp_path: Path, tiny_model_dir):
     """The issue's own check: `batch-pipeline run` with the production instance leaves a successful
     run and all four materializations in PostgreSQL (real vLLM on the tiny model, a new process)."""

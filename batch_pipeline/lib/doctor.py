@@ -280,6 +280,12 @@ def check_dagster_instance() -> CheckResult:
         return _warn("dagster instance", "DAGSTER_HOME is not set: the CLI records runs in a throwaway instance")
     if not (Path(home) / "dagster.yaml").is_file():
         return _warn("dagster instance", f"{home}/dagster.yaml is missing: default SQLite storage under DAGSTER_HOME")
+    # Dagster's Helm chart gives code-server pods the database password as DAGSTER_PG_PASSWORD, and no
+    # instance settings: there the image's deploy/dagster.yaml is read, which names DAGSTER_POSTGRES_*.
+    helm_password = os.environ.get("DAGSTER_PG_PASSWORD")
+    borrowed = helm_password is not None and "DAGSTER_POSTGRES_PASSWORD" not in os.environ
+    if borrowed:
+        os.environ["DAGSTER_POSTGRES_PASSWORD"] = helm_password
     try:
         import dagster as dg
 
@@ -291,6 +297,9 @@ def check_dagster_instance() -> CheckResult:
             launcher = type(instance.run_launcher).__name__
     except Exception as e:  # noqa: BLE001 - unreachable database, bad yaml, missing env var
         return _fail("dagster instance", f"{home}: {_instance_error(e)}")
+    finally:
+        if borrowed:
+            os.environ.pop("DAGSTER_POSTGRES_PASSWORD", None)
     return _pass("dagster instance", f"{home}: {kind}, {launcher}, pool limit {pools}, {latest}")
 
 
