@@ -4,7 +4,8 @@
 - the merge of the shards' records (balance summed per rank, time counted once when side by side);
 - the upload sensor with SHARDS=n starts n runs with their own run keys;
 - Dagster runs of shard 1/2 then 2/2 (the session's tiny engine): the first writes no results,
-  the second writes one set, every line once, and metrics say 2 shards;
+  the second writes one set, every line once, and metrics say 2 shards; on SmolLM2, shards in
+  either order give one run's (right) greedy answers;
 - two `batch-pipeline run --shard i/2` processes at the same time, as two servers would: one set
   of results, each line answered once, the same greedy answers as one process on the whole batch.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +103,28 @@ def test_shard_runs_write_one_set_of_results_once_every_shard_is_done(tiny_llm, 
 
     again = materialize(tiny_llm, str(inbox), str(out), run_config=batch_run_config(shard="1/2"))
     assert again.success and json.loads((results / "batch.json").read_text())["id"] == batch["id"]
+
+
+def test_smollm2_shards_give_one_runs_answers(smollm2_llm, tmp_path):
+    inbox = tmp_path / "in"
+    questions = ["What is the capital of France?", "What is the capital of Germany?", "What is the capital of Japan?",
+                 "What is the capital of Italy?", "What is the capital of Spain?"]
+    model = smollm2_llm.generation_model()[1]
+    lines = [json.dumps({"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": model, "messages": [{"role": "user", "content": q}], "max_tokens": 12,
+                                  "temperature": 0}}) for i, q in enumerate(questions)]
+    write_date_batch(inbox / DATE, "capitals.jsonl", lines)
+
+    def answers(out: Path) -> dict[str, str]:
+        return {o["custom_id"]: o["response"]["body"]["choices"][0]["message"]["content"]
+                for o in read_jsonl(str(out / DATE / "capitals" / "output.jsonl"))}
+
+    for shard in ("2/2", "1/2"):  # in either order
+        assert materialize(smollm2_llm, str(inbox), str(tmp_path / "sharded"), run_config=batch_run_config(shard=shard)).success
+    assert materialize(smollm2_llm, str(inbox), str(tmp_path / "whole")).success
+    sharded = answers(tmp_path / "sharded")
+    assert sharded == answers(tmp_path / "whole") and len(sharded) == 5
+    assert "Paris" in sharded["c-0"] and "Berlin" in sharded["c-1"], sharded
 
 
 def test_two_servers_each_running_a_shard_at_once(tiny_model_dir, tmp_path):
