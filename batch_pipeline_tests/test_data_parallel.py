@@ -114,6 +114,14 @@ def test_too_many_ranks_fail_the_run_before_any_model_loads(tiny_model_dir, tmp_
     assert "loading" not in done.stderr and not (tmp_path / "out" / "output.jsonl").exists()
 
 
+def test_the_plan_doctor_prints_on_a_gpu_server(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    plan = placement.describe_plan(EngineSettings(data_parallel_size=2, tensor_parallel_size=4), gpus=8)
+    assert plan == "2 rank(s) x TENSOR_PARALLEL_SIZE 4 = 8 of 8 GPU(s); rank 0: GPU 0,1,2,3; rank 1: GPU 4,5,6,7"
+    refused = placement.describe_plan(EngineSettings(data_parallel_size=8, tensor_parallel_size=2), gpus=8)
+    assert refused.startswith("DATA_PARALLEL_SIZE=8 x TENSOR_PARALLEL_SIZE=2 needs 16 GPUs")
+
+
 def test_doctor_prints_the_plan(monkeypatch):
     monkeypatch.setenv("DATA_PARALLEL_SIZE", "2")
     [gpu] = run_checks(["gpu"])
