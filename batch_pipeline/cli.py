@@ -95,6 +95,16 @@ def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[s
     )
 
 
+def _wrote_results(result: Any) -> bool:
+    """Whether this run's batch_outputs step wrote a batch's result files (a shard run does only when
+    it finds every shard of the batch done)."""
+    for event in result.get_asset_materialization_events():
+        if event.asset_key.to_user_string() == "batch_outputs":
+            batches = event.materialization.metadata.get("batches")
+            return bool(batches and batches.value)
+    return False
+
+
 def _shards_waiting(input_uri: str, output_dir: str, partition: str, shard: Any) -> list[int]:
     """The shards of this batch that have not finished (numbered from 1)."""
     from batch_pipeline.lib import locations
@@ -133,12 +143,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     shard = Shard.parse(args.shard, "--shard")
     require_hardware(LLMResource().settings())  # before any work: e.g. a GPU preset on a CPU machine
     result = run_batch(input_uri, output_dir, args.date, shard=args.shard)
-    if not shard.whole and result.success:
+    if not shard.whole and result.success and not _wrote_results(result):
+        # Another shard writes the results: still answering, or finishing right now.
         waiting = _shards_waiting(input_uri, output_dir, args.date, shard)
-        if waiting:
-            print(f"shard {shard} of {input_uri} done; waiting for shard(s) {', '.join(map(str, waiting))}: "
-                  f"the last one to finish writes the results into {output_dir}")
-            return EXIT_OK
+        still = f"waiting for shard(s) {', '.join(map(str, waiting))}" if waiting else "another shard is writing them"
+        print(f"shard {shard} of {input_uri} done; results go into {output_dir} once every shard is done ({still})")
+        return EXIT_OK
     batch_uri = storage.join(output_dir, "batch.json")
     batch = json.loads(storage.read_text(batch_uri)) if storage.exists(batch_uri) else None
     if batch is None or (not result.success and batch.get("status") == "completed"):
