@@ -108,11 +108,10 @@ def _wrote_results(result: Any) -> bool:
 def _shards_waiting(input_uri: str, output_dir: str, partition: str, shard: Any) -> list[int]:
     """The shards of this batch that have not finished (numbered from 1)."""
     from batch_pipeline.lib import locations
-    from batch_pipeline.lib.shards import shard_records
+    from batch_pipeline.lib.shards import shard_records, unfinished_shards
 
     loc = locations.BatchLocation(locations.batch_name(input_uri), input_uri, output_dir, partition)
-    records = shard_records(loc, shard.count)
-    return [i for i, record in enumerate(records, 1) if not (record and record.get("finished_at"))]
+    return unfinished_shards(shard_records(loc, shard.count))
 
 
 def _failure_reason(result: Any) -> str:

@@ -59,13 +59,15 @@ def _shard(config: BatchConfig) -> Shard:
         raise dg.Failure(description=str(e), allow_retries=False) from None
 
 
-def _assembled(loc: BatchLocation, shard: Shard) -> bool:
+def _assembled(loc: BatchLocation, shard: Shard, merge: bool = False) -> bool:
     """Whether the batch's results can be written: always for a whole batch; for a shard, once
-    every shard of the batch has finished (inference.json then holds their merged record)."""
+    every shard of the batch has finished. With `merge` (the output step), inference.json is then
+    written with their merged record: shards finishing at the same moment may each have missed
+    the other's record when they finished answering."""
     if shard.whole or not read_json(loc.work("validation.json"))["valid"]:
         return True
     own = read_json(loc.work(shard.record_name()))
-    finished, _ = merge_if_complete(loc, own["checkpoint_key"], shard.count)
+    finished, _ = merge_if_complete(loc, own["checkpoint_key"], shard.count, write=merge)
     return finished == shard.count
 
 
@@ -237,7 +239,7 @@ def batch_outputs(
     rows = []
     shard = _shard(config)
     for loc in run_batches(context, config, storage):
-        if not _assembled(loc, shard):
+        if not _assembled(loc, shard, merge=True):
             context.log.info(f"{loc.name}: shard {shard} is done; the last shard of the batch to finish writes its results")
             continue
         batch = finalize_batch(loc, extra_metadata={"dagster_run_id": context.run.run_id})

@@ -22,6 +22,9 @@ EMBEDDING_CHUNK = 64
 class Engines:
     """The generation and the embedding engine, each built only when its first request comes."""
 
+    data_parallel_size = 1  # one engine, in this process (RankedEngines: one per rank process)
+    rank_peak_memory_mb: list[float] = []  # no rank processes: the run process's peak says it all
+
     def __init__(
         self,
         settings: EngineSettings,

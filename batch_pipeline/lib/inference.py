@@ -85,7 +85,7 @@ def infer_batch(
     )
     progress = Progress(total, answered, log, label)
     load_before = engines.load_seconds
-    ranks = getattr(engines, "data_parallel_size", 1)
+    ranks = engines.data_parallel_size
     per_rank = [0] * ranks
     started, started_at = time.monotonic(), time.time()
     with Checkpoint(answers_folder(loc, key), checkpoint_answers, checkpoint_seconds) as checkpoint, GpuSampler() as gpu:
@@ -115,7 +115,7 @@ def infer_batch(
         checkpoint_parts=checkpoint.parts,
         checkpoint_write_seconds=round(checkpoint.write_seconds, 3),
         # With ranks, their processes hold the engines: the run process's peak plus each rank's.
-        peak_memory_mb=round(peak_memory_mb() + sum(getattr(engines, "rank_peak_memory_mb", [])), 1),
+        peak_memory_mb=round(peak_memory_mb() + sum(engines.rank_peak_memory_mb), 1),
         gpu=gpu.figures(),
     )
     storage.write_json(record, info)

@@ -21,7 +21,6 @@ class RankPlan:
     rank: int
     gpus: tuple[str, ...] = ()  # CUDA device ids as CUDA_VISIBLE_DEVICES names them
     cpus: tuple[int, ...] = ()  # CPU cores, when the rank runs on the CPU
-    tensor_parallel_size: int = 1
     env: dict[str, str] = field(default_factory=dict)  # set in the rank's process before vLLM loads
 
     def describe(self) -> str:
@@ -74,7 +73,7 @@ def plan_ranks(settings: EngineSettings, gpus: int, cpus: list[int] | None = Non
         plans = []
         for rank in range(dp):
             mine = tuple(devices[rank * tp:(rank + 1) * tp])
-            plans.append(RankPlan(rank, gpus=mine, tensor_parallel_size=tp, env={"CUDA_VISIBLE_DEVICES": ",".join(mine)}))
+            plans.append(RankPlan(rank, gpus=mine, env={"CUDA_VISIBLE_DEVICES": ",".join(mine)}))
         return plans
     cpus = usable_cpus() if cpus is None else cpus
     per_rank = len(cpus) // dp
@@ -84,20 +83,21 @@ def plan_ranks(settings: EngineSettings, gpus: int, cpus: list[int] | None = Non
         # vLLM's CPU worker binds its OpenMP threads to these cores: one list per TP worker, "|"-separated.
         per_worker = len(mine) // tp
         lists = [",".join(map(str, mine[w * per_worker:(w + 1) * per_worker])) for w in range(tp)]
-        plans.append(RankPlan(rank, cpus=mine, tensor_parallel_size=tp, env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(lists)}))
+        plans.append(RankPlan(rank, cpus=mine, env={"VLLM_CPU_OMP_THREADS_BIND": "|".join(lists)}))
     return plans
 
 
 def describe_plan(settings: EngineSettings, gpus: int, cpus: list[int] | None = None) -> str:
     """One line for `doctor` and the run log: ranks x TP = devices, and which device each rank has."""
     dp, tp = settings.data_parallel_size, settings.tensor_parallel_size
-    problem = placement_problem(settings, gpus, cpus)
-    if problem:
-        return problem
+    try:
+        plans = plan_ranks(settings, gpus, cpus)
+    except ConfigError as e:
+        return str(e)
     if gpus:
         head = f"{dp} rank(s) x TENSOR_PARALLEL_SIZE {tp} = {dp * tp} of {gpus} GPU(s)"
     elif dp == 1:
         return f"1 engine on the CPU ({len(usable_cpus() if cpus is None else cpus)} core(s))"
     else:
         head = f"{dp} ranks on the CPU"
-    return head + "; " + "; ".join(p.describe() for p in plan_ranks(settings, gpus, cpus))
+    return head + "; " + "; ".join(p.describe() for p in plans)

@@ -68,6 +68,13 @@ def shard_records(loc: BatchLocation, count: int) -> list[dict[str, Any] | None]
     return records
 
 
+def unfinished_shards(records: list[dict[str, Any] | None], key: str | None = None) -> list[int]:
+    """The shards (numbered from 1) whose record is missing or not finished (with `key`: or made
+    for another checkpoint key, i.e. other input or another model)."""
+    return [i for i, r in enumerate(records, 1)
+            if not (r and r.get("finished_at") and (key is None or r.get("checkpoint_key") == key))]
+
+
 def busy_seconds(intervals: list[tuple[float, float]]) -> float:
     """Length of the union of time intervals: shards that ran side by side count once, shards that
     ran one after another add up."""
@@ -109,15 +116,16 @@ def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def merge_if_complete(loc: BatchLocation, key: str, count: int) -> tuple[int, dict[str, Any] | None]:
-    """(shards finished with this checkpoint key, the merged record written to inference.json once
-    all `count` are, else None)."""
+def merge_if_complete(loc: BatchLocation, key: str, count: int, write: bool = True) -> tuple[int, dict[str, Any] | None]:
+    """(shards finished with this checkpoint key, their merged record once all `count` are, else
+    None). With `write`, the merged record is written to inference.json."""
     records = shard_records(loc, count)
-    done = [r for r in records if r and r.get("finished_at") and r.get("checkpoint_key") == key]
-    if len(done) < count:
-        return len(done), None
-    merged = merge_records(done)
-    storage.write_json(loc.work("inference.json"), merged)
+    unfinished = unfinished_shards(records, key)
+    if unfinished:
+        return count - len(unfinished), None
+    merged = merge_records([r for r in records if r])
+    if write:
+        storage.write_json(loc.work("inference.json"), merged)
     return count, merged
 
 
