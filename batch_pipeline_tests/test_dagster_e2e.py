@@ -175,7 +175,7 @@ def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
     later = wait_for("a sensor tick after the run request", later_ticks, 90, interval=2.0)
     assert all(t["status"] == "SKIPPED" and not t["runIds"] for t in later)
     cursor = json.loads(later[0]["cursor"])
-    assert cursor["v"] == 1 and len(cursor["seen"]) == 1
+    assert cursor["v"] == 2 and len(cursor["seen"]) == 1
     assert len(runs_tagged(server, "dagster/sensor_name", SENSOR)) == 1
 
 

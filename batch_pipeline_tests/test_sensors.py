@@ -56,6 +56,29 @@ def evaluate(storage: StorageResource, cursor: str | None = None, log: list[str]
     return result
 
 
+def turned_on(storage: StorageResource) -> str:
+    """The cursor of the sensor's first tick over an empty input folder: files put there afterwards
+    are new uploads, not the backlog of what was there when the sensor was turned on."""
+    first = evaluate(storage)
+    assert first.run_requests == []
+    assert UploadCursor.parse(first.cursor).since is not None
+    return first.cursor
+
+
+@pytest.fixture(autouse=True)
+def sensor_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sensor settings' defaults, whatever the calling shell has set."""
+    for name in ("SENSOR_WINDOW_DAYS", "SENSOR_BACKLOG", "SENSOR_MAX_RUNS_PER_TICK", "INPUT_QUEUE_URL",
+                 "INPUT_QUEUE_VISIBILITY_SECONDS", "SHARDS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def whole_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SENSOR_WINDOW_DAYS=all: every date folder is listed (these tests use dates of 2025)."""
+    monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")
+
+
 def by_uri(result: dg.SensorResult) -> dict[str, dg.RunRequest]:
     requests = {r.tags["batch_pipeline/input_uri"]: r for r in result.run_requests or []}
     assert len(requests) == len(result.run_requests or [])
@@ -87,7 +110,8 @@ def put(client: Any, bucket: str, key: str, body: bytes = LINE) -> tuple[str, st
     return f"s3://{bucket}/{key}", head["ETag"].strip('"'), head["LastModified"].timestamp()
 
 
-def test_s3_new_dated_and_undated_files_become_runs(client, s3_bucket, s3_storage) -> None:
+def test_s3_new_dated_and_undated_files_become_runs(client, s3_bucket, s3_storage, whole_history) -> None:
+    on = turned_on(s3_storage)
     dated, dated_etag, _ = put(client, s3_bucket, "incoming/2025-03-14/chat.jsonl")
     undated, undated_etag, modified = put(client, s3_bucket, "incoming/loose.ndjson")
     ignored = {
@@ -104,7 +128,7 @@ def test_s3_new_dated_and_undated_files_become_runs(client, s3_bucket, s3_storag
     put(client, s3_bucket, "elsewhere/2025-03-14/other.jsonl")  # outside the input prefix
 
     log: list[str] = []
-    result = evaluate(s3_storage, log=log)
+    result = evaluate(s3_storage, on, log=log)
 
     requests = by_uri(result)
     assert set(requests) == {dated, undated}
@@ -119,9 +143,10 @@ def test_s3_new_dated_and_undated_files_become_runs(client, s3_bucket, s3_storag
         assert any(f"ignoring s3://{s3_bucket}/{key}: " in m and reason in m for m in log), key
 
 
-def test_s3_repeated_and_changed_files(client, s3_bucket, s3_storage) -> None:
+def test_s3_repeated_and_changed_files(client, s3_bucket, s3_storage, whole_history) -> None:
+    on = turned_on(s3_storage)
     first, first_etag, _ = put(client, s3_bucket, "incoming/2025-03-14/a.jsonl")
-    result = evaluate(s3_storage)
+    result = evaluate(s3_storage, on)
     assert [r.run_key for r in result.run_requests] == [f"{first}@{first_etag}"]
 
     again = evaluate(s3_storage, result.cursor)  # nothing changed: nothing to run
@@ -144,17 +169,22 @@ def test_s3_repeated_and_changed_files(client, s3_bucket, s3_storage) -> None:
     assert evaluate(s3_storage, changed.cursor).run_requests == []
 
 
-def test_s3_more_than_1000_keys(client, s3_bucket, s3_storage) -> None:
+def test_s3_more_than_1000_keys(client, s3_bucket, s3_storage, whole_history, monkeypatch) -> None:
+    monkeypatch.setenv("SENSOR_MAX_RUNS_PER_TICK", "1000")
+    on = turned_on(s3_storage)
     keys = [f"incoming/2025-03-{10 + i % 3:02d}/part-{i:05d}.jsonl" for i in range(1000)]
     keys += [f"incoming/loose-{i:03d}.jsonl" for i in range(60)]
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda key: client.put_object(Bucket=s3_bucket, Key=key, Body=LINE), keys))
 
-    result = evaluate(s3_storage)
-    requests = by_uri(result)
+    # 1,060 new files, at most 1,000 runs (and 200 completion checks beyond them) per tick: two ticks.
+    first = evaluate(s3_storage, on)
+    result = evaluate(s3_storage, first.cursor)
+    assert len(first.run_requests) == 1000 and len(result.run_requests) == 60
+    requests = {**by_uri(first), **by_uri(result)}
     assert set(requests) == {f"s3://{s3_bucket}/{key}" for key in keys}
-    assert len({r.run_key for r in result.run_requests}) == len(keys)
-    partitions = {r.partition_key for r in result.run_requests}
+    assert len({r.run_key for r in requests.values()}) == len(keys)
+    partitions = {r.partition_key for r in requests.values()}
     assert {"2025-03-10", "2025-03-11", "2025-03-12"} < partitions  # plus today's, for the loose files
     # Compact: about 15 bytes per file (a 12-digit version id), not the file's URI and ETag.
     assert len(result.cursor) < 20 * len(keys)
@@ -180,8 +210,9 @@ def write(path: Path, age_seconds: float = 60.0, body: bytes = LINE) -> Path:
     return path
 
 
-def test_local_folder(tmp_path: Path) -> None:
+def test_local_folder(tmp_path: Path, whole_history) -> None:
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "in" / "results"))
+    on = turned_on(storage)
     dated = write(tmp_path / "in" / "2025-03-14" / "a.jsonl")
     undated = write(tmp_path / "in" / "b.json", age_seconds=3 * 3600)
     write(tmp_path / "in" / "2025-02-30" / "c.jsonl")  # no such day
@@ -189,7 +220,7 @@ def test_local_folder(tmp_path: Path) -> None:
     write(tmp_path / "in" / "results" / "x.jsonl")
 
     log: list[str] = []
-    result = evaluate(storage, log=log)
+    result = evaluate(storage, on, log=log)
     requests = by_uri(result)
     assert set(requests) == {str(dated), str(undated)}
     assert requests[str(dated)].partition_key == "2025-03-14"
@@ -217,10 +248,12 @@ def test_local_folder(tmp_path: Path) -> None:
     assert rewritten.run_requests[0].run_key != requests[str(dated)].run_key
 
 
-def test_local_cursor_forgets_files_older_than_the_lookback(tmp_path: Path) -> None:
+def test_local_cursor_forgets_files_older_than_the_lookback(tmp_path: Path, whole_history) -> None:
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
-    old = [write(tmp_path / "in" / "2025-01-01" / f"old-{i}.jsonl", age_seconds=3 * 86400) for i in range(3)]
-    first = evaluate(storage)
+    on = turned_on(storage)
+    for i in range(3):
+        write(tmp_path / "in" / "2025-01-01" / f"old-{i}.jsonl", age_seconds=3 * 86400)
+    first = evaluate(storage, on)
     assert len(first.run_requests) == 3
 
     newest = write(tmp_path / "in" / "2025-01-02" / "new.jsonl", age_seconds=60)
@@ -237,11 +270,12 @@ def test_local_cursor_forgets_files_older_than_the_lookback(tmp_path: Path) -> N
     assert late.exists()
 
 
-def test_same_batch_name_on_one_date_is_not_run(tmp_path: Path) -> None:
+def test_same_batch_name_on_one_date_is_not_run(tmp_path: Path, whole_history) -> None:
     """<output>/<date>/<name>/ would receive both files' results: neither new file runs, each is logged."""
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
+    on = turned_on(storage)
     first = write(tmp_path / "in" / "2025-03-14" / "orders.jsonl")
-    ran = evaluate(storage)
+    ran = evaluate(storage, on)
     assert [r.tags["batch_pipeline/input_uri"] for r in ran.run_requests] == [str(first)]
 
     second = write(tmp_path / "in" / "2025-03-14" / "orders.json", age_seconds=30)  # same name, same date
@@ -256,7 +290,8 @@ def test_same_batch_name_on_one_date_is_not_run(tmp_path: Path) -> None:
 def test_missing_local_folder_skips(tmp_path: Path) -> None:
     result = evaluate(StorageResource(input_path=str(tmp_path / "nowhere"), output_path=str(tmp_path / "out")))
     assert result.run_requests == []
-    assert json.loads(result.cursor) == {"v": 1, "mark": None, "seen": []}
+    cursor = json.loads(result.cursor)
+    assert cursor == {"v": 2, "since": pytest.approx(time.time(), abs=60), "mark": None, "seen": []}
 
 
 def test_unknown_cursor_version_is_refused(tmp_path: Path) -> None:
@@ -268,7 +303,7 @@ def test_unknown_cursor_version_is_refused(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ definitions
 
 
-def test_sensor_as_defined_and_requests_valid_for_batch_job(tmp_path: Path) -> None:
+def test_sensor_as_defined_and_requests_valid_for_batch_job(tmp_path: Path, whole_history) -> None:
     from batch_pipeline.definitions import defs
 
     definitions = defs()
@@ -279,16 +314,18 @@ def test_sensor_as_defined_and_requests_valid_for_batch_job(tmp_path: Path) -> N
     assert sensor.required_resource_keys == {"storage"}
 
     job = definitions.resolve_job_def("batch_job")
-    write(tmp_path / "in" / "2025-03-14" / "a.jsonl")
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
-    (request,) = evaluate(storage).run_requests
+    on = turned_on(storage)
+    write(tmp_path / "in" / "2025-03-14" / "a.jsonl")
+    (request,) = evaluate(storage, on).run_requests
     assert job.partitions_def.has_partition_key(request.partition_key)
     dg.validate_run_config(job, request.run_config)
 
 
-def test_s3_file_versions_already_completed_start_no_run(client, s3_bucket, s3_storage) -> None:
-    """Turned on after a backfill: the files the backfill completed (same ETag) start no run; a file
-    changed since, or one whose batch did not complete, does."""
+def test_s3_file_versions_already_completed_start_no_run(client, s3_bucket, s3_storage, whole_history) -> None:
+    """Files a backfill completed (same ETag) start no run; a file changed since, or one whose batch
+    did not complete, does."""
+    on = turned_on(s3_storage)
     done, done_etag, _ = put(client, s3_bucket, "incoming/2025-03-14/done.jsonl")
     changed, _, _ = put(client, s3_bucket, "incoming/2025-03-14/changed.jsonl", LINE + LINE)
     cancelled, cancelled_etag, _ = put(client, s3_bucket, "incoming/2025-03-14/cancelled.jsonl")
@@ -302,7 +339,7 @@ def test_s3_file_versions_already_completed_start_no_run(client, s3_bucket, s3_s
     batch_json("cancelled", "cancelled", cancelled_etag)
 
     log: list[str] = []
-    result = evaluate(s3_storage, log=log)
+    result = evaluate(s3_storage, on, log=log)
     assert set(by_uri(result)) == {changed, cancelled}
     assert any(done in m and "already completed" in m for m in log)
     # The cursor still marks the completed file as seen: the next tick does not look at it again.

@@ -1,11 +1,16 @@
-"""`batch_upload_sensor`: one `batch_job` run for every new or changed batch file under STORAGE_INPUT_PATH.
+"""`batch_upload_sensor`: `batch_job` runs for new or changed batch files under STORAGE_INPUT_PATH.
 
-What counts as new, which date a file runs as and the cursor live in `lib/uploads.py`. A file
-version that a backfill, the nightly schedule or an earlier run already completed (its batch.json
-says `completed` for the same ETag) starts no run. The run key `<uri>@<etag>` is the second guard:
-Dagster never launches the same key twice for this sensor, so a lost or reset cursor re-requests
-old files but starts no run for them. With SHARDS=n, each new file starts n runs, one per line
-range (`<uri>@<etag>#shard-i-of-n`).
+Two ways to find them (README "Triggers"): listing (the top of the input folder and the date
+folders of the last SENSOR_WINDOW_DAYS dates; lib/uploads.py) or, for big buckets, draining the
+SQS queue the bucket notifies on ObjectCreated (INPUT_QUEUE_URL; lib/notifications.py). Either way
+a new file version becomes one run (run key `<uri>@<etag>`, or SHARDS=n runs
+`<uri>@<etag>#shard-i-of-n`); a version that a backfill, the nightly schedule or an earlier run
+already completed (its batch.json says `completed` for the same ETag) starts no run, and Dagster
+never launches one run key twice, so a lost cursor or a message read twice starts nothing new.
+
+What is already there when the sensor is turned on follows SENSOR_BACKLOG: `run` queues one date
+run per date (the nightly schedule's run: every file of the date not yet completed), `skip` leaves
+it to backfills. No tick requests more than SENSOR_MAX_RUNS_PER_TICK runs; the rest wait.
 """
 
 from __future__ import annotations
@@ -17,22 +22,33 @@ import dagster as dg
 from batch_pipeline.defs.jobs import batch_job, batch_run_config
 from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline.lib import locations
-from batch_pipeline.lib.settings import shards_from_env
-from batch_pipeline.lib.storage import list_objects
+from batch_pipeline.lib import locations, notifications
+from batch_pipeline.lib.storage import describe
+from batch_pipeline.lib.settings import ConfigError, SensorSettings, sensor_settings_from_env, shards_from_env
 from batch_pipeline.lib.uploads import (
     NewBatch,
     PartitionRange,
     UploadCursor,
     already_completed,
-    find_new_batches,
+    completed,
     folder_prefix,
+    list_inputs,
+    partition_of,
+    scan,
+    version_id,
+    window_dates,
 )
 
 # The daemon checks sensors about every 5 s; 30 s keeps a large S3 listing (one LIST call per
 # 1,000 keys) cheap while a new file still starts within half a minute. A constant, not an
 # environment variable: decorator arguments are fixed when the definitions load.
 SENSOR_INTERVAL_SECONDS = 30
+# Completion checks (one GET of a batch.json each) per tick, beyond the runs requested: a tick over
+# thousands of finished files spreads its checks over several ticks instead of nearing Dagster's
+# 60 s limit on a sensor evaluation.
+CHECKS_PER_TICK = 200
+# A queue tick stops receiving after this long; what is left waits for the next tick.
+QUEUE_TICK_SECONDS = 20.0
 
 
 def partition_range() -> PartitionRange:
@@ -61,6 +77,178 @@ def run_requests(new: NewBatch, shards: int = 1) -> list[dg.RunRequest]:
     ]
 
 
+def backlog_run_request(root: str, date: str, since: float) -> dg.RunRequest:
+    """The run for a date's files that were there when the sensor was turned on: the nightly
+    schedule's run (blank config: every file of the date not yet completed)."""
+    return dg.RunRequest(
+        run_key=f"{folder_prefix(root)}{date}@backlog-{since:.0f}",
+        partition_key=date,
+        run_config=batch_run_config(),
+        tags={"batch_pipeline/trigger": "sensor backlog"},
+    )
+
+
+def _description() -> str:
+    try:
+        how = sensor_settings_from_env().describe()
+    except ConfigError as e:
+        how = f"not configured: {e}"
+    return (
+        "Starts batch_job for every new or changed .jsonl/.json/.ndjson file under STORAGE_INPUT_PATH "
+        "(<date>/<name>.jsonl runs as that date; <name>.jsonl as its upload date, UTC); a file version "
+        f"already completed (by a backfill or the nightly run) starts no run. Now: {how}."
+    )
+
+
+class _Budget:
+    """Runs and completion checks one tick may still spend."""
+
+    def __init__(self, runs: int) -> None:
+        self.runs, self.checks = runs, CHECKS_PER_TICK
+
+    def exhausted(self) -> bool:
+        return self.runs <= 0 or self.checks <= 0
+
+
+def _request_new(new: NewBatch, settings_output: str, shards: int, budget: _Budget,
+                 log: dg.DagsterLogManager) -> list[dg.RunRequest]:
+    if already_completed(new, settings_output):
+        budget.checks -= 1
+        log.info(f"{new.info.uri} (etag {new.info.etag}) is already completed; no run")
+        return []
+    log.info(
+        f"new batch file {new.info.uri} (etag {new.info.etag}) -> partition {new.partition}"
+        + (f", {shards} shard runs" if shards > 1 else "")
+    )
+    budget.runs -= shards
+    return run_requests(new, shards)
+
+
+def _listing_tick(context: dg.SensorEvaluationContext, root: str, output_root: str, exclude: str,
+                  settings: SensorSettings, shards: int) -> dg.SensorResult:
+    started = time.monotonic()
+    cursor = UploadCursor.parse(context.cursor)
+    window = window_dates(partition_range(), settings.window_days)
+    objects = list_inputs(root, window)
+    listed_in = time.monotonic() - started
+    result = scan(root, objects, cursor, time.time(), partition_range(), context.log.info,
+                  exclude=exclude, window=window, backlog_policy=settings.backlog)
+    new_cursor = result.cursor
+    budget = _Budget(settings.max_runs_per_tick)
+    requests: list[dg.RunRequest] = []
+    deferred: list[NewBatch] = []
+    for new in result.found:
+        if budget.exhausted():
+            deferred.append(new)
+            continue
+        requests.extend(_request_new(new, output_root, shards, budget, context.log))
+    new_cursor.defer(deferred)
+    pending = []
+    for date in new_cursor.backlog:
+        if budget.exhausted():
+            pending.append(date)
+            continue
+        files = result.backlog.get(date, [])
+        unfinished = None
+        for info in files:
+            if budget.checks <= 0:
+                unfinished = info  # out of checks: let the run look (it skips what is completed)
+                break
+            budget.checks -= 1
+            if not completed(info, date, output_root):
+                unfinished = info
+                break
+        if unfinished is None:
+            context.log.info(f"backlog of {date}: all {len(files)} file(s) already completed; no run")
+            continue
+        context.log.info(f"backlog of {date}: {len(files)} file(s) there when the sensor was turned on -> one run "
+                         f"for the date (SENSOR_BACKLOG=run; {unfinished.uri} not completed)")
+        requests.append(backlog_run_request(root, date, new_cursor.since or 0.0))
+        budget.runs -= 1
+    new_cursor.backlog = pending
+    waiting = len(deferred) + len(pending)
+    summary = (f"listed {result.listed} objects ({len(window) if window is not None else 'all'} date folder(s) "
+               f"and the top of {root}) in {listed_in:.1f}s; {len(requests)} run request(s)"
+               + (f"; {len(deferred)} new file(s) and {len(pending)} backlog date(s) wait for the next tick "
+                  f"(SENSOR_MAX_RUNS_PER_TICK={settings.max_runs_per_tick})" if waiting else ""))
+    context.log.info(summary)
+    return dg.SensorResult(
+        run_requests=requests,
+        skip_reason=None if requests else f"no new batch files under {root} ({result.listed} objects listed)",
+        cursor=new_cursor.dumps(),
+    )
+
+
+def _queue_tick(context: dg.SensorEvaluationContext, root: str, output_root: str, exclude: str,
+                settings: SensorSettings, shards: int) -> dg.SensorResult:
+    url = settings.queue_url
+    cursor = UploadCursor.parse(context.cursor)
+    if cursor.delete:
+        failed = notifications.delete(url, cursor.delete)
+        context.log.info(f"deleted {len(cursor.delete) - len(failed)} message(s) the last tick handled"
+                         + (f"; SQS refused {len(failed)} (they come back and are deduplicated): {failed[:3]}" if failed else ""))
+    since = time.time() if cursor.fresh else cursor.since
+    prefix = folder_prefix(root)
+    partitions = partition_range()
+    budget = _Budget(settings.max_runs_per_tick)
+    requests: list[dg.RunRequest] = []
+    handled: list[str] = []
+    asked: set[str] = set()
+    received = 0
+    deadline = time.monotonic() + QUEUE_TICK_SECONDS
+    while not budget.exhausted() and time.monotonic() < deadline:
+        messages = notifications.receive(url, settings.queue_visibility_seconds)
+        if not messages:
+            break
+        received += len(messages)
+        for i, message in enumerate(messages):
+            if budget.exhausted():
+                notifications.release(url, [m.receipt for m in messages[i:]])
+                break
+            created, why = notifications.created_objects(message.body)
+            if why:
+                context.log.info(f"ignoring message {message.id}: {why}")
+            for obj in created:
+                requests.extend(_queue_object(context, obj.uri, prefix, exclude, output_root, partitions,
+                                              settings, since, shards, budget, asked))
+            handled.append(message.receipt)
+    context.log.info(f"received {received} message(s) from {url}; {len(requests)} run request(s)"
+                     + ("; more wait for the next tick" if budget.exhausted() else ""))
+    new_cursor = UploadCursor(since=since, delete=handled)
+    return dg.SensorResult(
+        run_requests=requests,
+        skip_reason=None if requests else f"no new batch files in {url} ({received} message(s))",
+        cursor=new_cursor.dumps(),
+    )
+
+
+def _queue_object(context: dg.SensorEvaluationContext, uri: str, prefix: str, exclude: str, output_root: str,
+                  partitions: PartitionRange, settings: SensorSettings, since: float, shards: int,
+                  budget: _Budget, asked: set[str]) -> list[dg.RunRequest]:
+    relative = uri[len(prefix):] if uri.startswith(prefix) else ""
+    if not relative or not locations.is_batch_file(uri) or (exclude and uri.startswith(exclude)) \
+            or any(part.startswith(".") for part in relative.split("/")):
+        context.log.debug(f"ignoring {uri}: not a batch file under {prefix}")
+        return []
+    try:
+        info = describe(uri)  # the version there now (a newer one than the event's is fine)
+    except FileNotFoundError:
+        context.log.info(f"ignoring {uri}: deleted since it was uploaded")
+        return []
+    partition, reason = partition_of(relative, info, partitions)
+    if partition is None:
+        context.log.info(f"ignoring {uri}: {reason}")
+        return []
+    if settings.backlog == "skip" and info.modified <= since:
+        context.log.info(f"ignoring {uri}: uploaded before the sensor was turned on (SENSOR_BACKLOG=skip)")
+        return []
+    new = NewBatch(info, partition, version_id(relative, info.etag))
+    if new.run_key in asked:
+        return []
+    asked.add(new.run_key)
+    return _request_new(new, output_root, shards, budget, context.log)
+
+
 # Stopped until someone turns it on (UI: Automation, or `dagster sensor start batch_upload_sensor`):
 # on a fresh instance it would otherwise start runs, and load the model, for every file already in
 # the input folder the moment `make dev` comes up.
@@ -68,36 +256,16 @@ def run_requests(new: NewBatch, shards: int = 1) -> list[dg.RunRequest]:
     job=batch_job,
     minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
     default_status=dg.DefaultSensorStatus.STOPPED,
-    description=(
-        "Starts batch_job for every new or changed .jsonl/.json/.ndjson file under STORAGE_INPUT_PATH "
-        "(<date>/<name>.jsonl runs as that date; <name>.jsonl as its upload date, UTC); a file version "
-        "already completed (by a backfill or the nightly run) starts no run."
-    ),
+    description=_description(),
 )
 def batch_upload_sensor(context: dg.SensorEvaluationContext, storage: StorageResource) -> dg.SensorResult:
-    settings = storage.settings()
-    root = settings.input_path
-    output = folder_prefix(settings.output_path)
+    paths = storage.settings()
+    root = paths.input_path
+    output = folder_prefix(paths.output_path)
     # Results written under the input folder must never trigger runs of their own.
     exclude = output if output.startswith(folder_prefix(root)) else ""
     shards = shards_from_env()  # a bad SHARDS fails the tick, naming the variable
-    cursor = UploadCursor.parse(context.cursor)
-    objects = list_objects(root)
-    found, new_cursor = find_new_batches(
-        root, objects, cursor, time.time(), partition_range(), context.log.info, exclude=exclude
-    )
-    requests = []
-    for new in found:
-        if already_completed(new, settings.output_path):
-            context.log.info(f"{new.info.uri} (etag {new.info.etag}) is already completed; no run")
-            continue
-        context.log.info(
-            f"new batch file {new.info.uri} (etag {new.info.etag}) -> partition {new.partition}"
-            + (f", {shards} shard runs" if shards > 1 else "")
-        )
-        requests.extend(run_requests(new, shards))
-    return dg.SensorResult(
-        run_requests=requests,
-        skip_reason=None if requests else f"no new batch files under {root} ({len(objects)} objects listed)",
-        cursor=new_cursor.dumps(),
-    )
+    settings = sensor_settings_from_env()  # so does a bad SENSOR_* / INPUT_QUEUE_* value
+    if settings.queue_url:
+        return _queue_tick(context, root, paths.output_path, exclude, settings, shards)
+    return _listing_tick(context, root, paths.output_path, exclude, settings, shards)

@@ -184,3 +184,67 @@ def validation_limits_from_env(env: dict[str, str] | None = None) -> dict[str, i
                 raise ConfigError(f"{var}={raw!r} is out of range")
             limits[key] = value
     return limits
+
+
+BACKLOG_POLICIES = ("run", "skip")
+
+
+@dataclass(frozen=True)
+class SensorSettings:
+    """How `batch_upload_sensor` finds new files (README "Triggers"; lib/uploads.py)."""
+
+    window_days: int | None = 3  # date folders listed each tick: the last N dates up to today; None: all
+    backlog: str = "run"  # files already in the window when the sensor is turned on: "run" (one run per date) or "skip"
+    max_runs_per_tick: int = 25  # run requests per tick; the rest wait for the next ticks
+    queue_url: str = ""  # SQS queue the input bucket notifies on ObjectCreated; set: drain it instead of listing
+    queue_visibility_seconds: int = 600  # a received message stays hidden this long unless deleted
+
+    def describe(self) -> str:
+        if self.queue_url:
+            how = f"drains the S3 event queue {self.queue_url} (no listing after the first tick)"
+        elif self.window_days is None:
+            how = "lists every date folder (SENSOR_WINDOW_DAYS=all)"
+        else:
+            how = f"lists the top of the input folder and the date folders of the last {self.window_days} day(s)"
+        return (
+            f"{how}; SENSOR_BACKLOG={self.backlog}; at most {self.max_runs_per_tick} runs per tick "
+            "(SENSOR_MAX_RUNS_PER_TICK)"
+        )
+
+
+def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSettings:
+    """SENSOR_WINDOW_DAYS, SENSOR_BACKLOG, SENSOR_MAX_RUNS_PER_TICK, INPUT_QUEUE_URL and
+    INPUT_QUEUE_VISIBILITY_SECONDS, validated; a bad value raises ConfigError naming the variable."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    raw = env.get("SENSOR_WINDOW_DAYS", "").strip()
+    if raw.lower() == "all":
+        values["window_days"] = None
+    elif raw:
+        days = _coerce("SENSOR_WINDOW_DAYS", raw, int)
+        if not 1 <= days <= 3660:
+            raise ConfigError(f"SENSOR_WINDOW_DAYS={raw!r} is out of range (1 to 3660 days, or 'all')")
+        values["window_days"] = days
+    raw = env.get("SENSOR_BACKLOG", "").strip()
+    if raw:
+        if raw.lower() not in BACKLOG_POLICIES:
+            raise ConfigError(f"SENSOR_BACKLOG={raw!r} is not one of {', '.join(BACKLOG_POLICIES)}")
+        values["backlog"] = raw.lower()
+    raw = env.get("SENSOR_MAX_RUNS_PER_TICK", "").strip()
+    if raw:
+        cap = _coerce("SENSOR_MAX_RUNS_PER_TICK", raw, int)
+        if not 1 <= cap <= 1000:
+            raise ConfigError(f"SENSOR_MAX_RUNS_PER_TICK={raw!r} is out of range (1 to 1000)")
+        values["max_runs_per_tick"] = cap
+    raw = env.get("INPUT_QUEUE_URL", "").strip()
+    if raw:
+        if not raw.startswith(("https://", "http://")):
+            raise ConfigError(f"INPUT_QUEUE_URL={raw!r} is not an SQS queue URL (https://sqs.<region>.amazonaws.com/<account>/<queue>)")
+        values["queue_url"] = raw
+    raw = env.get("INPUT_QUEUE_VISIBILITY_SECONDS", "").strip()
+    if raw:
+        seconds = _coerce("INPUT_QUEUE_VISIBILITY_SECONDS", raw, int)
+        if not 5 <= seconds <= 43200:
+            raise ConfigError(f"INPUT_QUEUE_VISIBILITY_SECONDS={raw!r} is out of range (5 to 43200, SQS's limit)")
+        values["queue_visibility_seconds"] = seconds
+    return SensorSettings(**values)

@@ -6,11 +6,26 @@ it was uploaded. Anything else (a folder that is not a date, a date outside the 
 path, a second file with the same batch name and date, which would write into the same output
 folder) is ignored with one log line per file version.
 
-The cursor keeps the newest modification time seen (`mark`) and short version ids of the files
-modified in the LOOKBACK_SECONDS before it; older files count as handled. Dagster stores the cursor
-in every tick row (skipped ticks are kept 7 days: ~20,000 rows at a 30 s interval), so its size
-must follow the upload rate, not the number of files ever seen: ~15 bytes per file uploaded in the
-window, e.g. 15 kB for 1,000 uploads a day, where a map of every uri -> etag would grow forever.
+**What a tick reads** (`list_inputs`): the top of the input folder and the date folders of the
+window (SENSOR_WINDOW_DAYS, default the last 3 dates up to today), one listing each: a tick costs
+what can still receive uploads, not every file ever uploaded. A file that lands later in an older
+date folder is not seen: a backfill of that date runs it (or widen the window; `all` lists
+everything, as before the window existed).
+
+**The cursor** (`UploadCursor`). Dated files of the window: the version ids of the window's files
+already handled (12 hex digits each); a date that leaves the window leaves the cursor. Files at the
+top of the input folder (listed every tick) and, with SENSOR_WINDOW_DAYS=all, every file: the
+newest modification time seen (`mark`) and the ids of files modified in the LOOKBACK_SECONDS before
+it; older ones count as handled. Dagster stores the cursor in every tick row (skipped ticks are
+kept 7 days: ~20,000 rows at a 30 s interval), so its size follows the upload rate: ~15 bytes per
+file uploaded in the window.
+
+**The backlog**: what is already there when the sensor is turned on (its first tick, an empty
+cursor). `baseline` is the newest modification time among those files; a file modified at or before
+it is backlog, never a run of its own. SENSOR_BACKLOG=skip leaves the backlog alone (only files
+uploaded from now on run); `run` (the default) queues one date run per date that holds backlog
+(`backlog` in the cursor), requested a few per tick; that run takes every file of its date not
+yet completed, as the nightly schedule does.
 """
 
 from __future__ import annotations
@@ -26,14 +41,16 @@ from dataclasses import dataclass, field
 from batch_pipeline.lib import locations, storage
 from batch_pipeline.lib.storage import ObjectInfo
 
-# Files modified more than this before the newest file seen are taken as handled. It has to cover
-# the longest upload: S3 dates a multipart upload by its start, and `cp -p`/`rsync -t` keep old
-# local mtimes.
+# Files modified more than this before the newest file seen are taken as handled (files at the top
+# of the input folder, or all files with SENSOR_WINDOW_DAYS=all). It has to cover the longest
+# upload: S3 dates a multipart upload by its start, and `cp -p`/`rsync -t` keep old local mtimes.
 LOOKBACK_SECONDS = 24 * 3600
 # Local files modified this recently may still be being written (a plain `cp`): wait a tick.
 # S3 objects appear only once complete, so they need no wait.
 LOCAL_SETTLE_SECONDS = 5.0
-CURSOR_VERSION = 1
+# How far below the newest file present at the first tick the backlog ends (see scan()).
+BASELINE_SLACK_SECONDS = 2.0
+CURSOR_VERSION = 2
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
@@ -44,26 +61,57 @@ def version_id(relative: str, etag: str) -> str:
 
 @dataclass
 class UploadCursor:
-    mark: float | None = None  # newest modification time seen (epoch seconds); None: nothing yet
-    seen: set[str] = field(default_factory=set)  # version ids of files modified since mark - LOOKBACK
+    since: float | None = None  # when the sensor's first tick ran (epoch seconds); None: it has not
+    mark: float | None = None  # newest modification time seen; None: nothing yet
+    seen: set[str] = field(default_factory=set)  # version ids of files handled (see the module doc)
+    baseline: float | None = None  # files modified at or before this were there when the sensor was turned on
+    backlog: list[str] = field(default_factory=list)  # dates whose backlog run is still to be requested
+    delete: list[str] = field(default_factory=list)  # SQS receipt handles the next tick deletes (queue.py)
+
+    @property
+    def fresh(self) -> bool:
+        """True for the sensor's first tick (no cursor stored yet)."""
+        return self.since is None
 
     @classmethod
     def parse(cls, raw: str | None) -> "UploadCursor":
         if not raw:
             return cls()
         data = json.loads(raw)
+        if data.get("v") == 1:
+            # Before the window: everything modified before mark - LOOKBACK counted as handled.
+            mark = data["mark"]
+            return cls(since=0.0, mark=mark, seen=set(data["seen"]),
+                       baseline=None if mark is None else mark - LOOKBACK_SECONDS)
         if data.get("v") != CURSOR_VERSION:
             raise ValueError(f"unknown batch_upload_sensor cursor version: {raw[:80]!r}")
-        return cls(mark=data["mark"], seen=set(data["seen"]))
+        return cls(since=data["since"], mark=data["mark"], seen=set(data["seen"]), baseline=data.get("baseline"),
+                   backlog=list(data.get("backlog", ())), delete=list(data.get("delete", ())))
 
     def dumps(self) -> str:
-        return json.dumps({"v": CURSOR_VERSION, "mark": self.mark, "seen": sorted(self.seen)}, separators=(",", ":"))
+        data = {"v": CURSOR_VERSION, "since": self.since, "mark": self.mark, "seen": sorted(self.seen)}
+        if self.baseline is not None:
+            data["baseline"] = self.baseline
+        if self.backlog:
+            data["backlog"] = self.backlog
+        if self.delete:
+            data["delete"] = self.delete
+        return json.dumps(data, separators=(",", ":"))
+
+    def defer(self, batches: Iterable["NewBatch"]) -> None:
+        """Leave `batches` for a later tick: forget them as seen, and keep the mark close enough
+        that the look-back still reaches them."""
+        for batch in batches:
+            self.seen.discard(batch.version)
+            if self.mark is not None:
+                self.mark = min(self.mark, batch.info.modified + LOOKBACK_SECONDS)
 
 
 @dataclass(frozen=True)
 class NewBatch:
     info: ObjectInfo
     partition: str
+    version: str = ""  # version_id of the file (the cursor's name for it)
 
     @property
     def run_key(self) -> str:
@@ -78,9 +126,40 @@ class PartitionRange:
     last: str
 
 
+@dataclass
+class Scan:
+    """What one listing holds: new files (oldest first), the backlog by date, the next cursor."""
+
+    found: list[NewBatch]
+    backlog: dict[str, list[ObjectInfo]]  # date -> files there before the sensor was turned on
+    cursor: UploadCursor
+    listed: int  # objects listed
+
+
 def folder_prefix(root: str) -> str:
     """`root` with exactly one trailing separator, spelled as list_objects spells its URIs."""
     return storage.join(root, "x")[:-1]
+
+
+def window_dates(partitions: PartitionRange, days: int | None) -> list[str] | None:
+    """The dates whose folders a tick lists: the last `days` partitions up to today, newest first;
+    None (SENSOR_WINDOW_DAYS=all): every folder."""
+    if days is None:
+        return None
+    last = dt.date.fromisoformat(partitions.last)
+    dates = [(last - dt.timedelta(days=i)).isoformat() for i in range(days)]
+    return [d for d in dates if d >= partitions.first]
+
+
+def list_inputs(root: str, window: list[str] | None) -> list[ObjectInfo]:
+    """The objects a tick looks at: the top of `root` plus the window's date folders (one listing
+    each), or everything under `root` when `window` is None."""
+    if window is None:
+        return storage.list_objects(root)
+    found = storage.list_objects(root, recursive=False)
+    for day in window:
+        found.extend(storage.list_objects(storage.join(root, day), recursive=False))
+    return found
 
 
 def partition_of(relative: str, info: ObjectInfo, partitions: PartitionRange) -> tuple[str | None, str]:
@@ -105,7 +184,7 @@ def partition_of(relative: str, info: ObjectInfo, partitions: PartitionRange) ->
     return day, ""
 
 
-def find_new_batches(
+def scan(
     root: str,
     objects: Iterable[ObjectInfo],
     cursor: UploadCursor,
@@ -113,10 +192,16 @@ def find_new_batches(
     partitions: PartitionRange,
     log: Callable[[str], None],
     exclude: str = "",
-) -> tuple[list[NewBatch], UploadCursor]:
-    """The batch files not handled yet, and the cursor that marks them handled."""
+    window: list[str] | None = None,
+    backlog_policy: str = "run",
+) -> Scan:
+    """The batch files not handled yet, the backlog, and the cursor that marks them handled.
+
+    `window`: the dates listed (list_inputs); their files are tracked by version id alone. Files
+    outside it (the top of the folder; everything when `window` is None) by the look-back."""
     prefix = folder_prefix(root)
     local = not storage.is_s3(root)
+    objects = list(objects)
     candidates = [
         o
         for o in objects
@@ -125,18 +210,43 @@ def find_new_batches(
         and not (exclude and o.uri.startswith(exclude))
         and not (local and o.modified > now - LOCAL_SETTLE_SECONDS)
     ]
-    placed = {o.uri: partition_of(o.uri[len(prefix) :], o, partitions) for o in candidates}
+    relative = {o.uri: o.uri[len(prefix) :] for o in candidates}
+    windowed = set(window or ())
+
+    def by_window(info: ObjectInfo) -> bool:
+        parts = relative[info.uri].split("/")
+        return len(parts) == 2 and parts[0] in windowed
+
+    placed = {o.uri: partition_of(relative[o.uri], o, partitions) for o in candidates}
     # Files of one date with one batch name share the output folder <output>/<date>/<name>/.
     writers: dict[tuple[str, str], list[str]] = {}
     for uri, (partition, _) in placed.items():
         if partition is not None:
             writers.setdefault((partition, locations.batch_name(uri)), []).append(uri)
+
+    fresh = cursor.fresh
+    baseline = cursor.baseline
+    if fresh and candidates:
+        # A file uploaded just after this listing can carry the same (second-rounded) time as the
+        # newest one listed: the baseline sits a little lower, and the files above it that this
+        # tick saw are remembered by id instead.
+        baseline = max(o.modified for o in candidates) - BASELINE_SLACK_SECONDS
     floor = cursor.mark - LOOKBACK_SECONDS if cursor.mark is not None else -math.inf
     found: list[NewBatch] = []
+    backlog: dict[str, list[ObjectInfo]] = {}
     for info in sorted(candidates, key=lambda o: (o.modified, o.uri)):
-        if info.modified < floor or version_id(info.uri[len(prefix) :], info.etag) in cursor.seen:
-            continue
+        version = version_id(relative[info.uri], info.etag)
         partition, reason = placed[info.uri]
+        if fresh or (baseline is not None and info.modified <= baseline):
+            if partition is not None:
+                backlog.setdefault(partition, []).append(info)
+            elif fresh:
+                log(f"ignoring {info.uri}: {reason}")
+            continue
+        if version in cursor.seen or (not by_window(info) and info.modified < floor):
+            if partition is not None and partition in cursor.backlog:
+                backlog.setdefault(partition, []).append(info)  # seen by the first tick, just above the baseline
+            continue
         if partition is None:
             log(f"ignoring {info.uri}: {reason}")
             continue
@@ -148,16 +258,45 @@ def find_new_batches(
                 "overwrite each other's results; rename one and upload it again"
             )
             continue
-        found.append(NewBatch(info, partition))
-    mark = max([o.modified for o in candidates] + ([cursor.mark] if cursor.mark is not None else []), default=None)
+        found.append(NewBatch(info, partition, version))
+
+    newer = [o for o in candidates if baseline is None or o.modified > baseline]
+    mark = max([o.modified for o in newer] + ([cursor.mark] if cursor.mark is not None else []), default=None)
     keep_from = mark - LOOKBACK_SECONDS if mark is not None else -math.inf
-    seen = {version_id(o.uri[len(prefix) :], o.etag) for o in candidates if o.modified >= keep_from}
-    return found, UploadCursor(mark=mark, seen=seen)
+    seen = {version_id(relative[o.uri], o.etag) for o in newer if by_window(o) or o.modified >= keep_from}
+    if fresh:
+        pending = sorted(backlog) if backlog_policy == "run" else []
+        if backlog:
+            files = sum(len(v) for v in backlog.values())
+            if backlog_policy == "run":
+                log(f"sensor turned on over {files} batch file(s) already there, on {len(backlog)} date(s): "
+                    f"one run per date, a few per tick (SENSOR_BACKLOG=run): {', '.join(pending[:10])}"
+                    + (" ..." if len(pending) > 10 else ""))
+            else:
+                log(f"sensor turned on over {files} batch file(s) already there, on {len(backlog)} date(s): "
+                    "left alone (SENSOR_BACKLOG=skip); a backfill of their dates runs them")
+    else:
+        pending = list(cursor.backlog)
+    # A backlog date no longer listed (it left the window, or its files were deleted) is dropped.
+    gone = [d for d in pending if d not in backlog]
+    if gone:
+        log(f"backlog date(s) {', '.join(gone)} no longer listed (outside SENSOR_WINDOW_DAYS now, or deleted) "
+            "before their run was requested: a backfill of those dates runs them")
+    pending = [d for d in pending if d in backlog]
+    new_cursor = UploadCursor(
+        since=now if fresh else cursor.since, mark=mark, seen=seen, baseline=baseline, backlog=pending,
+        delete=[],
+    )
+    return Scan(found=found, backlog=backlog, cursor=new_cursor, listed=len(objects))
 
 
 def already_completed(new: NewBatch, output_root: str) -> bool:
     """True when this very file version was answered in full already (by a backfill, the nightly
     schedule or an earlier run): the check the date runs use, so no run is started for it."""
-    name = locations.batch_name(new.info.uri)
-    loc = locations.BatchLocation(name, new.info.uri, locations.default_output(output_root, new.partition, name), new.partition)
-    return locations.completed_batch(loc, input_etag=new.info.etag) is not None
+    return completed(new.info, new.partition, output_root)
+
+
+def completed(info: ObjectInfo, partition: str, output_root: str) -> bool:
+    name = locations.batch_name(info.uri)
+    loc = locations.BatchLocation(name, info.uri, locations.default_output(output_root, partition, name), partition)
+    return locations.completed_batch(loc, input_etag=info.etag) is not None
