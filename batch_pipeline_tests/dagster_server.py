@@ -164,6 +164,15 @@ class DagsterDev:
         daemons = data["instance"]["daemonHealth"]["allDaemonStatuses"]
         return loaded and all(d["healthy"] for d in daemons if d["required"])
 
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crashed server: no shutdown code runs)."""
+        try:
+            os.killpg(os.getpgid(self.process.pid), signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        self.process.wait(timeout=30)
+        self.stop()  # reaps what is left, if anything
+
     def stop(self) -> None:
         """End the process group (web server, daemon, code server, run workers); SIGKILL if needed."""
         try:

@@ -10,7 +10,12 @@ run time, so the test rewinds the schedule's start time in the instance to just 
 02:00 UTC, and the daemon catches that tick up; the run is for the day before the tick, a date with
 no files, and finishes without loading the model.
 
-S3 is moto's server (a subprocess, over HTTP); nothing is mocked. Does not test the UI
+The queue trigger (INPUT_QUEUE_URL) through its own `dagster dev`: the bucket notifies an SQS queue,
+the sensor receives the upload's message and is held (its HEAD of the object hangs at a proxy), the
+whole server is killed with SIGKILL, a new one starts on the same instance, and once the message is
+visible again the file runs exactly once and the queue ends empty.
+
+S3 and SQS are moto's server (a subprocess, over HTTP); nothing is mocked. Does not test the UI
 (test_ui_backfill.py) or the sensor's edge cases (test_sensors.py).
 """
 
@@ -26,7 +31,9 @@ import pytest
 
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
+from batch_pipeline_tests.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
 from batch_pipeline_tests.s3_server import _FOREIGN_AWS_VARS, MotoS3
+from batch_pipeline_tests.test_sensor_queue import notifying_queue, queue_depth
 
 SENSOR = "batch_upload_sensor"
 SCHEDULE = "nightly_batch_schedule"
@@ -197,3 +204,61 @@ def test_schedule_fired_by_the_daemon_runs_an_empty_date_fast(e2e) -> None:
     inference = materialization_metadata(server, run.run_id, "inference_results")
     assert inference["batches"] == 0 and "model_load_seconds" not in inference  # no zeros in the plots
     assert materialization_metadata(server, run.run_id, "validated_requests")["batches"] == 0
+
+
+def test_queue_trigger_survives_a_server_killed_between_receive_and_run_request(
+    moto_server: MotoS3, tiny_model_dir: Path, tmp_path: Path, fault_proxy: FaultProxy  # noqa: F811
+) -> None:
+    bucket = moto_server.create_bucket()
+    client = moto_server.client()
+    url = notifying_queue(moto_server, bucket)
+    env: dict[str, str | None] = {name: None for name in _FOREIGN_AWS_VARS}
+    env.update(moto_server.env())
+    env["AWS_ENDPOINT_URL"] = fault_proxy.endpoint_url  # the server's S3 and SQS calls pass the proxy
+    env.update(pipeline_env(tiny_model_dir, f"s3://{bucket}/incoming", f"s3://{bucket}/output",
+                            INPUT_QUEUE_URL=url, INPUT_QUEUE_VISIBILITY_SECONDS="20"))
+    home = tmp_path / "home"
+    server = start_dagster_dev(home, env, tmp_path / "dagster-dev-1.log")
+    try:
+        server.start_sensor(SENSOR)
+        wait_for("first sensor tick", lambda: [t for t in server.sensor_ticks(SENSOR) if t["status"] != "STARTED"],
+                 90, on_timeout=server.log_tail)
+        # The next tick receives the upload's message, then hangs on the HEAD of the object.
+        key = f"incoming/{BATCH}-queued.jsonl"
+        fault_proxy.fail_next(1, "timeout", method="HEAD", match=key, hold=300)
+        client.put_object(Bucket=bucket, Key=key, Body=("\n".join(batch_lines()) + "\n").encode())
+        wait_for("the sensor holding the message", lambda: fault_proxy.injected("timeout", "HEAD") or None, 90,
+                 on_timeout=server.log_tail)
+        assert queue_depth(moto_server, url) == (0, 1)
+        server.kill()
+    except BaseException:
+        server.stop()
+        raise
+    assert queue_depth(moto_server, url) == (0, 1)  # in flight: received, never deleted
+    assert not runs_tagged(server, "dagster/sensor_name", SENSOR)
+
+    server = start_dagster_dev(home, env, tmp_path / "dagster-dev-2.log")
+    try:
+        head = client.head_object(Bucket=bucket, Key=key)
+        date = head["LastModified"].astimezone(dt.timezone.utc).date().isoformat()
+        out = f"output/{date}/{BATCH}-queued"
+
+        def batch_json() -> dict[str, Any] | None:
+            try:
+                return json.loads(client.get_object(Bucket=bucket, Key=f"{out}/batch.json")["Body"].read())
+            except client.exceptions.NoSuchKey:
+                return None
+
+        batch = wait_for(f"s3://{bucket}/{out}/batch.json", batch_json, RUN_TIMEOUT, interval=2.0,
+                         on_timeout=server.log_tail)
+        assert batch["status"] == "completed"
+        assert sorted(o["custom_id"] for o in read_jsonl(client, bucket, f"{out}/output.jsonl")) == GOOD_IDS
+        [run] = runs_tagged(server, "dagster/sensor_name", SENSOR)
+        assert run.tags["dagster/run_key"] == f"s3://{bucket}/{key}@{head['ETag'].strip(chr(34))}"
+        assert finished_run(server, run.run_id).status.value == "SUCCESS"
+        # The tick after the one that asked for the run deletes the message.
+        wait_for("an empty queue", lambda: queue_depth(moto_server, url) == (0, 0) or None, 120, interval=2.0)
+        assert len(runs_tagged(server, "dagster/sensor_name", SENSOR)) == 1
+    finally:
+        print(f"dagster dev logs: {tmp_path}")
+        server.stop()
