@@ -231,3 +231,40 @@ def test_gpu_preset_on_a_machine_without_gpus_fails_naming_it(local_setup: Path,
     assert "ENGINE_PRESET=h100-8b is for 1 x H100 80 GB, but no GPU is visible" in gpu.detail
     [settings] = doctor.run_checks(only=["settings"])
     assert "ENGINE_PRESET=h100-8b" in settings.detail
+
+
+def test_upload_sensor_check_with_and_without_the_queue(
+    local_setup: Path, s3_bucket: str, moto_server: MotoS3, monkeypatch: pytest.MonkeyPatch
+):
+    """Listing: the window it lists. Queue: passes when the bucket notifies it, warns when nothing
+    does, fails for a queue that does not answer or a local input folder; a bad SENSOR_* fails."""
+    from batch_pipeline.lib import notifications
+    from batch_pipeline_tests.test_sensor_queue import notifying_queue, sqs_client
+
+    for name in ("SENSOR_WINDOW_DAYS", "SENSOR_BACKLOG", "SENSOR_MAX_RUNS_PER_TICK", "INPUT_QUEUE_URL", "SHARDS"):
+        monkeypatch.delenv(name, raising=False)
+    check = lambda: doctor.run_checks(only=["upload sensor"])[0]  # noqa: E731
+    assert check().status == "PASS" and "date folders of the last 3 day(s)" in check().detail
+
+    monkeypatch.setenv("SENSOR_BACKLOG", "maybe")
+    assert check().status == "FAIL" and "SENSOR_BACKLOG='maybe'" in check().detail
+    monkeypatch.delenv("SENSOR_BACKLOG")
+
+    url = notifying_queue(moto_server, s3_bucket)
+    monkeypatch.setenv("INPUT_QUEUE_URL", url)
+    assert check().status == "FAIL" and "is not on S3" in check().detail  # the input is still local
+
+    monkeypatch.setenv("STORAGE_INPUT_PATH", f"s3://{s3_bucket}/incoming")
+    result = check()
+    assert result.status == "PASS", result.detail
+    assert f"which {s3_bucket} notifies on ObjectCreated" in result.detail
+
+    unnotified = sqs_client(moto_server).create_queue(QueueName="nobody-sends-here")["QueueUrl"]
+    monkeypatch.setenv("INPUT_QUEUE_URL", unnotified)
+    result = check()
+    assert result.status == "WARN" and f"{s3_bucket} has no ObjectCreated notification" in result.detail
+
+    monkeypatch.setenv("INPUT_QUEUE_URL", f"{moto_server.endpoint_url}/123456789012/no-such-queue")
+    result = check()
+    assert result.status == "FAIL" and "does not answer" in result.detail
+    notifications.reset_clients()

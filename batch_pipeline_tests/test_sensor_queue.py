@@ -196,6 +196,13 @@ def test_a_missing_queue_fails_the_tick_naming_it(moto_server, s3_bucket, monkey
     store.reset_clients()
 
 
+def test_a_queue_with_a_local_input_folder_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("INPUT_QUEUE_URL", "https://sqs.eu-west-1.amazonaws.com/123456789012/uploads")
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
+    with pytest.raises(Exception, match="INPUT_QUEUE_URL is set but STORAGE_INPUT_PATH=.* is not on S3"):
+        evaluate(storage)
+
+
 def test_message_formats() -> None:
     record = {"eventName": "ObjectCreated:CompleteMultipartUpload",
               "s3": {"bucket": {"name": "b"}, "object": {"key": "in/2026-12-01/a+b%2Bc.jsonl", "eTag": "x"}}}

@@ -267,5 +267,8 @@ def batch_upload_sensor(context: dg.SensorEvaluationContext, storage: StorageRes
     shards = shards_from_env()  # a bad SHARDS fails the tick, naming the variable
     settings = sensor_settings_from_env()  # so does a bad SENSOR_* / INPUT_QUEUE_* value
     if settings.queue_url:
+        if not root.startswith("s3://"):
+            raise ConfigError(f"INPUT_QUEUE_URL is set but STORAGE_INPUT_PATH={root} is not on S3: only a bucket "
+                              "sends ObjectCreated events; unset INPUT_QUEUE_URL to list the folder")
         return _queue_tick(context, root, paths.output_path, exclude, settings, shards)
     return _listing_tick(context, root, paths.output_path, exclude, settings, shards)

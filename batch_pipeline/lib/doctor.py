@@ -27,7 +27,13 @@ from batch_pipeline.lib import models, storage
 from batch_pipeline.lib.engine_args import hardware_problem
 from batch_pipeline.lib.placement import describe_plan
 from batch_pipeline.lib.models import WEIGHT_SUFFIXES
-from batch_pipeline.lib.settings import EngineSettings, engine_settings_from_env, storage_settings_from_env
+from batch_pipeline.lib.settings import (
+    EngineSettings,
+    engine_settings_from_env,
+    sensor_settings_from_env,
+    shards_from_env,
+    storage_settings_from_env,
+)
 from batch_pipeline.lib.vllm_adapter import engine_distribution
 # Any one of these is a tokenizer a Hugging Face checkpoint can load.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
@@ -303,6 +309,47 @@ def check_dagster_instance() -> CheckResult:
     return _pass("dagster instance", f"{home}: {kind}, {launcher}, pool limit {pools}, {latest}")
 
 
+def check_upload_sensor() -> CheckResult:
+    """The upload sensor's settings parse; with INPUT_QUEUE_URL, the queue answers and the input
+    bucket notifies it (a queue nobody sends to would leave every upload unseen)."""
+    name = "upload sensor"
+    try:
+        settings = sensor_settings_from_env()
+        shards_from_env()
+    except ValueError as e:
+        return _fail(name, str(e))
+    if not settings.queue_url:
+        return _pass(name, settings.describe())
+    uri = storage_settings_from_env().input_path
+    if not storage.is_s3(uri):
+        return _fail(name, f"INPUT_QUEUE_URL is set but STORAGE_INPUT_PATH={uri} is not on S3: only a bucket sends events")
+    from batch_pipeline.lib import notifications
+
+    notifications.reset_clients()
+    try:
+        attributes = notifications.sqs_client().get_queue_attributes(
+            QueueUrl=settings.queue_url, AttributeNames=["QueueArn", "ApproximateNumberOfMessages"]
+        )["Attributes"]
+    except Exception as e:  # noqa: BLE001 - any failure to reach the queue is the finding
+        return _fail(name, f"INPUT_QUEUE_URL={settings.queue_url} does not answer: {_error(e)}")
+    arn, waiting = attributes.get("QueueArn", ""), attributes.get("ApproximateNumberOfMessages", "?")
+    bucket, prefix = storage.split_s3(uri)
+    try:
+        config = storage.s3_client().get_bucket_notification_configuration(Bucket=bucket)
+    except Exception as e:  # noqa: BLE001 - e.g. no s3:GetBucketNotification permission
+        return _warn(name, f"queue {arn} answers ({waiting} waiting); the bucket's notifications could not be read "
+                           f"({_error(e)}): check that {bucket} notifies it on s3:ObjectCreated:*")
+    for target in config.get("QueueConfigurations", []):
+        if target.get("QueueArn") == arn and any(e.startswith("s3:ObjectCreated") for e in target.get("Events", [])):
+            rules = {r["Name"].lower(): r["Value"] for r in target.get("Filter", {}).get("Key", {}).get("FilterRules", [])}
+            if prefix and not (prefix.rstrip("/") + "/").startswith(rules.get("prefix", "")):
+                return _fail(name, f"{bucket} notifies {arn} only under prefix {rules['prefix']!r}, not {prefix!r}")
+            return _pass(name, f"drains {arn} ({waiting} waiting), which {bucket} notifies on ObjectCreated; "
+                               f"SENSOR_BACKLOG={settings.backlog}, at most {settings.max_runs_per_tick} runs per tick")
+    return _warn(name, f"queue {arn} answers ({waiting} waiting), but {bucket} has no ObjectCreated notification "
+                       "to it (fine if it comes through SNS or EventBridge; otherwise no upload will be seen)")
+
+
 CHECKS: dict[str, Callable[[], CheckResult]] = {
     "settings": check_settings,
     "engine": check_engine,
@@ -311,6 +358,7 @@ CHECKS: dict[str, Callable[[], CheckResult]] = {
     "embedding model": check_embedding_model,
     "storage input": check_storage_input,
     "storage output": check_storage_output,
+    "upload sensor": check_upload_sensor,
     "dagster instance": check_dagster_instance,
 }
 
