@@ -27,7 +27,7 @@ from batch_pipeline_tests.cli_runs import CLI, answered_once, read_results, writ
 from batch_pipeline_tests.conftest import tiny_env
 from batch_pipeline_tests.test_assets import DATE, chat_line, materialize, metadata_of, read_jsonl
 from batch_pipeline_tests.test_assets import write_batch as write_date_batch
-from batch_pipeline_tests.test_sensors import evaluate, write
+from batch_pipeline_tests.test_sensors import evaluate, turned_on, write
 
 
 @pytest.mark.parametrize("valid", [0, 1, 7, 10, 1001])
@@ -65,9 +65,11 @@ def test_merged_record_counts_side_by_side_time_once_and_sums_the_balance():
 
 def test_the_upload_sensor_starts_one_run_per_shard(tmp_path, monkeypatch):
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
+    monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")  # 2026-11-20 may be outside the default window
+    on = turned_on(storage)
     write(tmp_path / "in" / "2026-11-20" / "big.jsonl")
     monkeypatch.setenv("SHARDS", "3")
-    requests = evaluate(storage).run_requests
+    requests = evaluate(storage, on).run_requests
     assert [r.tags["batch_pipeline/shard"] for r in requests] == ["1/3", "2/3", "3/3"]
     assert len({r.run_key for r in requests}) == 3 and all(r.run_key.endswith(f"#shard-{i}-of-3")
                                                            for i, r in enumerate(requests, 1))
