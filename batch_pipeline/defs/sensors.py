@@ -26,6 +26,7 @@ from batch_pipeline.lib import locations, notifications
 from batch_pipeline.lib.storage import describe
 from batch_pipeline.lib.settings import ConfigError, SensorSettings, sensor_settings_from_env, shards_from_env
 from batch_pipeline.lib.uploads import (
+    BASELINE_SLACK_SECONDS,
     NewBatch,
     PartitionRange,
     UploadCursor,
@@ -239,7 +240,9 @@ def _queue_object(context: dg.SensorEvaluationContext, uri: str, prefix: str, ex
     if partition is None:
         context.log.info(f"ignoring {uri}: {reason}")
         return []
-    if settings.backlog == "skip" and info.modified <= since:
+    # S3 times are whole seconds: a file uploaded in the same second as the first tick, just after
+    # it, must not count as older; the margin runs a file uploaded just before instead.
+    if settings.backlog == "skip" and info.modified < since - BASELINE_SLACK_SECONDS:
         context.log.info(f"ignoring {uri}: uploaded before the sensor was turned on (SENSOR_BACKLOG=skip)")
         return []
     new = NewBatch(info, partition, version_id(relative, info.etag))
