@@ -159,3 +159,18 @@ def test_embedding_dimensions_the_model_cannot_do_is_a_400(engines):
     record = run(engines, req(1, url=contract.EMBEDDINGS_URL, input="x", dimensions=8))[1]
     assert record["response"]["status_code"] == 400
     assert "dimensions" in record["response"]["body"]["error"]["message"]
+
+
+def test_a_model_load_reports_its_phase_and_time_while_it_runs(tiny_llm, monkeypatch):
+    from batch_pipeline.lib import engines as engines_module
+
+    monkeypatch.setattr(engines_module, "LOAD_PROGRESS_SECONDS", 0.5)
+    messages: list[str] = []
+    with tiny_llm.open(log=messages.append) as engines:
+        run(engines, req(1, max_tokens=2))
+    loading = [m for m in messages if m.startswith(f"loading generate model {TINY_NAME}: ")]
+    assert loading, messages  # the real load of the tiny model takes seconds: several beats
+    assert all(m.endswith("s so far") for m in loading)
+    assert any("building the engine (weights, KV cache, warm-up)" in m for m in loading)
+    loaded = next(i for i, m in enumerate(messages) if m.startswith(f"generate model {TINY_NAME} loaded in"))
+    assert messages.index(loading[-1]) < loaded  # no beat after the load finished

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -12,11 +13,20 @@ from batch_pipeline.lib import contract
 from batch_pipeline.lib.embeddings import EmbeddingEngine
 from batch_pipeline.lib.engine_args import engine_kwargs
 from batch_pipeline.lib.generation import NOTHING_YET, GenerationEngine
+from batch_pipeline.lib.progress import PROGRESS_SECONDS, heartbeat
 from batch_pipeline.lib.responses import Answer
 from batch_pipeline.lib.settings import EngineSettings
 from batch_pipeline.lib.vllm_adapter import build_llm, shutdown_llm
 
 EMBEDDING_CHUNK = 64
+LOAD_PROGRESS_SECONDS = PROGRESS_SECONDS  # how often a model load says where it is
+
+
+def load_phase() -> str:
+    """What a model load is doing, as far as can be told from outside vLLM."""
+    if "vllm.entrypoints.llm" not in sys.modules:
+        return "importing vLLM and torch"
+    return "building the engine (weights, KV cache, warm-up)"
 
 
 class Engines:
@@ -52,7 +62,8 @@ class Engines:
     def _build(self, runner: str, path: str, name: str) -> Any:
         started = time.perf_counter()
         self.log(f"loading {runner} model {name} from {path}")
-        llm = self.builder(engine_kwargs(self.settings, path, name, runner))
+        with heartbeat(self.log, f"loading {runner} model {name}", load_phase, LOAD_PROGRESS_SECONDS):
+            llm = self.builder(engine_kwargs(self.settings, path, name, runner))
         elapsed = time.perf_counter() - started
         self.load_seconds += elapsed
         self.log(f"{runner} model {name} loaded in {elapsed:.1f}s")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 Log = Callable[[str], None]
 PROGRESS_SECONDS = 10.0
@@ -57,3 +59,24 @@ def first_n_logger(log: Log, limit: int) -> Log:
             log(f"more than {limit} invalid lines; the rest are listed in errors.jsonl only")
 
     return limited
+
+
+@contextmanager
+def heartbeat(log: Log, what: str, phase: Callable[[], str] = lambda: "", every: float = PROGRESS_SECONDS) -> Iterator[None]:
+    """Log `what`, the current `phase()` and the time so far every `every` seconds while the block
+    runs (a model load says nothing for a minute otherwise)."""
+    started = time.monotonic()
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(every):
+            current = phase()
+            log(f"{what}: {current + ', ' if current else ''}{time.monotonic() - started:.0f}s so far")
+
+    thread = threading.Thread(target=beat, name="batch-pipeline-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=5)
