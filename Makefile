@@ -10,6 +10,7 @@ export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 SAMPLE := batch_pipeline/samples/sample_batch.jsonl
 DEMO_OUT := results/demo
+DEV_PORT ?= 3000
 
 .PHONY: install demo test dev model clean
 
@@ -47,8 +48,16 @@ test: install
 	bash scripts/install_browser.sh $(VENV)
 	$(BIN)/python -m pytest
 
+# From inside DAGSTER_HOME: started next to this checkout's dagster.yaml (the template copied into
+# DAGSTER_HOME), `dagster dev` warns that the file there is not the instance's. The storage defaults
+# stay the checkout's data/ folders. `dagster dev` is kept over `dg dev`, which would need the dg
+# project tooling for no gain here; its "superseded" notice is filtered by its exact text.
 dev: install $(DAGSTER_HOME)/dagster.yaml
-	$(BIN)/dagster dev -w workspace.yaml -h 127.0.0.1 -p 3000
+	cd $(DAGSTER_HOME) && \
+	STORAGE_INPUT_PATH="$${STORAGE_INPUT_PATH:-$(CURDIR)/data/input}" \
+	STORAGE_OUTPUT_PATH="$${STORAGE_OUTPUT_PATH:-$(CURDIR)/data/output}" \
+	PYTHONWARNINGS='ignore:Function `dev_command` is superseded' \
+	$(CURDIR)/$(BIN)/dagster dev -w $(CURDIR)/workspace.yaml -h 127.0.0.1 -p $(DEV_PORT)
 
 clean:
 	rm -rf $(VENV) .cache .dagster_home results .pytest_cache

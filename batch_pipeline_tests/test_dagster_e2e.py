@@ -262,3 +262,37 @@ def test_queue_trigger_survives_a_server_killed_between_receive_and_run_request(
     finally:
         print(f"dagster dev logs: {tmp_path}")
         server.stop()
+
+
+def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`make dev` (the README's UI command) comes up with the code location loaded and the daemons
+    healthy, and prints no warning on the way (Dagster's or Python's)."""
+    import os
+    import re
+    import signal
+    import subprocess
+
+    from batch_pipeline_tests.dagster_server import REPO, DagsterDev, free_port
+
+    home, port, log_path = tmp_path / "home", free_port(), tmp_path / "make-dev.log"
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_AWS_VARS}
+    env.update({k: v for k, v in pipeline_env(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out")).items()
+                if v is not None})
+    env["DAGSTER_HOME"] = str(home)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(["make", "--no-print-directory", "dev", f"DEV_PORT={port}"], cwd=REPO, env=env,
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = DagsterDev(process=process, home=home, port=port, log_path=log_path)
+    try:
+        wait_for("make dev ready (location loaded, daemons healthy)", server._ready, 180, on_timeout=server.log_tail)
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.stop()
+    text = log_path.read_text(errors="replace")
+    assert "Serving dagster-webserver" in text, text[-2000:]
+    warnings = [line for line in text.splitlines() if re.search(r" - WARNING - |\w+Warning: ", re.sub(r"\x1b\[[0-9;]*m", "", line))]
+    assert not warnings, "\n".join(warnings)
+    assert (home / "dagster.yaml").read_text() == (REPO / "dagster.yaml").read_text()
