@@ -307,3 +307,26 @@ def test_a_gpu_preset_without_gpus_fails_the_step_once_before_any_model_loads(ti
     assert [e.step_key for e in failures] == ["inference_results"]
     assert "ENGINE_PRESET=h100-8b" in failures[0].step_failure_data.error.message
     assert not [e for e in result.all_events if e.event_type_value == "STEP_RESTARTED"]  # a setting: no retries
+
+
+def test_date_figures_add_up_every_file_of_the_date_whichever_run_answered_it(tiny_llm, tmp_path):
+    """Two sensor-style runs, one file each, on one date: the second run's throughput_metrics are the
+    date's (both files), not that file's; the CLI's explicit output folder keeps a run's own figures."""
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    first = write_batch(inbox / DATE, "first.jsonl", [chat_line(f"f-{i}") for i in range(3)])
+    second = write_batch(inbox / DATE, "second.jsonl", [chat_line(f"s-{i}") for i in range(2)] + ["{broken"])
+    one = materialize(tiny_llm, str(inbox), str(out), run_config=batch_run_config(str(first)))
+    assert metadata_of(one, "throughput_metrics")["requests_completed"] == 3
+    two = materialize(tiny_llm, str(inbox), str(out), run_config=batch_run_config(str(second)))
+    figures = metadata_of(two, "throughput_metrics")
+    per_file = [json.loads((out / DATE / name / "metrics.json").read_text()) for name in ("first", "second")]
+    assert (figures["batches"], figures["batches_this_run"]) == (2, 1)
+    assert (figures["requests_completed"], figures["requests_failed"]) == (5, 1)
+    for key in ("output_tokens", "inference_seconds", "model_load_seconds"):
+        assert figures[key] == pytest.approx(sum(m[key] for m in per_file), abs=0.002), key
+    assert figures["output_tokens_per_second"] == pytest.approx(figures["output_tokens"] / figures["inference_seconds"], rel=0.01)
+    assert figures["scope"].startswith(f"every batch of {DATE}")
+
+    elsewhere = materialize(tiny_llm, "", "", run_config=batch_run_config(str(first), str(tmp_path / "cli-out")))
+    own = metadata_of(elsewhere, "throughput_metrics")
+    assert (own["batches"], own["requests_completed"]) == (1, 3) and own["scope"].startswith("this run's batches")

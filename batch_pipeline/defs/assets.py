@@ -274,14 +274,32 @@ def failed_line_rate(failed: int, total: int) -> dg.AssetCheckResult:
     group_name="batch",
     kinds={"python"},
     deps=[batch_outputs],
-    description="Throughput of the date's batches: requests/s, tokens/s, time split, peak memory.",
+    description=(
+        "Throughput of the date's batches, whichever runs answered them: requests/s, tokens/s, time split, "
+        "peak memory (a run that wrote no results leaves the figures as they were: batches 0)."
+    ),
 )
 def throughput_metrics(
     context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource
 ) -> dg.MaterializeResult:
     shard = _shard(config)
-    per_batch = [metrics.batch_metrics(loc) for loc in run_batches(context, config, storage) if _assembled(loc, shard)]
-    return dg.MaterializeResult(metadata=metrics.aggregate_metrics(per_batch))
+    taken = run_batches(context, config, storage)
+    per_batch = [metrics.batch_metrics(loc) for loc in taken if _assembled(loc, shard)]
+    if not per_batch:
+        return dg.MaterializeResult(metadata=metrics.aggregate_metrics(per_batch))
+    output_root = storage.settings().output_path
+    if all(loc.output_uri == locations.default_output(output_root, loc.partition, loc.name) for loc in taken):
+        # The date's figures: this run's batches and every other batch of the date (earlier sensor
+        # runs for other files, a backfill), read from their metrics.json.
+        whole_date = metrics.date_metrics(output_root, context.partition_key)
+        return dg.MaterializeResult(metadata={
+            **metrics.aggregate_metrics(whole_date or per_batch),
+            "batches_this_run": len(per_batch),
+            "scope": f"every batch of {context.partition_key} under {locations.default_output(output_root, context.partition_key, '')}",
+        })
+    # Results written elsewhere (an explicit output_uri, e.g. the CLI): this run's batches alone.
+    return dg.MaterializeResult(metadata={**metrics.aggregate_metrics(per_batch), "batches_this_run": len(per_batch),
+                                          "scope": "this run's batches (results outside the date's folder)"})
 
 
 BATCH_ASSETS = [validated_requests, inference_results, batch_outputs, throughput_metrics]

@@ -64,6 +64,19 @@ def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
     return metrics
 
 
+def date_metrics(output_root: str, partition: str) -> list[dict[str, Any]]:
+    """The metrics.json of every batch of one date (`<output_root>/<date>/<name>/metrics.json`),
+    whichever runs wrote them: the date's figures, not only the last run's."""
+    folder = storage.join(output_root, partition)
+    prefix = storage.join(folder, "x")[:-1]
+    found = []
+    for info in storage.list_objects(folder, suffix="metrics.json"):
+        relative = info.uri[len(prefix):]
+        if relative.count("/") == 1 and relative.endswith("/metrics.json"):
+            found.append(storage.read_json(info.uri))
+    return found
+
+
 _SUMMED = (
     "requests_total", "requests_completed", "requests_failed", "input_tokens", "output_tokens", "total_tokens",
     "model_load_seconds", "validation_seconds", "inference_seconds", "writing_seconds",
