@@ -19,6 +19,10 @@ os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 # The Makefile exports DAGSTER_HOME for demo/dev; test runs must not land in (or need) that
 # instance: tests that want one make their own.
 os.environ.pop("DAGSTER_HOME", None)
+# The tests' batch files carry dates back to 2024 (the partitions are read when the definitions
+# load, so this is set before any import of them; subprocesses inherit it). The default start is
+# tested on its own (test_settings.py).
+os.environ["PARTITIONS_START"] = "2024-01-01"
 
 from batch_pipeline.defs.resources import LLMResource  # noqa: E402
 from batch_pipeline.lib import models

@@ -128,3 +128,28 @@ def test_cpu_kv_cache_default_is_1_gib_and_the_context_fits_it():
     assert kwargs["max_model_len"] == -1  # vLLM fits the context to the cache
     assert engine_kwargs(EngineSettings(max_model_len=4096), "/m", "m", "generate")["max_model_len"] == 4096
     assert "max_model_len" not in engine_kwargs(EngineSettings(), "/m", "m", "pooling")
+
+
+def test_partitions_start_from_the_environment_with_a_recent_default():
+    import datetime as dt
+    import os
+    import subprocess
+    import sys
+
+    from batch_pipeline.defs.partitions import DEFAULT_PARTITIONS_START, partitions_start
+    from batch_pipeline.lib.settings import ConfigError
+
+    assert partitions_start({}) == DEFAULT_PARTITIONS_START
+    assert dt.date.today() - dt.date.fromisoformat(DEFAULT_PARTITIONS_START) < dt.timedelta(days=400)  # recent
+    assert partitions_start({"PARTITIONS_START": "2025-06-01"}) == "2025-06-01"
+    for raw, message in (("2025-6-1", "is not a date"), ("June", "is not a date"), ("2999-01-01", "is after today")):
+        with pytest.raises(ConfigError, match=f"PARTITIONS_START='{raw}' {message}"):
+            partitions_start({"PARTITIONS_START": raw})
+    # What the definitions load with, in a fresh process (the partitions are fixed at load).
+    code = ("from batch_pipeline.defs.sensors import partition_range; r = partition_range(); print(r.first, r.last)")
+    env = {k: v for k, v in os.environ.items() if k != "PARTITIONS_START"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == [DEFAULT_PARTITIONS_START, dt.datetime.now(dt.timezone.utc).date().isoformat()]
+    env["PARTITIONS_START"] = "yesterday"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "PARTITIONS_START='yesterday' is not a date (YYYY-MM-DD)" in bad.stderr

@@ -1,6 +1,32 @@
-"""Batches are partitioned by the date they belong to (UTC)."""
+"""Batches are partitioned by the date they belong to (UTC), from PARTITIONS_START to today."""
+
+import datetime as dt
+import os
 
 import dagster as dg
 
+from batch_pipeline.lib.settings import ConfigError
+
+# A recent date, so that the UI's "missing" partitions mean dates that could have had files; set
+# PARTITIONS_START to the first date you have batch files for (read when the definitions load).
+DEFAULT_PARTITIONS_START = "2026-11-01"
+
+
+def partitions_start(env: dict[str, str] | None = None) -> str:
+    """PARTITIONS_START (YYYY-MM-DD, not after today, UTC), or the default."""
+    env = os.environ if env is None else env
+    raw = env.get("PARTITIONS_START", "").strip() or DEFAULT_PARTITIONS_START
+    try:
+        if len(raw) != 10:
+            raise ValueError("not YYYY-MM-DD")
+        day = dt.date.fromisoformat(raw)
+    except ValueError:
+        raise ConfigError(f"PARTITIONS_START={raw!r} is not a date (YYYY-MM-DD)") from None
+    today = dt.datetime.now(dt.timezone.utc).date()
+    if day > today:
+        raise ConfigError(f"PARTITIONS_START={raw!r} is after today ({today}): there would be no partition")
+    return day.isoformat()
+
+
 # end_offset=1 makes today's partition exist, so a file uploaded today can run today.
-daily_partitions = dg.DailyPartitionsDefinition(start_date="2024-01-01", timezone="UTC", end_offset=1)
+daily_partitions = dg.DailyPartitionsDefinition(start_date=partitions_start(), timezone="UTC", end_offset=1)
