@@ -73,25 +73,31 @@ def _instance() -> Any:
 
 def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[str, Any] | None = None,
               instance: Any = None, log_level: str = "INFO", shard: str = "") -> Any:
-    """Materialize the batch assets for one input file in-process; returns Dagster's result."""
+    """Run `batch_job` for one input file in-process; returns Dagster's result. The run is listed in
+    the instance's Runs as `batch_job`, tagged with its source, input and batch name."""
     import dagster as dg
 
     from batch_pipeline.defs.assets import BATCH_ASSETS
-    from batch_pipeline.defs.jobs import batch_run_config
+    from batch_pipeline.defs.jobs import batch_job, batch_run_config
     from batch_pipeline.defs.resources import LLMResource, StorageResource
+    from batch_pipeline.lib.locations import batch_name
 
     run_config = {
         **batch_run_config(input_uri, output_dir, shard=shard),
         "loggers": {"console": {"config": {"log_level": log_level}}},
     }
-    return dg.materialize(
-        BATCH_ASSETS,
+    resources = resources or {"llm": LLMResource(), "storage": StorageResource()}
+    job = dg.Definitions(assets=BATCH_ASSETS, jobs=[batch_job], resources=resources).resolve_job_def("batch_job")
+    tags = {"batch_pipeline/source": "cli", "batch_pipeline/input_uri": input_uri,
+            "batch_pipeline/batch_name": batch_name(input_uri), "batch_pipeline/output_uri": output_dir}
+    if shard:
+        tags["batch_pipeline/shard"] = shard
+    return job.execute_in_process(
         run_config=run_config,
         partition_key=partition,
-        resources=resources or {"llm": LLMResource(), "storage": StorageResource()},
         instance=instance if instance is not None else _instance(),
         raise_on_error=False,
-        tags={"batch_pipeline/source": "cli"},
+        tags=tags,
     )
 
 

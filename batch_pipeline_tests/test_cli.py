@@ -91,6 +91,9 @@ def test_console_script_runs_a_batch_and_records_it_in_dagster_home(tiny_model_d
     with dg.DagsterInstance.from_config(str(home)) as instance:
         [run] = instance.get_runs()
         assert run.is_success and run.tags.get("dagster/partition") == "2026-11-02"
+        assert run.job_name == "batch_job"  # listed under the job's name in Runs, not __ephemeral_asset_job__
+        assert run.tags["batch_pipeline/source"] == "cli" and run.tags["batch_pipeline/batch_name"] == "in"
+        assert run.tags["batch_pipeline/input_uri"] == str(batch) and run.tags["batch_pipeline/output_uri"] == str(out)
         event = instance.get_latest_materialization_event(dg.AssetKey("batch_outputs"))
         assert event is not None and event.run_id == run.run_id
 
