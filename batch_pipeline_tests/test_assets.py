@@ -100,7 +100,13 @@ def test_partition_run_answers_every_line_once(tiny_llm, partition_with_two_batc
 
     [check] = result.get_asset_check_evaluations()
     assert check.check_name == "failed_line_rate" and check.passed is False  # 3 of 9 > 10%
+    assert check.partition == DATE  # one result per date, not one for the whole asset
     assert check.metadata["failed"].value == 3
+    # It names the batches above the limit and why their lines failed, worst first.
+    assert check.description.startswith(f"{DATE}: 3 of 9 lines failed (33.3%) in 2 batch(es), above the 10% limit")
+    assert "alpha: 2 of 7 (28.6%; duplicate_custom_id 1, invalid_json 1) -> " in check.description, check.description
+    assert "beta: 1 of 2 (50.0%; invalid_request 1)" in check.description
+    assert check.description.index("alpha:") < check.description.index("beta:")
 
 
 def test_rerun_reuses_checkpointed_answers_without_loading_a_model(tiny_llm, partition_with_two_batches, monkeypatch):
@@ -330,3 +336,19 @@ def test_date_figures_add_up_every_file_of_the_date_whichever_run_answered_it(ti
     elsewhere = materialize(tiny_llm, "", "", run_config=batch_run_config(str(first), str(tmp_path / "cli-out")))
     own = metadata_of(elsewhere, "throughput_metrics")
     assert (own["batches"], own["requests_completed"]) == (1, 3) and own["scope"].startswith("this run's batches")
+
+
+def test_the_check_judges_the_whole_date_and_passes_under_the_limit(tiny_llm, tmp_path, monkeypatch):
+    """A sensor run for one file is judged with the date's other batches; a file over the limit
+    alone is named even when the date passes."""
+    monkeypatch.setenv("MAX_FAILED_LINE_RATE", "0.2")
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    clean = write_batch(inbox / DATE, "clean.jsonl", [chat_line(f"c-{i}") for i in range(9)])
+    noisy = write_batch(inbox / DATE, "noisy.jsonl", [chat_line("n-1"), "{broken"])
+    first = materialize(tiny_llm, str(inbox), str(out), run_config=batch_run_config(str(clean)))
+    [check] = first.get_asset_check_evaluations()
+    assert check.passed and check.description == f"{DATE}: 0 of 9 lines failed (0.0%) in 1 batch(es); limit 20%"
+    second = materialize(tiny_llm, str(inbox), str(out), run_config=batch_run_config(str(noisy)))
+    [check] = second.get_asset_check_evaluations()
+    assert check.passed and check.partition == DATE  # 1 of 11 lines: the date is fine
+    assert check.description.startswith(f"{DATE}: 1 of 11 lines failed (9.1%) in 2 batch(es); limit 20%. Above it alone: noisy: 1 of 2")

@@ -77,6 +77,32 @@ def date_metrics(output_root: str, partition: str) -> list[dict[str, Any]]:
     return found
 
 
+def line_failures(output_uri: str) -> dict[str, Any]:
+    """A batch's failed lines for the failed_line_rate check: counts from batch.json, the codes of
+    the lines validation refused (its errors_by_code) and where the error file is."""
+    batch = storage.read_json(storage.join(output_uri, "batch.json"))
+    try:
+        codes = storage.read_json(storage.join(output_uri, "_work", "validation.json")).get("errors_by_code", {})
+    except FileNotFoundError:
+        codes = {}
+    counts = batch["request_counts"]
+    name = output_uri.rstrip("/").rsplit("/", 1)[-1]
+    return {"batch": name, "failed": counts["failed"], "total": counts["total"],
+            "rate": counts["failed"] / counts["total"] if counts["total"] else 0.0,
+            "codes": {str(k): int(v) for k, v in codes.items()}, "errors": batch.get("error_file_id") or ""}
+
+
+def date_line_failures(output_root: str, partition: str) -> list[dict[str, Any]]:
+    """line_failures() of every batch of one date with a batch.json, whichever runs wrote them."""
+    folder = storage.join(output_root, partition)
+    prefix = storage.join(folder, "x")[:-1]
+    return [
+        line_failures(info.uri[: -len("/batch.json")])
+        for info in storage.list_objects(folder, suffix="batch.json")
+        if info.uri[len(prefix):].count("/") == 1 and info.uri.endswith("/batch.json")
+    ]
+
+
 _SUMMED = (
     "requests_total", "requests_completed", "requests_failed", "input_tokens", "output_tokens", "total_tokens",
     "model_load_seconds", "validation_seconds", "inference_seconds", "writing_seconds",
