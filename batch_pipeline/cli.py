@@ -79,14 +79,14 @@ def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[s
 
     from batch_pipeline.defs.assets import BATCH_ASSETS
     from batch_pipeline.defs.jobs import batch_job, batch_run_config
-    from batch_pipeline.defs.resources import LLMResource, StorageResource
+    from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
     from batch_pipeline.lib.locations import batch_name
 
     run_config = {
         **batch_run_config(input_uri, output_dir, shard=shard),
         "loggers": {"console": {"config": {"log_level": log_level}}},
     }
-    resources = resources or {"llm": LLMResource(), "storage": StorageResource()}
+    resources = {"batch": BatchSelection(), **(resources or {"llm": LLMResource(), "storage": StorageResource()})}
     job = dg.Definitions(assets=BATCH_ASSETS, jobs=[batch_job], resources=resources).resolve_job_def("batch_job")
     tags = {"batch_pipeline/source": "cli", "batch_pipeline/input_uri": input_uri,
             "batch_pipeline/batch_name": batch_name(input_uri), "batch_pipeline/output_uri": output_dir}

@@ -16,7 +16,7 @@ import pytest
 
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.jobs import batch_run_config
-from batch_pipeline.defs.resources import StorageResource
+from batch_pipeline.defs.resources import BatchSelection, StorageResource
 from batch_pipeline.lib import storage
 from batch_pipeline_tests.conftest import REPO, TINY_NAME, SessionLLM
 
@@ -39,7 +39,7 @@ def materialize(llm, input_root: str, output_root: str, partition: str = DATE, r
     return dg.materialize(
         BATCH_ASSETS,
         partition_key=partition,
-        resources={"llm": llm, "storage": StorageResource(input_path=input_root, output_path=output_root)},
+        resources={"batch": BatchSelection(), "llm": llm, "storage": StorageResource(input_path=input_root, output_path=output_root)},
         run_config=run_config,
         instance=instance or dg.DagsterInstance.ephemeral(),
         raise_on_error=False,
@@ -118,7 +118,7 @@ def test_rerun_reuses_checkpointed_answers_without_loading_a_model(tiny_llm, par
         raise AssertionError("a re-run of finished shards must not build an engine")
 
     monkeypatch.setattr(type(tiny_llm), "build_engine", lambda self, kwargs: no_engine(kwargs))
-    again = {"ops": {a.key.to_user_string(): {"config": {"skip_completed": False}} for a in BATCH_ASSETS}}
+    again = batch_run_config(skip_completed=False)
     result = materialize(tiny_llm, str(inbox), str(out), run_config=again)
     assert result.success
     assert (out / DATE / "alpha" / "output.jsonl").read_bytes() == first
@@ -159,7 +159,7 @@ def test_changed_model_does_not_reuse_stale_checkpoints(tiny_llm, partition_with
     inbox, out = partition_with_two_batches
     assert materialize(tiny_llm, str(inbox), str(out)).success
     other = tiny_llm.rebuilt(seed=99)
-    again = {"ops": {a.key.to_user_string(): {"config": {"skip_completed": False}} for a in BATCH_ASSETS}}
+    again = batch_run_config(skip_completed=False)
     assert materialize(other, str(inbox), str(out), run_config=again).success
     checkpoint_dirs = list((out / DATE / "alpha" / "_work" / "answers").iterdir())
     assert len(checkpoint_dirs) == 2  # a new checkpoint key, not the old checkpoint
@@ -266,7 +266,7 @@ def test_a_later_step_without_the_first_fails_clearly(tiny_llm, partition_with_t
         BATCH_ASSETS,
         selection=["batch_outputs"],
         partition_key=DATE,
-        resources={"llm": tiny_llm, "storage": StorageResource(input_path=str(inbox), output_path=str(out))},
+        resources={"batch": BatchSelection(), "llm": tiny_llm, "storage": StorageResource(input_path=str(inbox), output_path=str(out))},
         instance=dg.DagsterInstance.ephemeral(),
         raise_on_error=False,
     )
@@ -294,7 +294,7 @@ def test_a_run_with_nothing_to_do_leaves_results_and_figures_as_they_were(tiny_l
     assert "inference_seconds" not in metadata_of(again, "inference_results")
 
     # Asked to redo it anyway: the answers are reused and the figures of the run that did the work stay.
-    redo = {"ops": {a.key.to_user_string(): {"config": {"skip_completed": False}} for a in BATCH_ASSETS}}
+    redo = batch_run_config(skip_completed=False)
     assert materialize(tiny_llm, str(inbox), str(out), run_config=redo).success
     assert (folder / "output.jsonl").read_bytes() == before["output.jsonl"]
     first, now = json.loads(before["metrics.json"]), json.loads((folder / "metrics.json").read_text())

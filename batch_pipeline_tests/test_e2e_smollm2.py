@@ -16,7 +16,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from batch_pipeline.cli import run_batch
-from batch_pipeline.defs.resources import StorageResource
+from batch_pipeline.defs.resources import BatchSelection, StorageResource
 
 pytestmark = pytest.mark.smollm2
 
@@ -96,7 +96,7 @@ def results(smollm2_llm_module, tmp_path_factory):
     out = folder / "out"
     result = run_batch(
         str(folder / "mixed.jsonl"), str(out), "2026-11-30",
-        resources={"llm": smollm2_llm_module, "storage": StorageResource(input_path=str(folder), output_path=str(out))},
+        resources={"batch": BatchSelection(), "llm": smollm2_llm_module, "storage": StorageResource(input_path=str(folder), output_path=str(out))},
     )
     assert result.success
     outputs = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]

@@ -27,7 +27,8 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.defs.assets import validated_requests
-from batch_pipeline.defs.resources import LLMResource, StorageResource
+from batch_pipeline.defs.jobs import batch_run_config
+from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
 from batch_pipeline.lib import doctor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -119,14 +120,14 @@ def test_materialization_is_recorded_in_postgres(dagster_home: Path, database: s
     batch = tmp_path / "batch.jsonl"
     batch.write_text("\n".join([_line("a"), _line("b"), _line("c", model="other-model")]) + "\n")
     out = tmp_path / "out"
-    run_config = {"ops": {"validated_requests": {"config": {"input_uri": str(batch), "output_uri": str(out)}}}}
+    run_config = batch_run_config(str(batch), str(out))
 
     with dg.DagsterInstance.get() as instance:
         result = dg.materialize(
             [validated_requests],
             partition_key=PARTITION,
             run_config=run_config,
-            resources={"llm": LLMResource(served_model_name=SERVED), "storage": StorageResource()},
+            resources={"batch": BatchSelection(), "llm": LLMResource(served_model_name=SERVED), "storage": StorageResource()},
             instance=instance,
         )
         assert result.success

@@ -23,7 +23,7 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.defs.assets import BATCH_ASSETS
-from batch_pipeline.defs.resources import LLMResource, StorageResource
+from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
 from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_schedule_for
 
 nightly_batch_schedule = nightly_schedule_for(NIGHTLY_CRON)
@@ -78,7 +78,7 @@ def materialize(request: dg.RunRequest, llm: LLMResource, inbox: Path, out: Path
         BATCH_ASSETS,
         partition_key=request.partition_key,
         run_config=request.run_config or None,
-        resources={"llm": llm, "storage": StorageResource(input_path=str(inbox), output_path=str(out))},
+        resources={"batch": BatchSelection(), "llm": llm, "storage": StorageResource(input_path=str(inbox), output_path=str(out))},
         instance=dg.DagsterInstance.ephemeral(),
         raise_on_error=False,
     )

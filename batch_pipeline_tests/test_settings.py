@@ -153,3 +153,28 @@ def test_partitions_start_from_the_environment_with_a_recent_default():
     env["PARTITIONS_START"] = "yesterday"
     bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert bad.returncode != 0 and "PARTITIONS_START='yesterday' is not a date (YYYY-MM-DD)" in bad.stderr
+
+
+def test_every_engine_setting_is_a_launchpad_field_naming_its_variable():
+    from batch_pipeline.lib.settings import ENGINE_ENV
+
+    described = {f.description.split(":")[0] for f in LLMResource.model_fields.values()}
+    assert set(ENGINE_ENV) | {"ENGINE_PRESET"} <= described, set(ENGINE_ENV) - described
+    assert {f.description.split(":")[0] for f in StorageResource.model_fields.values()} == {"STORAGE_INPUT_PATH", "STORAGE_OUTPUT_PATH"}
+
+
+def test_a_preset_and_engine_args_picked_in_the_launchpad(monkeypatch):
+    from batch_pipeline.lib.presets import preset
+    from batch_pipeline.lib.settings import ConfigError
+
+    monkeypatch.delenv("ENGINE_PRESET", raising=False)
+    monkeypatch.delenv("ENGINE_ARGS", raising=False)
+    settings = LLMResource(engine_preset="h100-8b", max_model_len=4096, engine_args='{"swap_space": 2}').settings()
+    assert settings.preset == "h100-8b"
+    assert settings.max_model_len == 4096  # a field set here wins over the preset
+    assert settings.gpu_memory_utilization == preset("h100-8b").get("gpu_memory_utilization", settings.gpu_memory_utilization)
+    assert settings.extra_engine_args["swap_space"] == 2
+    with pytest.raises(ConfigError, match="llm.engine_args='nope' is not a JSON object"):
+        LLMResource(engine_args="nope").settings()
+    with pytest.raises(ConfigError, match="ENGINE_PRESET='h300' is not a preset"):
+        LLMResource(engine_preset="h300").settings()

@@ -8,10 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
-from pydantic import Field
 
 from batch_pipeline.defs.partitions import daily_partitions
-from batch_pipeline.defs.resources import LLMResource, StorageResource
+from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
 from batch_pipeline.lib import checkpoints, locations, metrics, progress
 from batch_pipeline.lib.engine_args import require_hardware
 from batch_pipeline.lib.ingest import validate_batch
@@ -25,37 +24,9 @@ from batch_pipeline.lib.storage import read_json
 DEFAULT_MAX_FAILED_RATE = 0.10
 
 
-class BatchConfig(dg.Config):
-    """Which batch files a run covers; blank means every file of the partition's date."""
-
-    input_uri: str = Field(
-        default="",
-        description="A batch file, or a folder/prefix of them; blank = STORAGE_INPUT_PATH/<partition date>/",
-    )
-    output_uri: str = Field(
-        default="",
-        description="Result folder for a single input file; blank = STORAGE_OUTPUT_PATH/<date>/<batch name>/",
-    )
-    shard: str = Field(
-        default="",
-        description=(
-            "i/n: answer only the i-th of n line ranges of each batch (e.g. 2/4), so n runs, on n servers, "
-            "share a batch; the last shard to finish writes the results. Blank = the whole batch (or SHARDS "
-            "from the upload sensor)"
-        ),
-    )
-    skip_completed: bool = Field(
-        default=True,
-        description=(
-            "Leave out batches an earlier run completed from the same file (same ETag) with the same model "
-            "and engine settings: their results, batch.json and metrics stay as they are"
-        ),
-    )
-
-
-def _shard(config: BatchConfig) -> Shard:
+def _shard(batch: BatchSelection) -> Shard:
     try:
-        return Shard.parse(config.shard)
+        return Shard.parse(batch.shard)
     except ConfigError as e:
         raise dg.Failure(description=str(e), allow_retries=False) from None
 
@@ -72,9 +43,9 @@ def _assembled(loc: BatchLocation, shard: Shard, merge: bool = False) -> bool:
     return finished == shard.count
 
 
-def _runs_folder(config: BatchConfig, storage: StorageResource, partition: str) -> str:
+def _runs_folder(batch: BatchSelection, storage: StorageResource, partition: str) -> str:
     s = storage.settings()
-    return locations.runs_folder(config.input_uri, config.output_uri, s.output_path, partition)
+    return locations.runs_folder(batch.input_uri, batch.output_uri, s.output_path, partition)
 
 
 def _already_done(loc: BatchLocation, identity: Callable[[], dict[str, Any]]) -> bool:
@@ -87,13 +58,13 @@ def _already_done(loc: BatchLocation, identity: Callable[[], dict[str, Any]]) ->
 
 
 def take_batches(
-    context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource, llm: LLMResource
+    context: dg.AssetExecutionContext, batch: BatchSelection, storage: StorageResource, llm: LLMResource
 ) -> list[BatchLocation]:
     """The first step of a run: find the batches, leave out finished ones, record the list."""
     s = storage.settings()
-    found = locations.resolve_batches(config.input_uri, config.output_uri, s.input_path, s.output_path, context.partition_key)
+    found = locations.resolve_batches(batch.input_uri, batch.output_uri, s.input_path, s.output_path, context.partition_key)
     identity = functools.cache(llm.identity)  # computed once, and only when a completed batch is found
-    skipped = [loc for loc in found if config.skip_completed and _already_done(loc, identity)]
+    skipped = [loc for loc in found if batch.skip_completed and _already_done(loc, identity)]
     if skipped:
         context.log.info(
             f"{len(skipped)} batch(es) already completed from the same file with this model, left as they are: "
@@ -101,20 +72,20 @@ def take_batches(
         )
     taken = RunBatches(context.run.root_run_id or context.run.run_id, tuple(loc for loc in found if loc not in skipped),
                        tuple(loc.name for loc in skipped))
-    taken.write(_runs_folder(config, storage, context.partition_key))
+    taken.write(_runs_folder(batch, storage, context.partition_key))
     if not taken.batches:
         context.log.info(f"no batch files to process for {context.partition_key}")
     return list(taken.batches)
 
 
-def run_batches(context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource) -> list[BatchLocation]:
+def run_batches(context: dg.AssetExecutionContext, batch: BatchSelection, storage: StorageResource) -> list[BatchLocation]:
     """The batches this run's first step took (also across retries and re-executions of the run).
 
     A file that arrived in the date's folder after the first step is not among them: it is left
     for the next run or the upload sensor.
     """
     run_id = context.run.root_run_id or context.run.run_id
-    taken = RunBatches.read(_runs_folder(config, storage, context.partition_key), run_id)
+    taken = RunBatches.read(_runs_folder(batch, storage, context.partition_key), run_id)
     if taken is None:
         raise dg.Failure(
             description=(
@@ -146,12 +117,12 @@ def _table(rows: list[dict[str, Any]]) -> dg.MetadataValue:
     description="Every line of the date's OpenAI Batch files, split into valid requests and error lines.",
 )
 def validated_requests(
-    context: dg.AssetExecutionContext, config: BatchConfig, llm: LLMResource, storage: StorageResource
+    context: dg.AssetExecutionContext, batch: BatchSelection, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
     settings = llm.validation_settings()
-    shard = _shard(config)
+    shard = _shard(batch)
     rows = []
-    for loc in take_batches(context, config, storage, llm):
+    for loc in take_batches(context, batch, storage, llm):
         info = None if shard.whole else reusable_validation(loc)
         if info is not None:  # another shard of this batch validated this very file already
             context.log.info(f"{loc.name}: validation of this file version by another shard reused")
@@ -173,9 +144,9 @@ def validated_requests(
     description="One answer per valid request from vLLM offline inference, checkpointed as it goes.",
 )
 def inference_results(
-    context: dg.AssetExecutionContext, config: BatchConfig, llm: LLMResource, storage: StorageResource
+    context: dg.AssetExecutionContext, batch: BatchSelection, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
-    batches = run_batches(context, config, storage)
+    batches = run_batches(context, batch, storage)
     pending = [loc for loc in batches if read_json(loc.work("validation.json"))["valid"] > 0]
     rows, load_seconds, infer_seconds = [], 0.0, 0.0
     if pending:
@@ -184,7 +155,7 @@ def inference_results(
             require_hardware(settings)
         except ConfigError as e:  # a setting, not a crash: retrying cannot help
             raise dg.Failure(description=str(e), allow_retries=False) from None
-        shard = _shard(config)
+        shard = _shard(batch)
         with llm.open(log=context.log.info) as engines:
             identity = llm.identity()
             for i, loc in enumerate(pending):
@@ -244,27 +215,27 @@ with warnings.catch_warnings():
     description="OpenAI-compatible output.jsonl, errors.jsonl and batch.json for each of the date's batches.",
 )
 def batch_outputs(
-    context: dg.AssetExecutionContext, config: BatchConfig, llm: LLMResource, storage: StorageResource
+    context: dg.AssetExecutionContext, batch: BatchSelection, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
     rows = []
-    shard = _shard(config)
-    for loc in run_batches(context, config, storage):
+    shard = _shard(batch)
+    for loc in run_batches(context, batch, storage):
         if not _assembled(loc, shard, merge=True):
             context.log.info(f"{loc.name}: shard {shard} is done; the last shard of the batch to finish writes its results")
             continue
-        batch = finalize_batch(loc, extra_metadata={"dagster_run_id": context.run.run_id})
-        counts = batch["request_counts"]
+        written = finalize_batch(loc, extra_metadata={"dagster_run_id": context.run.run_id})
+        counts = written["request_counts"]
         context.log.info(
-            f"{loc.name}: {batch['status']}, {counts['completed']} completed, {counts['failed']} failed -> {loc.output_uri}"
+            f"{loc.name}: {written['status']}, {counts['completed']} completed, {counts['failed']} failed -> {loc.output_uri}"
         )
-        rows.append({"batch": loc.name, "status": batch["status"], **counts, "output": loc.output_uri})
+        rows.append({"batch": loc.name, "status": written["status"], **counts, "output": loc.output_uri})
     failed = [r["batch"] for r in rows if r["status"] == "failed"]
     metadata = _summary(rows, "completed", "failed", "total")
     if failed:
         # The files are written either way; the run goes red so the failure is seen.
         raise dg.Failure(description=f"batch failed (file-level error): {', '.join(failed)}", metadata=metadata)
     output_root = storage.settings().output_path
-    taken = run_batches(context, config, storage)
+    taken = run_batches(context, batch, storage)
     if taken and all(loc.output_uri == locations.default_output(output_root, loc.partition, loc.name) for loc in taken):
         scope, judged = context.partition_key, metrics.date_line_failures(output_root, context.partition_key)
     else:
@@ -319,10 +290,10 @@ def failed_line_rate(scope: str, batches: list[dict[str, Any]]) -> dg.AssetCheck
     ),
 )
 def throughput_metrics(
-    context: dg.AssetExecutionContext, config: BatchConfig, storage: StorageResource
+    context: dg.AssetExecutionContext, batch: BatchSelection, storage: StorageResource
 ) -> dg.MaterializeResult:
-    shard = _shard(config)
-    taken = run_batches(context, config, storage)
+    shard = _shard(batch)
+    taken = run_batches(context, batch, storage)
     per_batch = [metrics.batch_metrics(loc) for loc in taken if _assembled(loc, shard)]
     if not per_batch:
         return dg.MaterializeResult(metadata=metrics.aggregate_metrics(per_batch))

@@ -13,8 +13,13 @@ batch_job = dg.define_asset_job(
 )
 
 
-def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "") -> dict[str, Any]:
-    """Run config that points every batch asset at one input file/folder and one output folder
-    (and, with `shard` "i/n", at one line range of each batch)."""
-    config = {"input_uri": input_uri, "output_uri": output_uri, **({"shard": shard} if shard else {})}
-    return {"ops": {asset.key.to_user_string(): {"config": config} for asset in BATCH_ASSETS}}
+def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "", skip_completed: bool = True) -> dict[str, Any]:
+    """Run config of one run's batch selection (the `batch` resource every step reads): one input
+    file/folder and one output folder, optionally one line range (`shard` "i/n") of each batch.
+    All blank: every file of the partition's date."""
+    config: dict[str, Any] = {"input_uri": input_uri, "output_uri": output_uri}
+    if shard:
+        config["shard"] = shard
+    if not skip_completed:
+        config["skip_completed"] = False
+    return {"resources": {"batch": {"config": config}}}

@@ -5,6 +5,8 @@ Every field left blank in the launchpad falls back to the environment variable o
 """
 
 
+import json
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +22,9 @@ from batch_pipeline.lib.placement import plan_ranks
 from batch_pipeline.lib.ranks import RankedEngines
 from batch_pipeline.lib.runtime import configure_runtime_env, gpu_count
 from batch_pipeline.lib.vllm_adapter import build_llm, vllm_version
+from batch_pipeline.lib.presets import PRESETS
 from batch_pipeline.lib.settings import (
+    ConfigError,
     EngineSettings,
     StorageSettings,
     engine_settings_from_env,
@@ -35,6 +39,11 @@ BUNDLED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
 class LLMResource(dg.ConfigurableResource):
     """vLLM offline engines: one generation model (chat, completions) and one embedding model."""
 
+    engine_preset: str = Field(
+        default="",
+        description=f"ENGINE_PRESET: engine defaults for a hardware ({', '.join(sorted(PRESETS))}); settings below "
+        "still win; blank = none",
+    )
     model_path: str = Field(default="", description="MODEL_PATH: model folder; blank = bundled SmolLM2-135M-Instruct")
     served_model_name: str = Field(
         default="", description="SERVED_MODEL_NAME: what body.model must say; blank = the model folder's name"
@@ -50,6 +59,21 @@ class LLMResource(dg.ConfigurableResource):
     max_num_batched_tokens: Optional[int] = Field(default=None, description="MAX_NUM_BATCHED_TOKENS")
     enable_prefix_caching: Optional[bool] = Field(default=None, description="ENABLE_PREFIX_CACHING")
     seed: Optional[int] = Field(default=None, description="SEED: engine seed")
+    kv_cache_memory_bytes: Optional[int] = Field(
+        default=None, description="KV_CACHE_MEMORY_BYTES: KV cache size on CPU (default 1 GiB; GPUs use GPU_MEMORY_UTILIZATION)"
+    )
+    enforce_eager: Optional[bool] = Field(
+        default=None, description="ENFORCE_EAGER: no CUDA graphs / compilation (default: eager on CPU, compiled on GPU)"
+    )
+    engine_args: str = Field(
+        default="", description='ENGINE_ARGS: JSON object of further vllm.LLM arguments, e.g. {"swap_space": 8}; blank = {}'
+    )
+    embedding_model_path: str = Field(
+        default="", description="EMBEDDING_MODEL_PATH: model for /v1/embeddings; blank = bundled all-MiniLM-L6-v2"
+    )
+    embedding_served_model_name: str = Field(
+        default="", description="EMBEDDING_SERVED_MODEL_NAME: what embeddings lines' body.model must say; blank = folder name"
+    )
     checkpoint_answers: Optional[int] = Field(
         default=None, description="CHECKPOINT_ANSWERS: answers per checkpoint part (default 256)"
     )
@@ -59,8 +83,18 @@ class LLMResource(dg.ConfigurableResource):
     )
 
     def settings(self) -> EngineSettings:
+        """The environment's settings (ENGINE_PRESET first), with what is set here winning."""
         overrides = {k: v for k, v in self.__dict__.items() if k in EngineSettings.__dataclass_fields__}
-        return engine_settings_from_env(**overrides)
+        if self.engine_args.strip():
+            try:
+                extra = json.loads(self.engine_args)
+                if not isinstance(extra, dict):
+                    raise ValueError("not a JSON object")
+            except ValueError as e:
+                raise ConfigError(f"llm.engine_args={self.engine_args!r} is not a JSON object ({e})") from None
+            overrides["extra_engine_args"] = extra
+        env = {**os.environ, "ENGINE_PRESET": self.engine_preset} if self.engine_preset.strip() else None
+        return engine_settings_from_env(env, **overrides)
 
     # -- names and identity (no model loading) ---------------------------------------------
 
@@ -138,6 +172,36 @@ class LLMResource(dg.ConfigurableResource):
                 engines.close()
 
 
+class BatchSelection(dg.ConfigurableResource):
+    """Which batch files a run covers, set once for all four steps (launchpad: resources > batch);
+    blank means every file of the partition's date, as the nightly schedule and backfills run."""
+
+    input_uri: str = Field(
+        default="",
+        description="A batch file, or a folder/prefix of them; blank = every batch file of the partition's date "
+        "(STORAGE_INPUT_PATH/<date>/, plus files at its top uploaded that day)",
+    )
+    output_uri: str = Field(
+        default="",
+        description="Result folder for a single input file; blank = STORAGE_OUTPUT_PATH/<date>/<batch name>/",
+    )
+    shard: str = Field(
+        default="",
+        description=(
+            "i/n: answer only the i-th of n line ranges of each batch (e.g. 2/4), so n runs, on n servers, "
+            "share a batch; the last shard to finish writes the results. Blank = the whole batch (or SHARDS "
+            "from the upload sensor)"
+        ),
+    )
+    skip_completed: bool = Field(
+        default=True,
+        description=(
+            "Leave out batches an earlier run completed from the same file (same ETag) with the same model "
+            "and engine settings: their results, batch.json and metrics stay as they are"
+        ),
+    )
+
+
 class StorageResource(dg.ConfigurableResource):
     """Where batch files arrive and results go: local folders or s3:// URIs (standard AWS_* variables)."""
 
@@ -151,4 +215,4 @@ class StorageResource(dg.ConfigurableResource):
 
 @dg.definitions
 def resources() -> dg.Definitions:
-    return dg.Definitions(resources={"llm": LLMResource(), "storage": StorageResource()})
+    return dg.Definitions(resources={"llm": LLMResource(), "storage": StorageResource(), "batch": BatchSelection()})
