@@ -352,3 +352,30 @@ def test_the_check_judges_the_whole_date_and_passes_under_the_limit(tiny_llm, tm
     [check] = second.get_asset_check_evaluations()
     assert check.passed and check.partition == DATE  # 1 of 11 lines: the date is fine
     assert check.description.startswith(f"{DATE}: 1 of 11 lines failed (9.1%) in 2 batch(es); limit 20%. Above it alone: noisy: 1 of 2")
+
+
+def test_a_run_of_several_files_of_a_date_answers_those_alone(tiny_llm, tmp_path):
+    """What the upload sensor asks for when files arrive together: one run (one model load), each
+    file into its own folder, another file of the date left alone; a named file deleted since is
+    left out with a warning, not a failure."""
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    one = write_batch(inbox / DATE, "one.jsonl", [chat_line("o-1")])
+    two = write_batch(inbox / DATE, "two.jsonl", [chat_line("t-1"), chat_line("t-2")])
+    write_batch(inbox / DATE, "other.jsonl", [chat_line("x-1")])
+    gone = inbox / DATE / "gone.jsonl"
+    instance = dg.DagsterInstance.ephemeral()
+    result = materialize(tiny_llm, str(inbox), str(out), instance=instance,
+                         run_config=batch_run_config(input_uris=[str(one), str(two), str(gone)]))
+    assert result.success
+    assert sorted(p.name for p in (out / DATE).iterdir() if not p.name.startswith(".")) == ["one", "two"]
+    assert [o["custom_id"] for o in read_jsonl(str(out / DATE / "two" / "output.jsonl"))] in (["t-1", "t-2"], ["t-2", "t-1"])
+    assert metadata_of(result, "validated_requests")["batches"] == 2
+    assert list((out / DATE / ".runs").glob("*.json"))  # the run's batch list, in the date's folder
+    messages = [entry.user_message for entry in instance.all_logs(result.run_id)]
+    assert any(m.endswith("gone.jsonl is gone since this run was requested; left out") for m in messages)
+
+    clash = materialize(tiny_llm, str(inbox), str(out), run_config={"resources": {"batch": {"config": {
+        "input_uris": [str(one)], "input_uri": str(two)}}}})
+    assert not clash.success
+    [failure] = [e for e in clash.all_events if e.is_step_failure]
+    assert "leave input_uri and output_uri blank" in failure.step_failure_data.error.message

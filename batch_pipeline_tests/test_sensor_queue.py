@@ -32,7 +32,7 @@ from batch_pipeline.lib import notifications
 from batch_pipeline.lib import storage as store
 from batch_pipeline.lib.uploads import BASELINE_SLACK_SECONDS, UploadCursor
 from batch_pipeline_tests.s3_server import REGION, MotoS3
-from batch_pipeline_tests.test_sensors import ListHandler, by_uri
+from batch_pipeline_tests.test_sensors import ListHandler, by_uri, files_of
 
 INSTANCE = dg.DagsterInstance.ephemeral()
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
@@ -160,12 +160,13 @@ def test_at_most_the_cap_per_tick_and_the_rest_released(queued, moto_server, mon
     monkeypatch.setenv("SENSOR_MAX_RUNS_PER_TICK", "3")
     storage = queued["storage"]
     cursor = evaluate(storage).cursor
-    uris = {put(queued, f"incoming/2025-03-14/f{i}.jsonl")[0] for i in range(8)}
+    uris = {put(queued, f"incoming/2025-03-{10 + i:02d}/f{i}.jsonl")[0] for i in range(8)}  # 8 dates
+    uris |= {put(queued, f"incoming/2025-03-10/g{i}.jsonl")[0] for i in range(2)}  # join 03-10's run
     asked: list[str] = []
     for _ in range(4):
         result = evaluate(storage, cursor)
         assert len(result.run_requests) <= 3
-        asked.extend(by_uri(result))
+        asked.extend(files_of(result))
         cursor = result.cursor
     assert sorted(asked) == sorted(uris)  # each once, none lost
     assert queue_depth(moto_server, queued["url"]) == (0, 0)

@@ -228,19 +228,24 @@ def test_a_file_outside_the_window_waits_for_a_backfill_or_a_wider_window(tmp_pa
 
 
 def test_files_over_the_cap_wait_for_later_ticks(tmp_path: Path, monkeypatch) -> None:
+    """Seven dates with a new file each and three loose files of today, at most 4 runs per tick: the
+    files wait in upload order and each runs once; today's loose files join today's run."""
     monkeypatch.setenv("SENSOR_MAX_RUNS_PER_TICK", "4")
+    monkeypatch.setenv("SENSOR_WINDOW_DAYS", "10")
     storage = local_storage(tmp_path)
     cursor = evaluate(storage).cursor
-    files = [write(tmp_path / "in" / day(0) / f"f{i:02d}.jsonl", age_seconds=600 - i) for i in range(7)]
-    files += [write(tmp_path / "in" / f"loose{i}.jsonl", age_seconds=500 - i) for i in range(3)]
-    seen: list[str] = []
+    files = [write(tmp_path / "in" / day(i) / f"f{i}.jsonl", age_seconds=600 - i) for i in range(7)]
+    loose = [write(tmp_path / "in" / f"loose{i}.jsonl", age_seconds=500 - i) for i in range(3)]
+    order: list[str] = []
     log: list[str] = []
     for _ in range(3):
         result = evaluate(storage, cursor, log=log)
         assert len(result.run_requests) <= 4
-        seen.extend(by_uri(result))
+        for request in result.run_requests:
+            config = request.run_config["resources"]["batch"]["config"]
+            order.extend(config.get("input_uris") or [config["input_uri"]])
         cursor = result.cursor
-    assert seen == [str(f) for f in files]  # oldest first, each once, none lost
+    assert order == [str(f) for f in files + loose]  # oldest first, each once, none lost
     assert any("wait for the next tick (SENSOR_MAX_RUNS_PER_TICK=4)" in m for m in log)
     assert evaluate(storage, cursor).run_requests == []
 

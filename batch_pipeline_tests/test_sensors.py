@@ -85,6 +85,18 @@ def by_uri(result: dg.SensorResult) -> dict[str, dg.RunRequest]:
     return requests
 
 
+def files_of(result: dg.SensorResult) -> dict[str, dg.RunRequest]:
+    """Input file -> the run request that takes it (a run of several files of one date names them
+    in input_uris); each file in exactly one run."""
+    found: dict[str, dg.RunRequest] = {}
+    for request in result.run_requests or []:
+        config = request.run_config["resources"]["batch"]["config"]
+        for uri in config.get("input_uris") or [config["input_uri"]]:
+            assert uri not in found, uri
+            found[uri] = request
+    return found
+
+
 def utc_date(timestamp: float) -> str:
     return dt.datetime.fromtimestamp(timestamp, tz=dt.timezone.utc).date().isoformat()
 
@@ -169,23 +181,23 @@ def test_s3_repeated_and_changed_files(client, s3_bucket, s3_storage, whole_hist
     assert evaluate(s3_storage, changed.cursor).run_requests == []
 
 
-def test_s3_more_than_1000_keys(client, s3_bucket, s3_storage, whole_history, monkeypatch) -> None:
-    monkeypatch.setenv("SENSOR_MAX_RUNS_PER_TICK", "1000")
+def test_s3_more_than_1000_keys(client, s3_bucket, s3_storage, whole_history) -> None:
     on = turned_on(s3_storage)
     keys = [f"incoming/2025-03-{10 + i % 3:02d}/part-{i:05d}.jsonl" for i in range(1000)]
     keys += [f"incoming/loose-{i:03d}.jsonl" for i in range(60)]
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda key: client.put_object(Bucket=s3_bucket, Key=key, Body=LINE), keys))
 
-    # 1,060 new files, at most 1,000 runs (and 200 completion checks beyond them) per tick: two ticks.
-    first = evaluate(s3_storage, on)
-    result = evaluate(s3_storage, first.cursor)
-    assert len(first.run_requests) == 1000 and len(result.run_requests) == 60
-    requests = {**by_uri(first), **by_uri(result)}
-    assert set(requests) == {f"s3://{s3_bucket}/{key}" for key in keys}
-    assert len({r.run_key for r in requests.values()}) == len(keys)
-    partitions = {r.partition_key for r in requests.values()}
-    assert {"2025-03-10", "2025-03-11", "2025-03-12"} < partitions  # plus today's, for the loose files
+    # 1,060 new files on four dates (the loose ones are today's): four runs, one model load each.
+    result = evaluate(s3_storage, on)
+    files = files_of(result)
+    assert set(files) == {f"s3://{s3_bucket}/{key}" for key in keys}
+    partitions = [r.partition_key for r in result.run_requests]
+    assert len(partitions) == len(set(partitions)) == 4
+    assert {"2025-03-10", "2025-03-11", "2025-03-12"} < set(partitions)  # plus today's, for the loose files
+    for request in result.run_requests:
+        assert request.run_key.startswith(f"s3://{s3_bucket}/incoming/{request.partition_key}@files-")
+        assert int(request.tags["batch_pipeline/files"]) == sum(1 for r in files.values() if r is request)
     # Compact: about 15 bytes per file (a 12-digit version id), not the file's URI and ETag.
     assert len(result.cursor) < 20 * len(keys)
     assert len(UploadCursor.parse(result.cursor).seen) == len(keys)
@@ -254,7 +266,7 @@ def test_local_cursor_forgets_files_older_than_the_lookback(tmp_path: Path, whol
     for i in range(3):
         write(tmp_path / "in" / "2025-01-01" / f"old-{i}.jsonl", age_seconds=3 * 86400)
     first = evaluate(storage, on)
-    assert len(first.run_requests) == 3
+    assert len(first.run_requests) == 1 and len(files_of(first)) == 3  # one date: one run for the three
 
     newest = write(tmp_path / "in" / "2025-01-02" / "new.jsonl", age_seconds=60)
     second = evaluate(storage, first.cursor)
@@ -340,7 +352,30 @@ def test_s3_file_versions_already_completed_start_no_run(client, s3_bucket, s3_s
 
     log: list[str] = []
     result = evaluate(s3_storage, on, log=log)
-    assert set(by_uri(result)) == {changed, cancelled}
+    assert set(files_of(result)) == {changed, cancelled}
     assert any(done in m and "already completed" in m for m in log)
     # The cursor still marks the completed file as seen: the next tick does not look at it again.
     assert evaluate(s3_storage, result.cursor).run_requests == []
+
+
+def test_new_files_of_one_date_in_one_tick_share_one_run(tmp_path: Path, whole_history) -> None:
+    """One model load for what arrives together: three new files of a date are one run (the batch
+    resource's input_uris), a lone file of another date keeps its own run key; the same set of file
+    versions asks for the same run key again; the request is valid for batch_job."""
+    from batch_pipeline.definitions import defs
+
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
+    on = turned_on(storage)
+    trio = [write(tmp_path / "in" / "2025-03-14" / f"{n}.jsonl", age_seconds=90 - i) for i, n in enumerate("abc")]
+    lone = write(tmp_path / "in" / "2025-03-15" / "d.jsonl")
+    result = evaluate(storage, on)
+    by_date = {r.partition_key: r for r in result.run_requests}
+    assert set(by_date) == {"2025-03-14", "2025-03-15"}
+    group = by_date["2025-03-14"]
+    assert group.run_config == batch_run_config(input_uris=[str(p) for p in trio])  # upload order
+    assert group.tags == {"batch_pipeline/batch_name": "a, b, c", "batch_pipeline/files": "3"}
+    st = lone.stat()
+    assert by_date["2025-03-15"].run_key == f"{lone}@{st.st_mtime_ns}-{st.st_size}"
+    assert evaluate(storage, on).run_requests[0].run_key in {r.run_key for r in result.run_requests}
+    job = defs().resolve_job_def("batch_job")
+    dg.validate_run_config(job, group.run_config)

@@ -45,7 +45,7 @@ def _assembled(loc: BatchLocation, shard: Shard, merge: bool = False) -> bool:
 
 def _runs_folder(batch: BatchSelection, storage: StorageResource, partition: str) -> str:
     s = storage.settings()
-    return locations.runs_folder(batch.input_uri, batch.output_uri, s.output_path, partition)
+    return locations.runs_folder(batch.input_uri, batch.output_uri, s.output_path, partition, several=bool(batch.input_uris))
 
 
 def _already_done(loc: BatchLocation, identity: Callable[[], dict[str, Any]]) -> bool:
@@ -62,7 +62,13 @@ def take_batches(
 ) -> list[BatchLocation]:
     """The first step of a run: find the batches, leave out finished ones, record the list."""
     s = storage.settings()
-    found = locations.resolve_batches(batch.input_uri, batch.output_uri, s.input_path, s.output_path, context.partition_key)
+    if batch.input_uris:
+        if batch.input_uri or batch.output_uri:
+            raise dg.Failure(description="batch.input_uris names several files of the date; leave input_uri and "
+                             "output_uri blank with it", allow_retries=False)
+        found = locations.resolve_files(batch.input_uris, s.output_path, context.partition_key, log=context.log.warning)
+    else:
+        found = locations.resolve_batches(batch.input_uri, batch.output_uri, s.input_path, s.output_path, context.partition_key)
     identity = functools.cache(llm.identity)  # computed once, and only when a completed batch is found
     skipped = [loc for loc in found if batch.skip_completed and _already_done(loc, identity)]
     if skipped:

@@ -13,11 +13,14 @@ batch_job = dg.define_asset_job(
 )
 
 
-def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "", skip_completed: bool = True) -> dict[str, Any]:
+def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "", skip_completed: bool = True,
+                     input_uris: list[str] | None = None) -> dict[str, Any]:
     """Run config of one run's batch selection (the `batch` resource every step reads): one input
-    file/folder and one output folder, optionally one line range (`shard` "i/n") of each batch.
-    All blank: every file of the partition's date."""
+    file/folder and one output folder, or several files of the date (`input_uris`), optionally one
+    line range (`shard` "i/n") of each batch. All blank: every file of the partition's date."""
     config: dict[str, Any] = {"input_uri": input_uri, "output_uri": output_uri}
+    if input_uris:
+        config["input_uris"] = list(input_uris)
     if shard:
         config["shard"] = shard
     if not skip_completed:

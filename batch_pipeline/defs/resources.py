@@ -181,6 +181,11 @@ class BatchSelection(dg.ConfigurableResource):
         description="A batch file, or a folder/prefix of them; blank = every batch file of the partition's date "
         "(STORAGE_INPUT_PATH/<date>/, plus files at its top uploaded that day)",
     )
+    input_uris: list[str] = Field(
+        default=[],
+        description="Several batch files of the partition's date, answered in one run (one model load); the "
+        "upload sensor fills this in for files that arrive together. Each goes to STORAGE_OUTPUT_PATH/<date>/<batch name>/",
+    )
     output_uri: str = Field(
         default="",
         description="Result folder for a single input file; blank = STORAGE_OUTPUT_PATH/<date>/<batch name>/",

@@ -3,8 +3,10 @@
 Two ways to find them (README "Triggers"): listing (the top of the input folder and the date
 folders of the last SENSOR_WINDOW_DAYS dates; lib/uploads.py) or, for big buckets, draining the
 SQS queue the bucket notifies on ObjectCreated (INPUT_QUEUE_URL; lib/notifications.py). Either way
-a new file version becomes one run (run key `<uri>@<etag>`, or SHARDS=n runs
-`<uri>@<etag>#shard-i-of-n`); a version that a backfill, the nightly schedule or an earlier run
+the new file versions of one date found in one tick become one run (one model load: the `batch`
+resource's input_uris, run key `<input>/<date>@files-<digest>`); a lone new file keeps its run key
+`<uri>@<etag>`, and with SHARDS=n each file gets n runs `<uri>@<etag>#shard-i-of-n`. A version that a
+backfill, the nightly schedule or an earlier run
 already completed (its batch.json says `completed` for the same ETag) starts no run, and Dagster
 never launches one run key twice, so a lost cursor or a message read twice starts nothing new.
 
@@ -15,6 +17,7 @@ it to backfills. No tick requests more than SENSOR_MAX_RUNS_PER_TICK runs; the r
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import dagster as dg
@@ -78,6 +81,35 @@ def run_requests(new: NewBatch, shards: int = 1) -> list[dg.RunRequest]:
     ]
 
 
+def files_run_request(root: str, date: str, news: list[NewBatch]) -> dg.RunRequest:
+    """One run for several new files of one date (one model load): its run key is made of their
+    file versions, so the same set asks for the same run; each file still has its own results."""
+    keys = sorted(n.run_key for n in news)
+    digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]
+    names = [locations.batch_name(n.info.uri) for n in news]
+    listed = ", ".join(names)
+    if len(listed) > 200:
+        listed = listed[:200].rsplit(", ", 1)[0] + f" ... ({len(names)} files)"
+    return dg.RunRequest(
+        run_key=f"{folder_prefix(root)}{date}@files-{digest}",
+        partition_key=date,
+        run_config=batch_run_config(input_uris=[n.info.uri for n in news]),
+        tags={"batch_pipeline/batch_name": listed, "batch_pipeline/files": str(len(news))},
+    )
+
+
+def requests_for(root: str, chosen: list[NewBatch], shards: int) -> list[dg.RunRequest]:
+    """The tick's new files as runs: one per date (a date with one new file keeps that file's run
+    key `<uri>@<etag>`); with SHARDS=n, n runs per file."""
+    if shards > 1:
+        return [r for new in chosen for r in run_requests(new, shards)]
+    by_date: dict[str, list[NewBatch]] = {}
+    for new in chosen:
+        by_date.setdefault(new.partition, []).append(new)
+    return [run_requests(news[0])[0] if len(news) == 1 else files_run_request(root, date, news)
+            for date, news in by_date.items()]
+
+
 def backlog_run_request(root: str, date: str, since: float) -> dg.RunRequest:
     """The run for a date's files that were there when the sensor was turned on: the nightly
     schedule's run (blank config: every file of the date not yet completed)."""
@@ -111,18 +143,25 @@ class _Budget:
         return self.runs <= 0 or self.checks <= 0
 
 
-def _request_new(new: NewBatch, settings_output: str, shards: int, budget: _Budget,
-                 log: dg.DagsterLogManager) -> list[dg.RunRequest]:
-    if already_completed(new, settings_output):
+def _choose(new: NewBatch, output_root: str, shards: int, budget: _Budget, chosen: list[NewBatch],
+            log: dg.DagsterLogManager) -> bool:
+    """Add `new` to the tick's runs unless its version is completed already; False when the tick
+    has no run left for it (it waits for the next tick)."""
+    joins = shards == 1 and any(c.partition == new.partition for c in chosen)  # that date's run takes it too
+    if not joins and budget.runs < (shards if shards > 1 else 1):
+        return False
+    if already_completed(new, output_root):
         budget.checks -= 1
         log.info(f"{new.info.uri} (etag {new.info.etag}) is already completed; no run")
-        return []
+        return True
     log.info(
         f"new batch file {new.info.uri} (etag {new.info.etag}) -> partition {new.partition}"
         + (f", {shards} shard runs" if shards > 1 else "")
     )
-    budget.runs -= shards
-    return run_requests(new, shards)
+    if not joins:
+        budget.runs -= shards if shards > 1 else 1
+    chosen.append(new)
+    return True
 
 
 def _listing_tick(context: dg.SensorEvaluationContext, root: str, output_root: str, exclude: str,
@@ -136,13 +175,12 @@ def _listing_tick(context: dg.SensorEvaluationContext, root: str, output_root: s
                   exclude=exclude, window=window, backlog_policy=settings.backlog)
     new_cursor = result.cursor
     budget = _Budget(settings.max_runs_per_tick)
-    requests: list[dg.RunRequest] = []
+    chosen: list[NewBatch] = []
     deferred: list[NewBatch] = []
     for new in result.found:
-        if budget.exhausted():
-            deferred.append(new)
-            continue
-        requests.extend(_request_new(new, output_root, shards, budget, context.log))
+        if deferred or budget.checks <= 0 or not _choose(new, output_root, shards, budget, chosen, context.log):
+            deferred.append(new)  # in upload order: once one waits, the later ones wait too
+    requests = requests_for(root, chosen, shards)
     new_cursor.defer(deferred)
     pending = []
     for date in new_cursor.backlog:
@@ -192,29 +230,35 @@ def _queue_tick(context: dg.SensorEvaluationContext, root: str, output_root: str
     prefix = folder_prefix(root)
     partitions = partition_range()
     budget = _Budget(settings.max_runs_per_tick)
-    requests: list[dg.RunRequest] = []
+    chosen: list[NewBatch] = []
     handled: list[str] = []
     asked: set[str] = set()
     received = 0
+    full = False  # a message that needs a run this tick does not have: it and the rest wait
     deadline = time.monotonic() + QUEUE_TICK_SECONDS
-    while not budget.exhausted() and time.monotonic() < deadline:
+    while not full and budget.checks > 0 and time.monotonic() < deadline:
         messages = notifications.receive(url, settings.queue_visibility_seconds)
         if not messages:
             break
         received += len(messages)
         for i, message in enumerate(messages):
-            if budget.exhausted():
-                notifications.release(url, [m.receipt for m in messages[i:]])
-                break
             created, why = notifications.created_objects(message.body)
             if why:
                 context.log.info(f"ignoring message {message.id}: {why}")
-            for obj in created:
-                requests.extend(_queue_object(context, obj.uri, prefix, exclude, output_root, partitions,
-                                              settings, since, shards, budget, asked))
+            news = [n for obj in created if (n := _queue_object(context, obj.uri, prefix, exclude, partitions,
+                                                                  settings, since, asked)) is not None]
+            taken = [n for n in news if n.run_key not in {c.run_key for c in chosen}]
+            if taken and not all(_choose(n, output_root, shards, budget, chosen, context.log) for n in taken):
+                full = True
+            if full or budget.checks <= 0:
+                # Not handled: its files are not all in this tick's runs. It comes back at once.
+                chosen = [c for c in chosen if c not in taken]
+                notifications.release(url, [m.receipt for m in messages[i:]])
+                break
             handled.append(message.receipt)
+    requests = requests_for(root, chosen, shards)
     context.log.info(f"received {received} message(s) from {url}; {len(requests)} run request(s)"
-                     + ("; more wait for the next tick" if budget.exhausted() else ""))
+                     + ("; more wait for the next tick" if full else ""))
     new_cursor = UploadCursor(since=since, delete=handled)
     return dg.SensorResult(
         run_requests=requests,
@@ -223,33 +267,35 @@ def _queue_tick(context: dg.SensorEvaluationContext, root: str, output_root: str
     )
 
 
-def _queue_object(context: dg.SensorEvaluationContext, uri: str, prefix: str, exclude: str, output_root: str,
-                  partitions: PartitionRange, settings: SensorSettings, since: float, shards: int,
-                  budget: _Budget, asked: set[str]) -> list[dg.RunRequest]:
+def _queue_object(context: dg.SensorEvaluationContext, uri: str, prefix: str, exclude: str,
+                  partitions: PartitionRange, settings: SensorSettings, since: float,
+                  asked: set[str]) -> NewBatch | None:
+    """The new file version an ObjectCreated event names, or None (not a batch file, gone, outside
+    the partitions, backlog to skip, or already asked for in this tick)."""
     relative = uri[len(prefix):] if uri.startswith(prefix) else ""
     if not relative or not locations.is_batch_file(uri) or (exclude and uri.startswith(exclude)) \
             or any(part.startswith(".") for part in relative.split("/")):
         context.log.debug(f"ignoring {uri}: not a batch file under {prefix}")
-        return []
+        return None
     try:
         info = describe(uri)  # the version there now (a newer one than the event's is fine)
     except FileNotFoundError:
         context.log.info(f"ignoring {uri}: deleted since it was uploaded")
-        return []
+        return None
     partition, reason = partition_of(relative, info, partitions)
     if partition is None:
         context.log.info(f"ignoring {uri}: {reason}")
-        return []
+        return None
     # S3 times are whole seconds: a file uploaded in the same second as the first tick, just after
     # it, must not count as older; the margin runs a file uploaded just before instead.
     if settings.backlog == "skip" and info.modified < since - BASELINE_SLACK_SECONDS:
         context.log.info(f"ignoring {uri}: uploaded before the sensor was turned on (SENSOR_BACKLOG=skip)")
-        return []
+        return None
     new = NewBatch(info, partition, version_id(relative, info.etag))
     if new.run_key in asked:
-        return []
+        return None
     asked.add(new.run_key)
-    return _request_new(new, output_root, shards, budget, context.log)
+    return new
 
 
 # Stopped until someone turns it on (UI: Automation, or `dagster sensor start batch_upload_sensor`):

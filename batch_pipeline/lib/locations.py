@@ -18,6 +18,7 @@ folder mid-run is left for the next run or the upload sensor.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -103,6 +104,28 @@ def resolve_batches(input_uri: str, output_uri: str, input_root: str, output_roo
     return locations
 
 
+def resolve_files(input_uris: list[str], output_root: str, partition: str,
+                  log: Callable[[str], None] = lambda _m: None) -> list[BatchLocation]:
+    """Several named batch files of one date, each into `<output_root>/<partition>/<batch name>/`.
+    A file gone since it was named (deleted or replaced by a rename) is left out with a log line;
+    two files that would write into one folder are refused."""
+    found = []
+    for uri in dict.fromkeys(input_uris):
+        if not is_batch_file(uri):
+            raise ValueError(f"{uri} is not a batch file (.jsonl, .json, .ndjson)")
+        if not storage.exists(uri):
+            log(f"{uri} is gone since this run was requested; left out")
+            continue
+        name = batch_name(uri)
+        found.append(BatchLocation(name=name, input_uri=uri, output_uri=default_output(output_root, partition, name), partition=partition))
+    claimed: dict[str, str] = {}
+    for loc in found:
+        if loc.output_uri in claimed:
+            raise ValueError(f"{claimed[loc.output_uri]} and {loc.input_uri} would both write to {loc.output_uri}: rename one")
+        claimed[loc.output_uri] = loc.input_uri
+    return found
+
+
 def completed_batch(loc: BatchLocation, input_etag: str | None = None) -> dict[str, Any] | None:
     """The batch.json of a batch completed from the very file now at its input (same ETag), or None.
     `input_etag` saves a HEAD request when the caller has just listed the file.
@@ -127,9 +150,12 @@ def completed_batch(loc: BatchLocation, input_etag: str | None = None) -> dict[s
 # ------------------------------------------------------------------------------ one run's batches
 
 
-def runs_folder(input_uri: str, output_uri: str, output_root: str, partition: str) -> str:
+def runs_folder(input_uri: str, output_uri: str, output_root: str, partition: str, several: bool = False) -> str:
     """Where a run records its batch list: a hidden `.runs/` beside a date's (or folder's) batch
-    folders (listings and the upload sensor skip dot-names), or the one batch's `_work/runs/`."""
+    folders (listings and the upload sensor skip dot-names), or the one batch's `_work/runs/`.
+    `several`: the run names several files of the date (input_uris): the date's `.runs/`."""
+    if several:
+        return storage.join(output_root, partition, ".runs")
     if input_uri and is_batch_file(input_uri):
         single = output_uri or default_output(output_root, partition, batch_name(input_uri))
         return storage.join(single, "_work", "runs")
