@@ -162,35 +162,40 @@ def inference_results(
         except ConfigError as e:  # a setting, not a crash: retrying cannot help
             raise dg.Failure(description=str(e), allow_retries=False) from None
         shard = _shard(batch)
-        with llm.open(log=context.log.info) as engines:
-            identity = llm.identity()
-            for i, loc in enumerate(pending):
-                try:
+        at = 0  # the batch being answered when an interrupt lands
+        try:
+            with llm.open(log=context.log.info) as engines:
+                identity = llm.identity()
+                for at, loc in enumerate(pending):
                     info = infer_batch(
                         loc, engines, identity, settings.checkpoint_answers, settings.checkpoint_seconds,
                         log=context.log.info, shard=shard,
                     )
-                except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt) as interrupt:
-                    # Terminated from the UI (or Ctrl-C): keep what is answered, say "cancelled".
-                    # A shard writes no results: the other shards may still be answering theirs.
-                    for cancelled in pending[i:] if shard.whole else ():
-                        finalize_batch(cancelled, {"dagster_run_id": context.run.run_id}, cancelled=True)
-                        context.log.warning(f"{cancelled.name}: cancelled; the next run resumes the rest")
-                    # Not the interrupt itself: Dagster turns an interrupt inside a step with a
-                    # RetryPolicy into a retry, which would resume at once the batch just cancelled.
-                    raise dg.Failure(
-                        description="cancelled: " + ", ".join(c.name for c in pending[i:]) + "; the next run resumes the rest",
-                        allow_retries=False,
-                    ) from interrupt
-                if info["computed_requests"]:
-                    load_seconds += info["model_load_seconds"]
-                    infer_seconds += info["inference_seconds"]
-                rows.append({
-                    "batch": loc.name,
-                    "resumed": info["resumed_requests"],
-                    "computed": info["computed_requests"],
-                    "seconds": info["inference_seconds"] if info["computed_requests"] else 0.0,
-                })
+                    if info["computed_requests"]:
+                        load_seconds += info["model_load_seconds"]
+                        infer_seconds += info["inference_seconds"]
+                    rows.append({
+                        "batch": loc.name,
+                        "resumed": info["resumed_requests"],
+                        "computed": info["computed_requests"],
+                        "seconds": info["inference_seconds"] if info["computed_requests"] else 0.0,
+                    })
+                at = len(pending)
+        except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt) as interrupt:
+            # Terminated from the UI (or Ctrl-C), while loading, answering or shutting the engine
+            # down: keep what is answered, say "cancelled". A shard writes no results: the other
+            # shards may still be answering theirs.
+            left = pending[at:]
+            for cancelled in left if shard.whole else ():
+                finalize_batch(cancelled, {"dagster_run_id": context.run.run_id}, cancelled=True)
+                context.log.warning(f"{cancelled.name}: cancelled; the next run resumes the rest")
+            what = ", ".join(c.name for c in left) if left else (
+                "nothing (every answer was in; interrupted while the engine shut down)")
+            # Not the interrupt itself: Dagster turns an interrupt inside a step with a RetryPolicy
+            # into a retry, which would at once resume (or reload the model for) what was just cancelled.
+            raise dg.Failure(
+                description=f"cancelled: {what}; the next run resumes the rest", allow_retries=False,
+            ) from interrupt
     figures = {"model_load_seconds": round(load_seconds, 3), "inference_seconds": round(infer_seconds, 3)}
     computed = any(row["computed"] for row in rows)
     # No figures when nothing was computed: zeros would sit in the UI's plots beside real runs.
