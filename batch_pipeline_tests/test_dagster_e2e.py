@@ -128,6 +128,14 @@ def read_jsonl(client: Any, bucket: str, key: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def batch_json(client: Any, bucket: str, folder: str) -> dict[str, Any] | None:
+    """The Batch object in s3://bucket/folder/, once written."""
+    try:
+        return json.loads(client.get_object(Bucket=bucket, Key=f"{folder}/batch.json")["Body"].read())
+    except client.exceptions.NoSuchKey:
+        return None
+
+
 def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
     server, bucket, _ = e2e
     client = moto_server.client()
@@ -143,13 +151,7 @@ def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
     uri, etag = f"s3://{bucket}/{key}", head["ETag"].strip('"')
     out = f"output/{date}/{BATCH}"
 
-    def batch_json() -> dict[str, Any] | None:
-        try:
-            return json.loads(client.get_object(Bucket=bucket, Key=f"{out}/batch.json")["Body"].read())
-        except client.exceptions.NoSuchKey:
-            return None
-
-    batch = wait_for(f"s3://{bucket}/{out}/batch.json", batch_json, RUN_TIMEOUT, interval=2.0,
+    batch = wait_for(f"s3://{bucket}/{out}/batch.json", lambda: batch_json(client, bucket, out), RUN_TIMEOUT, interval=2.0,
                      on_timeout=lambda: f"runs: {[(r.run_id, r.status) for r in runs_tagged(server, 'dagster/sensor_name', SENSOR)]}\n{server.log_tail()}")
 
     outputs = read_jsonl(client, bucket, f"{out}/output.jsonl")
@@ -243,14 +245,8 @@ def test_queue_trigger_survives_a_server_killed_between_receive_and_run_request(
         date = head["LastModified"].astimezone(dt.timezone.utc).date().isoformat()
         out = f"output/{date}/{BATCH}-queued"
 
-        def batch_json() -> dict[str, Any] | None:
-            try:
-                return json.loads(client.get_object(Bucket=bucket, Key=f"{out}/batch.json")["Body"].read())
-            except client.exceptions.NoSuchKey:
-                return None
-
-        batch = wait_for(f"s3://{bucket}/{out}/batch.json", batch_json, RUN_TIMEOUT, interval=2.0,
-                         on_timeout=server.log_tail)
+        batch = wait_for(f"s3://{bucket}/{out}/batch.json", lambda: batch_json(client, bucket, out), RUN_TIMEOUT,
+                         interval=2.0, on_timeout=server.log_tail)
         assert batch["status"] == "completed"
         assert sorted(o["custom_id"] for o in read_jsonl(client, bucket, f"{out}/output.jsonl")) == GOOD_IDS
         [run] = runs_tagged(server, "dagster/sensor_name", SENSOR)

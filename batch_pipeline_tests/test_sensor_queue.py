@@ -22,28 +22,17 @@ import uuid
 from typing import Any
 
 import boto3
-import dagster as dg
 import pytest
 
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline.defs.sensors import batch_upload_sensor
 from batch_pipeline.lib import notifications
 from batch_pipeline.lib import storage as store
 from batch_pipeline.lib.uploads import BASELINE_SLACK_SECONDS, UploadCursor
 from batch_pipeline_tests.s3_server import REGION, MotoS3
-from batch_pipeline_tests.test_sensors import ListHandler, by_uri, files_of
+from batch_pipeline_tests.test_sensors import by_uri, evaluate, files_of
 
-INSTANCE = dg.DagsterInstance.ephemeral()
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
-
-
-def evaluate(storage: StorageResource, cursor: str | None = None, log: list[str] | None = None) -> dg.SensorResult:
-    context = dg.build_sensor_context(cursor=cursor, instance=INSTANCE, resources={"storage": storage})
-    context.log.addHandler(ListHandler(log if log is not None else []))
-    result = batch_upload_sensor(context)
-    assert isinstance(result, dg.SensorResult)
-    return result
 
 
 def sqs_client(moto_server: MotoS3) -> Any:

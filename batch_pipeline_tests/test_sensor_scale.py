@@ -24,20 +24,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import dagster as dg
 import pytest
 
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline.defs.sensors import batch_upload_sensor, partition_range
+from batch_pipeline.defs.sensors import partition_range
 from batch_pipeline.lib import storage as store
 from batch_pipeline.lib.settings import ConfigError, sensor_settings_from_env
 from batch_pipeline.lib.uploads import BASELINE_SLACK_SECONDS, LOOKBACK_SECONDS, UploadCursor
 from batch_pipeline_tests.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
 from batch_pipeline_tests.s3_server import MotoS3, apply_env
-from batch_pipeline_tests.test_sensors import ListHandler, by_uri, write
+from batch_pipeline_tests.test_sensors import by_uri, evaluate, sensor_env, write  # noqa: F401 - autouse fixture
 
-INSTANCE = dg.DagsterInstance.ephemeral()
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
 HISTORY_DATES = 200  # 2025-01-01 onwards, 100 files each
 HISTORY_FILES = 19_950
@@ -47,21 +45,6 @@ LOOSE_FILES = 5  # at the top of the input folder: today's by upload date
 
 def day(offset: int) -> str:
     return (dt.date.fromisoformat(partition_range().last) - dt.timedelta(days=offset)).isoformat()
-
-
-def evaluate(storage: StorageResource, cursor: str | None = None, log: list[str] | None = None) -> dg.SensorResult:
-    context = dg.build_sensor_context(cursor=cursor, instance=INSTANCE, resources={"storage": storage})
-    context.log.addHandler(ListHandler(log if log is not None else []))
-    result = batch_upload_sensor(context)
-    assert isinstance(result, dg.SensorResult)
-    return result
-
-
-@pytest.fixture(autouse=True)
-def sensor_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("SENSOR_WINDOW_DAYS", "SENSOR_BACKLOG", "SENSOR_MAX_RUNS_PER_TICK", "INPUT_QUEUE_URL",
-                 "INPUT_QUEUE_VISIBILITY_SECONDS", "SHARDS"):
-        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture(scope="module")

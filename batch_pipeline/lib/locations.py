@@ -95,13 +95,18 @@ def resolve_batches(input_uri: str, output_uri: str, input_root: str, output_roo
         BatchLocation(name=batch_name(o.uri), input_uri=o.uri, output_uri=storage.join(base, batch_name(o.uri)), partition=partition)
         for o in found
     ]
+    return _one_writer_each(locations)
+
+
+def _one_writer_each(found: list[BatchLocation]) -> list[BatchLocation]:
+    """`found`, unless two batches would write into one folder: a.jsonl and a.json (or a dated and
+    an undated a.jsonl) would overwrite each other's results."""
     claimed: dict[str, str] = {}
-    for loc in locations:
+    for loc in found:
         if loc.output_uri in claimed:
-            # a.jsonl and a.json (or a dated and an undated a.jsonl) would overwrite each other's results.
             raise ValueError(f"{claimed[loc.output_uri]} and {loc.input_uri} would both write to {loc.output_uri}: rename one")
         claimed[loc.output_uri] = loc.input_uri
-    return locations
+    return found
 
 
 def resolve_files(input_uris: list[str], output_root: str, partition: str,
@@ -118,12 +123,7 @@ def resolve_files(input_uris: list[str], output_root: str, partition: str,
             continue
         name = batch_name(uri)
         found.append(BatchLocation(name=name, input_uri=uri, output_uri=default_output(output_root, partition, name), partition=partition))
-    claimed: dict[str, str] = {}
-    for loc in found:
-        if loc.output_uri in claimed:
-            raise ValueError(f"{claimed[loc.output_uri]} and {loc.input_uri} would both write to {loc.output_uri}: rename one")
-        claimed[loc.output_uri] = loc.input_uri
-    return found
+    return _one_writer_each(found)
 
 
 def completed_batch(loc: BatchLocation, input_etag: str | None = None) -> dict[str, Any] | None:

@@ -221,30 +221,32 @@ def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSetting
     if raw.lower() == "all":
         values["window_days"] = None
     elif raw:
-        days = _coerce("SENSOR_WINDOW_DAYS", raw, int)
-        if not 1 <= days <= 3660:
-            raise ConfigError(f"SENSOR_WINDOW_DAYS={raw!r} is out of range (1 to 3660 days, or 'all')")
-        values["window_days"] = days
+        values["window_days"] = _int_in_range(env, "SENSOR_WINDOW_DAYS", 1, 3660, " days, or 'all'")
     raw = env.get("SENSOR_BACKLOG", "").strip()
     if raw:
         if raw.lower() not in BACKLOG_POLICIES:
             raise ConfigError(f"SENSOR_BACKLOG={raw!r} is not one of {', '.join(BACKLOG_POLICIES)}")
         values["backlog"] = raw.lower()
-    raw = env.get("SENSOR_MAX_RUNS_PER_TICK", "").strip()
-    if raw:
-        cap = _coerce("SENSOR_MAX_RUNS_PER_TICK", raw, int)
-        if not 1 <= cap <= 1000:
-            raise ConfigError(f"SENSOR_MAX_RUNS_PER_TICK={raw!r} is out of range (1 to 1000)")
+    cap = _int_in_range(env, "SENSOR_MAX_RUNS_PER_TICK", 1, 1000)
+    if cap is not None:
         values["max_runs_per_tick"] = cap
     raw = env.get("INPUT_QUEUE_URL", "").strip()
     if raw:
         if not raw.startswith(("https://", "http://")):
             raise ConfigError(f"INPUT_QUEUE_URL={raw!r} is not an SQS queue URL (https://sqs.<region>.amazonaws.com/<account>/<queue>)")
         values["queue_url"] = raw
-    raw = env.get("INPUT_QUEUE_VISIBILITY_SECONDS", "").strip()
-    if raw:
-        seconds = _coerce("INPUT_QUEUE_VISIBILITY_SECONDS", raw, int)
-        if not 5 <= seconds <= 43200:
-            raise ConfigError(f"INPUT_QUEUE_VISIBILITY_SECONDS={raw!r} is out of range (5 to 43200, SQS's limit)")
+    seconds = _int_in_range(env, "INPUT_QUEUE_VISIBILITY_SECONDS", 5, 43200, ", SQS's limit")
+    if seconds is not None:
         values["queue_visibility_seconds"] = seconds
     return SensorSettings(**values)
+
+
+def _int_in_range(env: Any, name: str, low: int, high: int, note: str = "") -> int | None:
+    """The integer variable `name`, or None when unset; ConfigError naming it when out of range."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    value = _coerce(name, raw, int)
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={raw!r} is out of range ({low} to {high}{note})")
+    return value
