@@ -162,18 +162,26 @@ def test_embedding_dimensions_the_model_cannot_do_is_a_400(engines):
 
 
 def test_a_model_load_reports_its_phase_and_time_while_it_runs(tiny_llm, monkeypatch):
-    from batch_pipeline.defs.resources import LLMResource
-    from batch_pipeline.lib import engines as engines_module
+    import time
 
-    monkeypatch.setattr(engines_module, "LOAD_PROGRESS_SECONDS", 0.02)  # a warm tiny load takes ~0.2 s
+    from batch_pipeline.lib import engines as engines_module
+    from batch_pipeline_tests.conftest import SessionLLM
+
+    class SlowLoad(SessionLLM):
+        """The session's real engine, reached after 0.4 s: a load long enough to beat during (a
+        second real engine in this process would tear down the shared one's parallel state)."""
+
+        def build_engine(self, kwargs):
+            time.sleep(0.4)
+            return super().build_engine(kwargs)
+
+    monkeypatch.setattr(engines_module, "LOAD_PROGRESS_SECONDS", 0.1)
     messages: list[str] = []
-    # The plain resource, not the session's shared engine: a real load of its own, shut down after.
-    fresh = LLMResource(model_path=tiny_llm.model_path, served_model_name=TINY_NAME, max_model_len=TINY_MAX_MODEL_LEN)
-    with fresh.open(log=messages.append) as engines:
+    with tiny_llm.rebuilt(SlowLoad).open(log=messages.append) as engines:
         run(engines, req(1, max_tokens=2))
     loading = [m for m in messages if m.startswith(f"loading generate model {TINY_NAME}: ")]
-    assert loading, messages  # beats while the real load runs
+    assert loading, messages
     assert all(m.endswith("s so far") for m in loading)
-    assert any("building the engine (weights, KV cache, warm-up)" in m for m in loading)
+    assert all("building the engine (weights, KV cache, warm-up)" in m for m in loading)  # vLLM is imported
     loaded = next(i for i, m in enumerate(messages) if m.startswith(f"generate model {TINY_NAME} loaded in"))
     assert messages.index(loading[-1]) < loaded  # no beat after the load finished

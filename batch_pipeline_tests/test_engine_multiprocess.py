@@ -46,11 +46,12 @@ from batch_pipeline_tests.cli_runs import (  # the cli_runs fixture comes from t
 from batch_pipeline_tests.conftest import tiny_env
 
 ENGINE_CORE = "VLLM::EngineCore"
-# A long enough inference to interrupt on 2 busy cores: 32 requests x 192 tokens one at a time
+# A long enough inference to interrupt on 2 busy cores: 64 requests x 192 tokens one at a time
 # (1-4 ms a token here, depending on the day's machine), each answer checkpointed as it comes; the
-# interruption follows the first answer, with ~30 requests left. (At 96 tokens, on a fast day, the
-# whole batch was answered within the ~3 s the interrupt took to land.)
-LONG_LINES, LONG_TOKENS = 32, 192
+# interruption follows the first answer, with ~60 requests left. (At 32 x 96, on a fast day, the
+# whole batch was answered before an interrupt landed, or before a starved test process saw the
+# first checkpoint part.)
+LONG_LINES, LONG_TOKENS = 64, 192
 LONG_ENV = {"BATCH_SIZE": "1", "CHECKPOINT_ANSWERS": "1"}
 # With such a run, CliRun(throttle_engine=True) (see cli_runs.py): the engine processes are paused
 # half of the time, so the CLI process checkpoints answers as they come.
