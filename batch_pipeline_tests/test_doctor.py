@@ -238,7 +238,6 @@ def test_upload_sensor_check_with_and_without_the_queue(
 ):
     """Listing: the window it lists. Queue: passes when the bucket notifies it, warns when nothing
     does, fails for a queue that does not answer or a local input folder; a bad SENSOR_* fails."""
-    from batch_pipeline.lib import notifications
     from batch_pipeline_tests.test_sensor_queue import notifying_queue, sqs_client
 
     for name in ("SENSOR_WINDOW_DAYS", "SENSOR_BACKLOG", "SENSOR_MAX_RUNS_PER_TICK", "INPUT_QUEUE_URL", "SHARDS"):
@@ -267,4 +266,4 @@ def test_upload_sensor_check_with_and_without_the_queue(
     monkeypatch.setenv("INPUT_QUEUE_URL", f"{moto_server.endpoint_url}/123456789012/no-such-queue")
     result = check()
     assert result.status == "FAIL" and "does not answer" in result.detail
-    notifications.reset_clients()
+    storage.reset_clients()

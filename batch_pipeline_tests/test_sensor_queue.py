@@ -72,10 +72,10 @@ def queued(moto_server: MotoS3, s3_bucket: str, monkeypatch: pytest.MonkeyPatch)
         monkeypatch.delenv(name, raising=False)
     url = notifying_queue(moto_server, s3_bucket)
     monkeypatch.setenv("INPUT_QUEUE_URL", url)
-    notifications.reset_clients()
+    store.reset_clients()
     storage = StorageResource(input_path=f"s3://{s3_bucket}/incoming", output_path=f"s3://{s3_bucket}/output")
     yield {"bucket": s3_bucket, "url": url, "storage": storage, "client": moto_server.client()}
-    notifications.reset_clients()
+    store.reset_clients()
 
 
 def put(q: dict[str, Any], key: str, body: bytes = LINE) -> tuple[str, str, float]:
@@ -178,11 +178,10 @@ def test_skip_backlog_with_a_queue(queued, monkeypatch) -> None:
 def test_a_missing_queue_fails_the_tick_naming_it(moto_server, s3_bucket, monkeypatch) -> None:
     url = f"{moto_server.endpoint_url}/123456789012/no-such-queue"
     monkeypatch.setenv("INPUT_QUEUE_URL", url)
-    notifications.reset_clients()
+    store.reset_clients()
     storage = StorageResource(input_path=f"s3://{s3_bucket}/incoming", output_path=f"s3://{s3_bucket}/output")
     with pytest.raises(Exception, match=f"INPUT_QUEUE_URL={url}: ReceiveMessage failed"):
         evaluate(storage)
-    notifications.reset_clients()
     store.reset_clients()
 
 

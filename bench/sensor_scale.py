@@ -154,7 +154,6 @@ class Bench:
     def _clients(self) -> None:
         """Fresh pipeline clients (after an environment change), with the call counters hooked in."""
         store.reset_clients()
-        notifications.reset_clients()
         store.s3_client().meta.events.register("before-call.s3", self.calls.hook("s3"))
         notifications.sqs_client().meta.events.register("before-call.sqs", self.calls.hook("sqs"))
 
@@ -416,7 +415,6 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 os.environ[name] = value
         store.reset_clients()
-        notifications.reset_clients()
     return 0
 
 

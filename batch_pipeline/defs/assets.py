@@ -43,6 +43,12 @@ def _assembled(loc: BatchLocation, shard: Shard, merge: bool = False) -> bool:
     return finished == shard.count
 
 
+def _in_date_layout(taken: list[BatchLocation], output_root: str) -> bool:
+    """Whether every batch of the run writes to its date's folder (<output>/<date>/<name>/), where
+    the date's other batches are too: then the run's figures and check can be the date's."""
+    return all(loc.output_uri == locations.default_output(output_root, loc.partition, loc.name) for loc in taken)
+
+
 def _runs_folder(batch: BatchSelection, storage: StorageResource, partition: str) -> str:
     s = storage.settings()
     return locations.runs_folder(batch.input_uri, batch.output_uri, s.output_path, partition, several=bool(batch.input_uris))
@@ -230,7 +236,8 @@ def batch_outputs(
 ) -> dg.MaterializeResult:
     rows = []
     shard = _shard(batch)
-    for loc in run_batches(context, batch, storage):
+    taken = run_batches(context, batch, storage)
+    for loc in taken:
         if not _assembled(loc, shard, merge=True):
             context.log.info(f"{loc.name}: shard {shard} is done; the last shard of the batch to finish writes its results")
             continue
@@ -246,12 +253,10 @@ def batch_outputs(
         # The files are written either way; the run goes red so the failure is seen.
         raise dg.Failure(description=f"batch failed (file-level error): {', '.join(failed)}", metadata=metadata)
     output_root = storage.settings().output_path
-    taken = run_batches(context, batch, storage)
-    if taken and all(loc.output_uri == locations.default_output(output_root, loc.partition, loc.name) for loc in taken):
+    if taken and _in_date_layout(taken, output_root):
         scope, judged = context.partition_key, metrics.date_line_failures(output_root, context.partition_key)
     else:
-        scope, judged = "this run's batches", [metrics.line_failures(loc.output_uri) for loc in taken if loc.name in
-                                               {r["batch"] for r in rows}]
+        scope, judged = "this run's batches", [metrics.line_failures(row["output"]) for row in rows]
     return dg.MaterializeResult(metadata=metadata, check_results=[failed_line_rate(scope, judged)])
 
 
@@ -309,7 +314,7 @@ def throughput_metrics(
     if not per_batch:
         return dg.MaterializeResult(metadata=metrics.aggregate_metrics(per_batch))
     output_root = storage.settings().output_path
-    if all(loc.output_uri == locations.default_output(output_root, loc.partition, loc.name) for loc in taken):
+    if _in_date_layout(taken, output_root):
         # The date's figures: this run's batches and every other batch of the date (earlier sensor
         # runs for other files, a backfill), read from their metrics.json.
         whole_date = metrics.date_metrics(output_root, context.partition_key)

@@ -40,6 +40,7 @@ from batch_pipeline.lib.uploads import (
     partition_of,
     scan,
     version_id,
+    watched,
     window_dates,
 )
 
@@ -148,7 +149,7 @@ def _choose(new: NewBatch, output_root: str, shards: int, budget: _Budget, chose
     """Add `new` to the tick's runs unless its version is completed already; False when the tick
     has no run left for it (it waits for the next tick)."""
     joins = shards == 1 and any(c.partition == new.partition for c in chosen)  # that date's run takes it too
-    if not joins and budget.runs < (shards if shards > 1 else 1):
+    if not joins and budget.runs < shards:
         return False
     if already_completed(new, output_root):
         budget.checks -= 1
@@ -159,7 +160,7 @@ def _choose(new: NewBatch, output_root: str, shards: int, budget: _Budget, chose
         + (f", {shards} shard runs" if shards > 1 else "")
     )
     if not joins:
-        budget.runs -= shards if shards > 1 else 1
+        budget.runs -= shards
     chosen.append(new)
     return True
 
@@ -168,10 +169,11 @@ def _listing_tick(context: dg.SensorEvaluationContext, root: str, output_root: s
                   settings: SensorSettings, shards: int) -> dg.SensorResult:
     started = time.monotonic()
     cursor = UploadCursor.parse(context.cursor)
-    window = window_dates(partition_range(), settings.window_days)
+    partitions = partition_range()
+    window = window_dates(partitions, settings.window_days)
     objects = list_inputs(root, window)
     listed_in = time.monotonic() - started
-    result = scan(root, objects, cursor, time.time(), partition_range(), context.log.info,
+    result = scan(root, objects, cursor, time.time(), partitions, context.log.info,
                   exclude=exclude, window=window, backlog_policy=settings.backlog)
     new_cursor = result.cursor
     budget = _Budget(settings.max_runs_per_tick)
@@ -272,9 +274,8 @@ def _queue_object(context: dg.SensorEvaluationContext, uri: str, prefix: str, ex
                   asked: set[str]) -> NewBatch | None:
     """The new file version an ObjectCreated event names, or None (not a batch file, gone, outside
     the partitions, backlog to skip, or already asked for in this tick)."""
-    relative = uri[len(prefix):] if uri.startswith(prefix) else ""
-    if not relative or not locations.is_batch_file(uri) or (exclude and uri.startswith(exclude)) \
-            or any(part.startswith(".") for part in relative.split("/")):
+    relative = watched(uri, prefix, exclude)
+    if not relative:
         context.log.debug(f"ignoring {uri}: not a batch file under {prefix}")
         return None
     try:

@@ -325,7 +325,7 @@ def check_upload_sensor() -> CheckResult:
         return _fail(name, f"INPUT_QUEUE_URL is set but STORAGE_INPUT_PATH={uri} is not on S3: only a bucket sends events")
     from batch_pipeline.lib import notifications
 
-    notifications.reset_clients()
+    storage.reset_clients()
     try:
         attributes = notifications.sqs_client().get_queue_attributes(
             QueueUrl=settings.queue_url, AttributeNames=["QueueArn", "ApproximateNumberOfMessages"]

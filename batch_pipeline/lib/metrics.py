@@ -64,17 +64,21 @@ def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
     return metrics
 
 
-def date_metrics(output_root: str, partition: str) -> list[dict[str, Any]]:
-    """The metrics.json of every batch of one date (`<output_root>/<date>/<name>/metrics.json`),
-    whichever runs wrote them: the date's figures, not only the last run's."""
+def date_batch_folders(output_root: str, partition: str, marker: str) -> list[str]:
+    """The result folders `<output_root>/<date>/<name>` of one date that hold `marker` (e.g.
+    batch.json), whichever runs wrote them."""
     folder = storage.join(output_root, partition)
     prefix = storage.join(folder, "x")[:-1]
-    found = []
-    for info in storage.list_objects(folder, suffix="metrics.json"):
-        relative = info.uri[len(prefix):]
-        if relative.count("/") == 1 and relative.endswith("/metrics.json"):
-            found.append(storage.read_json(info.uri))
-    return found
+    return [
+        info.uri[: -len(marker) - 1]
+        for info in storage.list_objects(folder, suffix=marker)
+        if info.uri[len(prefix):].count("/") == 1 and info.uri.endswith("/" + marker)
+    ]
+
+
+def date_metrics(output_root: str, partition: str) -> list[dict[str, Any]]:
+    """The metrics.json of every batch of one date: the date's figures, not only the last run's."""
+    return [storage.read_json(storage.join(f, "metrics.json")) for f in date_batch_folders(output_root, partition, "metrics.json")]
 
 
 def line_failures(output_uri: str) -> dict[str, Any]:
@@ -94,13 +98,7 @@ def line_failures(output_uri: str) -> dict[str, Any]:
 
 def date_line_failures(output_root: str, partition: str) -> list[dict[str, Any]]:
     """line_failures() of every batch of one date with a batch.json, whichever runs wrote them."""
-    folder = storage.join(output_root, partition)
-    prefix = storage.join(folder, "x")[:-1]
-    return [
-        line_failures(info.uri[: -len("/batch.json")])
-        for info in storage.list_objects(folder, suffix="batch.json")
-        if info.uri[len(prefix):].count("/") == 1 and info.uri.endswith("/batch.json")
-    ]
+    return [line_failures(folder) for folder in date_batch_folders(output_root, partition, "batch.json")]
 
 
 _SUMMED = (

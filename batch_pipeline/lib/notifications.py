@@ -18,14 +18,11 @@ Uses the same endpoint, credentials, retries and timeouts as the S3 client (AWS_
 from __future__ import annotations
 
 import json
-import os
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote_plus
 
-import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
 from batch_pipeline.lib import storage
@@ -33,28 +30,15 @@ from batch_pipeline.lib import storage
 RECEIVE_BATCH = 10  # SQS's most per ReceiveMessage / DeleteMessageBatch call
 RECEIVE_WAIT_SECONDS = 1  # long polling: short polls can come back empty while messages wait
 
-_client: Any = None
-_client_pid: int | None = None
-_lock = threading.Lock()
-
 
 class QueueError(RuntimeError):
     """The queue cannot be read; the message names INPUT_QUEUE_URL and what SQS said."""
 
 
 def sqs_client() -> Any:
-    global _client, _client_pid
-    with _lock:
-        if _client is None or _client_pid != os.getpid():
-            _client = boto3.session.Session().client("sqs", config=storage._client_config())
-            _client_pid = os.getpid()
-        return _client
-
-
-def reset_clients() -> None:
-    global _client, _client_pid
-    with _lock:
-        _client, _client_pid = None, None
+    """The process-wide SQS client (storage.aws_client: the S3 client's environment, retries and
+    timeouts; storage.reset_clients() forgets both)."""
+    return storage.aws_client("sqs")
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ __all__ = [
     "delete",
     "describe",
     "exists",
+    "is_hidden",
     "iter_jsonl",
     "is_s3",
     "join",
@@ -75,6 +76,7 @@ __all__ = [
     "read_json",
     "read_text",
     "reset_clients",
+    "aws_client",
     "split_s3",
     "s3_client",
     "write_bytes",
@@ -195,7 +197,7 @@ def basename(uri: str) -> str:
 # --------------------------------------------------------------------------- S3 client
 
 _client_lock = threading.Lock()
-_client: Any = None
+_clients: dict[str, Any] = {}  # AWS service name -> client, for the process _client_pid
 _client_pid: int | None = None
 
 
@@ -230,26 +232,35 @@ def _client_config() -> Config:
     )
 
 
-def s3_client() -> Any:
-    """The process-wide S3 client (created on first use; recreated in a forked child)."""
-    global _client, _client_pid
-    client, pid = _client, os.getpid()
-    if client is not None and _client_pid == pid:
+def aws_client(service: str) -> Any:
+    """The process-wide client of an AWS service ("s3", "sqs"), created on first use and again in a
+    forked child, with this module's retries and timeouts."""
+    global _client_pid
+    pid = os.getpid()
+    client = _clients.get(service) if _client_pid == pid else None
+    if client is not None:
         return client
     with _client_lock:
-        if _client is None or _client_pid != pid:
+        if _client_pid != pid:
+            _clients.clear()
+            _client_pid = pid
+        if service not in _clients:
             # A private Session: boto3's default session is not safe to create clients from
             # concurrently. Endpoint, region and credentials come from the standard environment.
-            _client = boto3.session.Session().client("s3", config=_client_config())
-            _client_pid = pid
-        return _client
+            _clients[service] = boto3.session.Session().client(service, config=_client_config())
+        return _clients[service]
+
+
+def s3_client() -> Any:
+    """The process-wide S3 client (see aws_client)."""
+    return aws_client("s3")
 
 
 def reset_clients() -> None:
-    """Forget the cached client so that the next call picks up the current environment."""
-    global _client, _client_pid
+    """Forget the cached clients so that the next call picks up the current environment."""
+    global _client_pid
     with _client_lock:
-        _client = None
+        _clients.clear()
         _client_pid = None
 
 
@@ -524,7 +535,8 @@ def exists(uri: str) -> bool:
     return True
 
 
-def _hidden(relative: str) -> bool:
+def is_hidden(relative: str) -> bool:
+    """Whether a path below a listed folder is hidden (a segment starts with '.'): never listed."""
     return any(segment.startswith(".") for segment in relative.split("/"))
 
 
@@ -553,7 +565,7 @@ def list_objects(prefix_uri: str, suffix: str | None = None, recursive: bool = T
                 for obj in page.get("Contents", ()):
                     key = obj["Key"]
                     relative = key[len(key_prefix) :]
-                    if not relative or key.endswith("/") or _hidden(relative):
+                    if not relative or key.endswith("/") or is_hidden(relative):
                         continue
                     if suffix and not key.endswith(suffix):
                         continue

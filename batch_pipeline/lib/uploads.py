@@ -141,6 +141,15 @@ def folder_prefix(root: str) -> str:
     return storage.join(root, "x")[:-1]
 
 
+def watched(uri: str, prefix: str, exclude: str = "") -> str:
+    """`uri` relative to the input folder `prefix` when it is a batch file the sensor looks at (not
+    hidden, not under the results folder `exclude`), else ""."""
+    if not uri.startswith(prefix) or not locations.is_batch_file(uri) or (exclude and uri.startswith(exclude)):
+        return ""
+    relative = uri[len(prefix):]
+    return "" if storage.is_hidden(relative) else relative
+
+
 def window_dates(partitions: PartitionRange, days: int | None) -> list[str] | None:
     """The dates whose folders a tick lists: the last `days` partitions up to today, newest first;
     None (SENSOR_WINDOW_DAYS=all): every folder."""
@@ -203,12 +212,7 @@ def scan(
     local = not storage.is_s3(root)
     objects = list(objects)
     candidates = [
-        o
-        for o in objects
-        if o.uri.startswith(prefix)
-        and locations.is_batch_file(o.uri)
-        and not (exclude and o.uri.startswith(exclude))
-        and not (local and o.modified > now - LOCAL_SETTLE_SECONDS)
+        o for o in objects if watched(o.uri, prefix, exclude) and not (local and o.modified > now - LOCAL_SETTLE_SECONDS)
     ]
     relative = {o.uri: o.uri[len(prefix) :] for o in candidates}
     windowed = set(window or ())
