@@ -141,7 +141,8 @@ def test_a_date_run_again_skips_completed_batches_and_redoes_changed_files(
     monkeypatch.undo()
     write_batch(inbox / DATE, "beta.jsonl", [chat_line("b-1"), chat_line("b-2"), chat_line("b-3")])  # new content
     result = materialize(tiny_llm, str(inbox), str(out))
-    assert result.success and metadata_of(result, "validated_requests")["batches"] == 1
+    validated = metadata_of(result, "validated_requests")
+    assert result.success and validated["batches_this_run"] == 1 and validated["batches"] == 2  # the date's
     beta = json.loads((out / DATE / "beta" / "batch.json").read_text())
     assert beta["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
 
@@ -215,9 +216,12 @@ def test_definitions_load_with_expected_assets_jobs_and_resources():
     definitions = defs() if callable(defs) else defs
     repo = definitions.get_repository_def()
     keys = sorted(k.to_user_string() for k in repo.asset_graph.get_all_asset_keys())
-    assert {"validated_requests", "inference_results", "batch_outputs", "throughput_metrics"} <= set(keys)
+    assert keys == ["batch_files", "batch_outputs", "inference_results", "throughput_metrics", "validated_requests"]
     job = definitions.resolve_job_def("batch_job")
     assert job.partitions_def is not None
+    files = definitions.resolve_job_def("batch_file_job")
+    assert files.partitions_def is not None and files.partitions_def.name == "batch_files"
+    assert definitions.resolve_assets_def("batch_files").op.pool == "gpu"  # a re-run of one file waits its turn too
     assert {"llm", "storage"} <= set(repo.get_top_level_resources())
     inference = definitions.resolve_assets_def("inference_results")
     assert inference.op.pool == "gpu"
@@ -257,7 +261,8 @@ def test_a_file_arriving_mid_run_is_left_for_the_next_run(tiny_llm, tmp_path):
     second = materialize(tiny_llm, str(inbox), str(out))  # the next run (nightly, backfill) takes it
     assert second.success
     assert json.loads((out / DATE / "late" / "batch.json").read_text())["request_counts"]["completed"] == 2
-    assert metadata_of(second, "validated_requests")["batches"] == 1  # early is completed: skipped
+    assert metadata_of(second, "validated_requests")["batches_this_run"] == 1  # early is completed: skipped
+    assert metadata_of(second, "validated_requests")["lines"] == 8  # the date's: early's 6 and late's 2
 
 
 def test_a_later_step_without_the_first_fails_clearly(tiny_llm, partition_with_two_batches):

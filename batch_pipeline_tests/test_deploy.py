@@ -555,6 +555,6 @@ def test_definitions_load_from_an_installed_package_without_the_source_tree(tmp_
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(str(site / "batch_pipeline"))  # the copy, not the editable source tree
-    assert "['batch_outputs', 'inference_results', 'throughput_metrics', 'validated_requests']" in proc.stdout
+    assert "['batch_files', 'batch_outputs', 'inference_results', 'throughput_metrics', 'validated_requests']" in proc.stdout
     assert "['batch_upload_sensor'] ['nightly_batch_schedule']" in proc.stdout
     assert "dg.toml" in (REPO / "pyproject.toml").read_text()  # shipped as package data

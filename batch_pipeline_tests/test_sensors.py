@@ -361,7 +361,8 @@ def test_s3_file_versions_already_completed_start_no_run(client, s3_bucket, s3_s
 def test_new_files_of_one_date_in_one_tick_share_one_run(tmp_path: Path, whole_history) -> None:
     """One model load for what arrives together: three new files of a date are one run (the batch
     resource's input_uris), a lone file of another date keeps its own run key; the same set of file
-    versions asks for the same run key again; the request is valid for batch_job."""
+    versions asks for the same run key again; the request is valid for batch_job; each file's
+    batch_files partition is added."""
     from batch_pipeline.definitions import defs
 
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
@@ -379,3 +380,7 @@ def test_new_files_of_one_date_in_one_tick_share_one_run(tmp_path: Path, whole_h
     assert evaluate(storage, on).run_requests[0].run_key in {r.run_key for r in result.run_requests}
     job = defs().resolve_job_def("batch_job")
     dg.validate_run_config(job, group.run_config)
+    # Each queued file gets its batch_files partition at once, so it shows in the UI while it waits.
+    [added] = result.dynamic_partitions_requests
+    assert added.partitions_def_name == "batch_files"
+    assert list(added.partition_keys) == ["2025-03-14/a", "2025-03-14/b", "2025-03-14/c", "2025-03-15/d"]

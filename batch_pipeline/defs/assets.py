@@ -9,6 +9,7 @@ from typing import Any
 
 import dagster as dg
 
+from batch_pipeline.defs import file_status
 from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
 from batch_pipeline.lib import checkpoints, locations, metrics, progress
@@ -46,7 +47,7 @@ def _assembled(loc: BatchLocation, shard: Shard, merge: bool = False) -> bool:
 def _in_date_layout(taken: list[BatchLocation], output_root: str) -> bool:
     """Whether every batch of the run writes to its date's folder (<output>/<date>/<name>/), where
     the date's other batches are too: then the run's figures and check can be the date's."""
-    return all(loc.output_uri == locations.default_output(output_root, loc.partition, loc.name) for loc in taken)
+    return all(file_status.in_date_layout(loc, output_root) for loc in taken)
 
 
 def _runs_folder(batch: BatchSelection, storage: StorageResource, partition: str) -> str:
@@ -54,7 +55,7 @@ def _runs_folder(batch: BatchSelection, storage: StorageResource, partition: str
     return locations.runs_folder(batch.input_uri, batch.output_uri, s.output_path, partition, several=bool(batch.input_uris))
 
 
-def _already_done(loc: BatchLocation, identity: Callable[[], dict[str, Any]]) -> bool:
+def already_done(loc: BatchLocation, identity: Callable[[], dict[str, Any]]) -> bool:
     batch = locations.completed_batch(loc)
     if batch is None:
         return False
@@ -76,7 +77,7 @@ def take_batches(
     else:
         found = locations.resolve_batches(batch.input_uri, batch.output_uri, s.input_path, s.output_path, context.partition_key)
     identity = functools.cache(llm.identity)  # computed once, and only when a completed batch is found
-    skipped = [loc for loc in found if batch.skip_completed and _already_done(loc, identity)]
+    skipped = [loc for loc in found if batch.skip_completed and already_done(loc, identity)]
     if skipped:
         context.log.info(
             f"{len(skipped)} batch(es) already completed from the same file with this model, left as they are: "
@@ -131,10 +132,28 @@ def _table(rows: list[dict[str, Any]]) -> dg.MetadataValue:
 def validated_requests(
     context: dg.AssetExecutionContext, batch: BatchSelection, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
+    taken = take_batches(context, batch, storage, llm)
+    output_root = storage.settings().output_path
+    file_status.plan(context, taken, output_root)  # each file shows in progress in batch_files
+    rows = validate_batches(context, taken, llm, _shard(batch))
+    if taken and _in_date_layout(taken, output_root):
+        # The date's line counts, whichever runs validated its batches: a sensor run for one file
+        # does not replace the date's figures with that file's.
+        whole_date = metrics.date_validations(output_root, context.partition_key)
+        return dg.MaterializeResult(metadata={
+            **_summary(whole_date, "lines", "valid", "invalid"), "batches_this_run": len(rows),
+            "this_run": _table(rows), "scope": f"every batch of {context.partition_key}",
+        })
+    return dg.MaterializeResult(metadata={**_summary(rows, "lines", "valid", "invalid"), "batches_this_run": len(rows),
+                                          "scope": "this run's batches"})
+
+
+def validate_batches(context: dg.AssetExecutionContext, taken: list[BatchLocation], llm: LLMResource,
+                     shard: Shard) -> list[dict[str, Any]]:
+    """Validate each batch (a shard reuses another shard's validation of the same file version)."""
     settings = llm.validation_settings()
-    shard = _shard(batch)
     rows = []
-    for loc in take_batches(context, batch, storage, llm):
+    for loc in taken:
         info = None if shard.whole else reusable_validation(loc)
         if info is not None:  # another shard of this batch validated this very file already
             context.log.info(f"{loc.name}: validation of this file version by another shard reused")
@@ -142,7 +161,7 @@ def validated_requests(
             info = validate_batch(loc, settings, log=progress.first_n_logger(context.log.info, 20))
         context.log.info(f"{loc.name}: {info['lines']} lines, {info['valid']} valid, {info['invalid']} invalid")
         rows.append({"batch": loc.name, "lines": info["lines"], "valid": info["valid"], "invalid": info["invalid"]})
-    return dg.MaterializeResult(metadata=_summary(rows, "lines", "valid", "invalid"))
+    return rows
 
 
 @dg.asset(
@@ -158,7 +177,12 @@ def validated_requests(
 def inference_results(
     context: dg.AssetExecutionContext, batch: BatchSelection, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
-    batches = run_batches(context, batch, storage)
+    return dg.MaterializeResult(metadata=answer_batches(context, run_batches(context, batch, storage), llm, _shard(batch)))
+
+
+def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocation], llm: LLMResource,
+                   shard: Shard) -> dict[str, Any]:
+    """Answer the valid requests of each batch on one engine (one model load); step metadata."""
     pending = [loc for loc in batches if read_json(loc.work("validation.json"))["valid"] > 0]
     rows, load_seconds, infer_seconds = [], 0.0, 0.0
     if pending:
@@ -167,7 +191,6 @@ def inference_results(
             require_hardware(settings)
         except ConfigError as e:  # a setting, not a crash: retrying cannot help
             raise dg.Failure(description=str(e), allow_retries=False) from None
-        shard = _shard(batch)
         at = 0  # the batch being answered when an interrupt lands
         try:
             with llm.open(log=context.log.info) as engines:
@@ -205,7 +228,7 @@ def inference_results(
     figures = {"model_load_seconds": round(load_seconds, 3), "inference_seconds": round(infer_seconds, 3)}
     computed = any(row["computed"] for row in rows)
     # No figures when nothing was computed: zeros would sit in the UI's plots beside real runs.
-    return dg.MaterializeResult(metadata={"batches": len(rows), **(figures if computed else {}), "summary": _table(rows)})
+    return {"batches": len(rows), **(figures if computed else {}), "summary": _table(rows)}
 
 
 with warnings.catch_warnings():
@@ -234,30 +257,52 @@ with warnings.catch_warnings():
 def batch_outputs(
     context: dg.AssetExecutionContext, batch: BatchSelection, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
-    rows = []
-    shard = _shard(batch)
     taken = run_batches(context, batch, storage)
+    output_root = storage.settings().output_path
+    rows = write_batches(context, taken, _shard(batch), output_root)
+    failed = [r["batch"] for r in rows if r["status"] == "failed"]
+    metadata = _summary(rows, "completed", "failed", "total")
+    if failed:
+        # The files are written either way; the run goes red so the failure is seen (and with it
+        # the failed files' batch_files partitions, while the others of the date are green).
+        raise dg.Failure(description=f"batch failed (file-level error): {', '.join(failed)}", metadata=metadata)
+    if taken and _in_date_layout(taken, output_root):
+        scope, judged = context.partition_key, metrics.date_line_failures(output_root, context.partition_key)
+        metadata = {**date_line_counts(judged), "batches_this_run": len(rows), "this_run": metadata["summary"],
+                    "scope": f"every batch of {context.partition_key}"}
+    else:
+        scope, judged = "this run's batches", [metrics.line_failures(row["output"]) for row in rows]
+    return dg.MaterializeResult(metadata=metadata, check_results=[failed_line_rate(scope, judged)])
+
+
+def write_batches(context: dg.AssetExecutionContext, taken: list[BatchLocation], shard: Shard, output_root: str,
+                  report_files: bool = True) -> list[dict[str, Any]]:
+    """Write each batch's results (a shard's only once every shard is done); one row per batch
+    written. With `report_files`, each completed file in its date's folder gets its batch_files
+    materialization."""
+    rows = []
     for loc in taken:
         if not _assembled(loc, shard, merge=True):
             context.log.info(f"{loc.name}: shard {shard} is done; the last shard of the batch to finish writes its results")
             continue
         written = finalize_batch(loc, extra_metadata={"dagster_run_id": context.run.run_id})
+        # metrics.json now, not only in throughput_metrics: a run that a failed file stops here
+        # still leaves the figures of the files it answered, for the date's totals.
+        metrics.batch_metrics(loc)
         counts = written["request_counts"]
         context.log.info(
             f"{loc.name}: {written['status']}, {counts['completed']} completed, {counts['failed']} failed -> {loc.output_uri}"
         )
+        if report_files and written["status"] == "completed" and file_status.in_date_layout(loc, output_root):
+            file_status.completed(context, loc, written)
         rows.append({"batch": loc.name, "status": written["status"], **counts, "output": loc.output_uri})
-    failed = [r["batch"] for r in rows if r["status"] == "failed"]
-    metadata = _summary(rows, "completed", "failed", "total")
-    if failed:
-        # The files are written either way; the run goes red so the failure is seen.
-        raise dg.Failure(description=f"batch failed (file-level error): {', '.join(failed)}", metadata=metadata)
-    output_root = storage.settings().output_path
-    if taken and _in_date_layout(taken, output_root):
-        scope, judged = context.partition_key, metrics.date_line_failures(output_root, context.partition_key)
-    else:
-        scope, judged = "this run's batches", [metrics.line_failures(row["output"]) for row in rows]
-    return dg.MaterializeResult(metadata=metadata, check_results=[failed_line_rate(scope, judged)])
+    return rows
+
+
+def date_line_counts(judged: list[dict[str, Any]]) -> dict[str, Any]:
+    """batch_outputs' figures over a date's batches (metrics.line_failures of each)."""
+    failed, total = sum(b["failed"] for b in judged), sum(b["total"] for b in judged)
+    return {"batches": len(judged), "completed": total - failed, "failed": failed, "total": total}
 
 
 def failed_line_rate(scope: str, batches: list[dict[str, Any]]) -> dg.AssetCheckResult:
@@ -315,17 +360,20 @@ def throughput_metrics(
         return dg.MaterializeResult(metadata=metrics.aggregate_metrics(per_batch))
     output_root = storage.settings().output_path
     if _in_date_layout(taken, output_root):
-        # The date's figures: this run's batches and every other batch of the date (earlier sensor
-        # runs for other files, a backfill), read from their metrics.json.
-        whole_date = metrics.date_metrics(output_root, context.partition_key)
-        return dg.MaterializeResult(metadata={
-            **metrics.aggregate_metrics(whole_date or per_batch),
-            "batches_this_run": len(per_batch),
-            "scope": f"every batch of {context.partition_key} under {locations.default_output(output_root, context.partition_key, '')}",
-        })
+        return dg.MaterializeResult(metadata=date_figures(output_root, context.partition_key, len(per_batch)))
     # Results written elsewhere (an explicit output_uri, e.g. the CLI): this run's batches alone.
     return dg.MaterializeResult(metadata={**metrics.aggregate_metrics(per_batch), "batches_this_run": len(per_batch),
                                           "scope": "this run's batches (results outside the date's folder)"})
+
+
+def date_figures(output_root: str, date: str, this_run: int) -> dict[str, Any]:
+    """throughput_metrics of a date: every batch of it (earlier sensor runs for other files, a
+    backfill, a re-run of one file), read from their metrics.json."""
+    return {
+        **metrics.aggregate_metrics(metrics.date_metrics(output_root, date)),
+        "batches_this_run": this_run,
+        "scope": f"every batch of {date} under {locations.default_output(output_root, date, '')}",
+    }
 
 
 BATCH_ASSETS = [validated_requests, inference_results, batch_outputs, throughput_metrics]

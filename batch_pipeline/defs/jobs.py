@@ -5,11 +5,18 @@ from typing import Any
 import dagster as dg
 
 from batch_pipeline.defs.assets import BATCH_ASSETS
+from batch_pipeline.defs.batch_files import batch_files
 
 batch_job = dg.define_asset_job(
     "batch_job",
     selection=dg.AssetSelection.assets(*BATCH_ASSETS),
     description="Validate, infer, write and measure the batch files of one date (or the one file in the run config).",
+)
+
+batch_file_job = dg.define_asset_job(
+    "batch_file_job",
+    selection=dg.AssetSelection.assets(batch_files),
+    description="Re-run one batch file (a batch_files partition, <date>/<name>) alone: validate, infer, write, measure.",
 )
 
 

@@ -30,3 +30,27 @@ def partitions_start(env: dict[str, str] | None = None) -> str:
 
 # end_offset=1 makes today's partition exist, so a file uploaded today can run today.
 daily_partitions = dg.DailyPartitionsDefinition(start_date=partitions_start(), timezone="UTC", end_offset=1)
+
+
+# One partition per batch file, keyed "<date>/<batch name>" (e.g. "2026-11-20/feedback"): each file's
+# own status in the UI and a re-run of one file (the batch_files asset). Keys are added as files are
+# found (the upload sensor, or the first step of any run that takes them); dates stay the partitions
+# of the four batch assets, so backfills and the nightly schedule still select whole days.
+batch_file_partitions = dg.DynamicPartitionsDefinition(name="batch_files")
+
+
+def file_key(date: str, name: str) -> str:
+    """The batch_files partition of batch `name` of `date`."""
+    return f"{date}/{name}"
+
+
+def split_file_key(key: str) -> tuple[str, str]:
+    """(date, batch name) of a batch_files partition key; a ValueError naming the key otherwise."""
+    date, _, name = key.partition("/")
+    try:
+        dt.date.fromisoformat(date)
+    except ValueError:
+        date = ""
+    if not date or not name:
+        raise ValueError(f"batch_files partition {key!r} is not <YYYY-MM-DD>/<batch name>")
+    return date, name

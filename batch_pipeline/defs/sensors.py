@@ -23,7 +23,7 @@ import time
 import dagster as dg
 
 from batch_pipeline.defs.jobs import batch_job, batch_run_config
-from batch_pipeline.defs.partitions import daily_partitions
+from batch_pipeline.defs.partitions import batch_file_partitions, daily_partitions, file_key
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.lib import locations, notifications
 from batch_pipeline.lib.storage import describe
@@ -109,6 +109,13 @@ def requests_for(root: str, chosen: list[NewBatch], shards: int) -> list[dg.RunR
         by_date.setdefault(new.partition, []).append(new)
     return [run_requests(news[0])[0] if len(news) == 1 else files_run_request(root, date, news)
             for date, news in by_date.items()]
+
+
+def file_partitions(chosen: list[NewBatch]) -> list[dg.AddDynamicPartitionsRequest]:
+    """The batch_files partitions of the tick's new files, so each shows in the UI once it is queued
+    (the daemon adds only keys not there yet)."""
+    keys = list(dict.fromkeys(file_key(n.partition, locations.batch_name(n.info.uri)) for n in chosen))
+    return [batch_file_partitions.build_add_request(keys)] if keys else []
 
 
 def backlog_run_request(root: str, date: str, since: float) -> dg.RunRequest:
@@ -215,6 +222,7 @@ def _listing_tick(context: dg.SensorEvaluationContext, root: str, output_root: s
     context.log.info(summary)
     return dg.SensorResult(
         run_requests=requests,
+        dynamic_partitions_requests=file_partitions(chosen),
         skip_reason=None if requests else f"no new batch files under {root} ({result.listed} objects listed)",
         cursor=new_cursor.dumps(),
     )
@@ -264,6 +272,7 @@ def _queue_tick(context: dg.SensorEvaluationContext, root: str, output_root: str
     new_cursor = UploadCursor(since=since, delete=handled)
     return dg.SensorResult(
         run_requests=requests,
+        dynamic_partitions_requests=file_partitions(chosen),
         skip_reason=None if requests else f"no new batch files in {url} ({received} message(s))",
         cursor=new_cursor.dumps(),
     )

@@ -98,6 +98,19 @@ def resolve_batches(input_uri: str, output_uri: str, input_root: str, output_roo
     return _one_writer_each(locations)
 
 
+def find_batch_file(input_root: str, output_root: str, partition: str, name: str) -> BatchLocation | None:
+    """Batch `name` of one date (`<input>/<date>/<name>.jsonl`, or `<input>/<name>.jsonl` uploaded
+    that day, any batch suffix), or None when no such file is there now."""
+    found = [o for o in partition_inputs(input_root, partition) if batch_name(o.uri) == name]
+    if not found:
+        return None
+    [loc] = _one_writer_each([
+        BatchLocation(name=name, input_uri=o.uri, output_uri=default_output(output_root, partition, name), partition=partition)
+        for o in found
+    ])
+    return loc
+
+
 def _one_writer_each(found: list[BatchLocation]) -> list[BatchLocation]:
     """`found`, unless two batches would write into one folder: a.jsonl and a.json (or a dated and
     an undated a.jsonl) would overwrite each other's results."""

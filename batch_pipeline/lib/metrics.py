@@ -69,16 +69,28 @@ def date_batch_folders(output_root: str, partition: str, marker: str) -> list[st
     batch.json), whichever runs wrote them."""
     folder = storage.join(output_root, partition)
     prefix = storage.join(folder, "x")[:-1]
+    depth = 1 + marker.count("/")  # "<name>/batch.json", "<name>/_work/validation.json"
     return [
         info.uri[: -len(marker) - 1]
-        for info in storage.list_objects(folder, suffix=marker)
-        if info.uri[len(prefix):].count("/") == 1 and info.uri.endswith("/" + marker)
+        for info in storage.list_objects(folder, suffix=marker.rsplit("/", 1)[-1])
+        if info.uri[len(prefix):].count("/") == depth and info.uri.endswith("/" + marker)
     ]
 
 
 def date_metrics(output_root: str, partition: str) -> list[dict[str, Any]]:
     """The metrics.json of every batch of one date: the date's figures, not only the last run's."""
     return [storage.read_json(storage.join(f, "metrics.json")) for f in date_batch_folders(output_root, partition, "metrics.json")]
+
+
+def date_validations(output_root: str, partition: str) -> list[dict[str, Any]]:
+    """Line counts of every batch of one date that has been validated, whichever runs did it:
+    {"batch", "lines", "valid", "invalid"} each."""
+    return [
+        {"batch": folder.rstrip("/").rsplit("/", 1)[-1],
+         **{k: int(v[k]) for k in ("lines", "valid", "invalid")}}
+        for folder in date_batch_folders(output_root, partition, "_work/validation.json")
+        if (v := storage.read_json(storage.join(folder, "_work", "validation.json")))
+    ]
 
 
 def line_failures(output_uri: str) -> dict[str, Any]:

@@ -1,0 +1,175 @@
+"""Each batch file on its own: the batch_files partitions, their status from a date's run, a re-run of one file.
+
+Covers, in-process (`dg.materialize` on a persistent test instance, the tiny model, real vLLM): a
+date run registers one batch_files partition per file and marks each green or red by what happened
+to that file; a broken file (every line invalid) fails alone; fixed, it is re-run alone from its
+partition, and the date's batch_outputs, check and figures are then recorded over the whole date;
+per-date line counts on validated_requests and batch_outputs whichever runs answered the files; the
+private Dagster event behind "planned" (file_status.py) pinned; refusals of a bad key or a missing
+file; the upload sensor adding the partitions of the files it queues. The UI itself: test_ui_walkthrough.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.defs.assets import BATCH_ASSETS
+from batch_pipeline.defs.batch_files import batch_files
+from batch_pipeline.defs.jobs import batch_run_config
+from batch_pipeline.defs.partitions import batch_file_partitions, split_file_key
+from batch_pipeline.defs.resources import BatchSelection, StorageResource
+from batch_pipeline_tests.test_assets import chat_line, metadata_of, write_batch
+
+DATE = "2026-11-27"
+FILES = dg.AssetKey("batch_files")
+
+
+def resources(llm, inbox: Path, out: Path) -> dict:
+    return {"batch": BatchSelection(), "llm": llm, "storage": StorageResource(input_path=str(inbox), output_path=str(out))}
+
+
+def run_date(llm, inbox, out, instance, run_config=None):
+    return dg.materialize(BATCH_ASSETS, partition_key=DATE, resources=resources(llm, inbox, out), instance=instance,
+                          run_config=run_config, raise_on_error=False)
+
+
+def run_file(llm, inbox, out, instance, key):
+    return dg.materialize([batch_files, *BATCH_ASSETS], selection=[batch_files], partition_key=key,
+                          resources=resources(llm, inbox, out), instance=instance, raise_on_error=False)
+
+
+def status(instance: dg.DagsterInstance) -> dict[str, str]:
+    keys = instance.get_dynamic_partitions(batch_file_partitions.name)
+    found = instance.get_status_by_partition(FILES, keys, batch_file_partitions) or {}
+    return {k: (v.value if v else "MISSING") for k, v in found.items()}
+
+
+@pytest.fixture
+def instance(tmp_path):
+    (tmp_path / "home").mkdir()
+    with dg.instance_for_test(temp_dir=str(tmp_path / "home")) as inst:
+        yield inst
+
+
+@pytest.fixture
+def date_with_a_broken_file(tmp_path):
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    write_batch(inbox / DATE, "alpha.jsonl", [chat_line(f"a-{i}") for i in range(3)])
+    write_batch(inbox / DATE, "beta.jsonl", [chat_line("b-1"), "{oops"])
+    write_batch(inbox / DATE, "broken.jsonl", ["{not json", json.dumps({"custom_id": "x"})])  # every line invalid
+    return inbox, out
+
+
+def test_each_file_of_a_date_shows_alone_and_the_broken_one_reruns_alone(tiny_llm, instance, date_with_a_broken_file):
+    inbox, out = date_with_a_broken_file
+    first = run_date(tiny_llm, inbox, out, instance)
+    assert not first.success  # the broken file fails the date's run...
+    assert status(instance) == {f"{DATE}/alpha": "MATERIALIZED", f"{DATE}/beta": "MATERIALIZED",
+                                f"{DATE}/broken": "FAILED"}  # ...and only its own partition
+    records = instance.fetch_materializations(dg.AssetRecordsFilter(FILES, asset_partitions=[f"{DATE}/alpha"]), limit=1)
+    alpha = records.records[0].asset_materialization
+    assert alpha.metadata["status"].value == "completed" and alpha.metadata["completed"].value == 3
+    assert alpha.metadata["results"].value == str(out / DATE / "alpha")
+
+    # Fixed and re-run alone: no config, only its partition.
+    write_batch(inbox / DATE, "broken.jsonl", [chat_line("fixed-1"), chat_line("fixed-2")])
+    rerun = run_file(tiny_llm, inbox, out, instance, f"{DATE}/broken")
+    assert rerun.success
+    assert status(instance) == {f"{DATE}/alpha": "MATERIALIZED", f"{DATE}/beta": "MATERIALIZED",
+                                f"{DATE}/broken": "MATERIALIZED"}
+    fixed = json.loads((out / DATE / "broken" / "batch.json").read_text())
+    assert fixed["status"] == "completed" and fixed["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
+    assert json.loads((out / DATE / "alpha" / "batch.json").read_text())["metadata"]["dagster_run_id"] == first.run_id
+
+    # The date is whole again: batch_outputs and throughput_metrics recorded over its three files.
+    outputs = metadata_of(rerun, "batch_outputs")
+    assert (outputs["batches"], outputs["completed"], outputs["failed"], outputs["total"]) == (3, 6, 1, 7)
+    assert outputs["rerun"] == "broken"
+    figures = metadata_of(rerun, "throughput_metrics")
+    assert (figures["batches"], figures["requests_completed"], figures["requests_total"]) == (3, 6, 7)
+    [check] = rerun.get_asset_check_evaluations()
+    assert check.partition == DATE and check.check_name == "failed_line_rate" and check.passed is False  # 1 of 7
+    assert "beta: 1 of 2" in check.description
+    date_status = instance.get_status_by_partition(dg.AssetKey("batch_outputs"), [DATE],
+                                                   BATCH_ASSETS[2].partitions_def)
+    assert date_status[DATE].value == "MATERIALIZED"  # red after the first run, green now
+
+    # Re-running a completed file leaves it as it is.
+    again = run_file(tiny_llm, inbox, out, instance, f"{DATE}/alpha")
+    assert again.success
+    assert json.loads((out / DATE / "alpha" / "batch.json").read_text())["metadata"]["dagster_run_id"] == first.run_id
+
+
+def test_line_counts_are_the_dates_whichever_runs_answered_its_files(tiny_llm, instance, date_with_a_broken_file):
+    inbox, out = date_with_a_broken_file
+    (inbox / DATE / "broken.jsonl").unlink()
+    one = run_date(tiny_llm, inbox, out, instance, batch_run_config(input_uri=str(inbox / DATE / "alpha.jsonl")))
+    assert one.success
+    assert metadata_of(one, "validated_requests")["lines"] == 3
+    two = run_date(tiny_llm, inbox, out, instance, batch_run_config(input_uri=str(inbox / DATE / "beta.jsonl")))
+    assert two.success
+    validated = metadata_of(two, "validated_requests")
+    assert (validated["batches"], validated["lines"], validated["valid"], validated["invalid"]) == (2, 5, 4, 1)
+    assert validated["batches_this_run"] == 1
+    outputs = metadata_of(two, "batch_outputs")
+    assert (outputs["batches"], outputs["completed"], outputs["failed"], outputs["total"]) == (2, 4, 1, 5)
+    # Runs with an explicit file still mark it in batch_files.
+    assert status(instance) == {f"{DATE}/alpha": "MATERIALIZED", f"{DATE}/beta": "MATERIALIZED"}
+
+
+def test_a_run_that_writes_elsewhere_has_no_file_partitions(tiny_llm, instance, date_with_a_broken_file, tmp_path):
+    inbox, out = date_with_a_broken_file
+    elsewhere = tmp_path / "elsewhere"
+    result = run_date(tiny_llm, inbox, out, instance,
+                      batch_run_config(input_uri=str(inbox / DATE / "alpha.jsonl"), output_uri=str(elsewhere)))
+    assert result.success and (elsewhere / "batch.json").exists()
+    assert instance.get_dynamic_partitions(batch_file_partitions.name) == []
+
+
+def test_planned_files_of_a_failed_run_are_failed_partitions(instance):
+    """Pins the Dagster event file_status.plan() builds: planned + run failed -> red; planned +
+    materialized -> green; planned in a run that succeeded without it -> not red."""
+    from batch_pipeline.defs import file_status
+    from batch_pipeline.lib.locations import BatchLocation
+
+    out = "/tmp/out"
+    locs = [BatchLocation(n, f"/in/{DATE}/{n}.jsonl", f"{out}/{DATE}/{n}", DATE) for n in ("ok", "bad")]
+
+    def body(fail: bool):
+        @dg.asset(partitions_def=BATCH_ASSETS[0].partitions_def, name="day")
+        def day(context) -> None:
+            file_status.plan(context, locs, out)
+            context.log_event(dg.AssetMaterialization(FILES, partition=f"{DATE}/ok"))
+            if fail:
+                raise dg.Failure("bad failed")
+        return day
+
+    dg.materialize([body(fail=False)], partition_key=DATE, instance=instance)
+    assert status(instance) == {f"{DATE}/ok": "MATERIALIZED", f"{DATE}/bad": "MISSING"}
+    assert not dg.materialize([body(fail=True)], partition_key=DATE, instance=instance, raise_on_error=False).success
+    assert status(instance) == {f"{DATE}/ok": "MATERIALIZED", f"{DATE}/bad": "FAILED"}
+
+
+@pytest.mark.parametrize("key, message", [
+    ("alpha", "is not <YYYY-MM-DD>/<batch name>"),
+    (f"{DATE}/gone", f"no batch file gone.jsonl (or .json, .ndjson) of {DATE}"),
+    ("2020-01-01/alpha", "2020-01-01 is outside the date partitions"),
+])
+def test_a_file_partition_that_cannot_run_says_why(tiny_llm, instance, date_with_a_broken_file, key, message):
+    inbox, out = date_with_a_broken_file
+    instance.add_dynamic_partitions(batch_file_partitions.name, [key])
+    result = run_file(tiny_llm, inbox, out, instance, key)
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    assert message in failure.step_failure_data.error.message
+    assert failure.step_failure_data.user_failure_data.description and not list((out).glob("**/batch.json"))
+
+
+def test_file_keys_round_trip():
+    assert split_file_key(f"{DATE}/a/b") == (DATE, "a/b")
+    with pytest.raises(ValueError, match="not <YYYY-MM-DD>/<batch name>"):
+        split_file_key(f"{DATE}/")
