@@ -16,7 +16,7 @@ whole server is killed with SIGKILL, a new one starts on the same instance, and 
 visible again the file runs exactly once and the queue ends empty.
 
 S3 and SQS are moto's server (a subprocess, over HTTP); nothing is mocked. Does not test the UI
-(test_ui_backfill.py) or the sensor's edge cases (test_sensors.py).
+(test_ui_walkthrough.py) or the sensor's edge cases (test_sensors.py).
 """
 
 from __future__ import annotations

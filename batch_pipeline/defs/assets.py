@@ -136,7 +136,9 @@ def validated_requests(
     output_root = storage.settings().output_path
     file_status.plan(context, taken, output_root)  # each file shows in progress in batch_files
     rows = validate_batches(context, taken, llm, _shard(batch))
-    if taken and _in_date_layout(taken, output_root):
+    if not taken:  # nothing to do: no figures, so the plots keep the date's real ones (no zeros)
+        return dg.MaterializeResult(metadata={"batches": 0})
+    if _in_date_layout(taken, output_root):
         # The date's line counts, whichever runs validated its batches: a sensor run for one file
         # does not replace the date's figures with that file's.
         whole_date = metrics.date_validations(output_root, context.partition_key)
@@ -260,13 +262,18 @@ def batch_outputs(
     taken = run_batches(context, batch, storage)
     output_root = storage.settings().output_path
     rows = write_batches(context, taken, _shard(batch), output_root)
+    if not taken:
+        # Nothing to do: no figures, so the plots keep the date's real ones (no zeros); the check
+        # judges the date's files as they are (results elsewhere: there is nothing to judge).
+        date = [] if batch.output_uri else metrics.date_line_failures(output_root, context.partition_key)
+        return dg.MaterializeResult(metadata={"batches": 0}, check_results=[failed_line_rate(context.partition_key, date)])
     failed = [r["batch"] for r in rows if r["status"] == "failed"]
     metadata = _summary(rows, "completed", "failed", "total")
     if failed:
         # The files are written either way; the run goes red so the failure is seen (and with it
         # the failed files' batch_files partitions, while the others of the date are green).
         raise dg.Failure(description=f"batch failed (file-level error): {', '.join(failed)}", metadata=metadata)
-    if taken and _in_date_layout(taken, output_root):
+    if _in_date_layout(taken, output_root):
         scope, judged = context.partition_key, metrics.date_line_failures(output_root, context.partition_key)
         metadata = {**date_line_counts(judged), "batches_this_run": len(rows), "this_run": metadata["summary"],
                     "scope": f"every batch of {context.partition_key}"}

@@ -1,0 +1,268 @@
+"""The Dagster UI in a real browser, as a new user walks through it: backfill, each file, re-run, sensor, figures.
+
+Covers: Debian's Chromium driven by Playwright against a real `dagster dev` (local folders for
+storage, the tiny model). In order, sharing one server:
+1. the asset group page; "Materialize all…", a typed range of two dates, "Launch backfill"; the
+   backfill daemon runs both dates (two runs sharing the `gpu` pool, limit 1: they queue for it and
+   do not fail). The second date holds a broken file (every line invalid): its run fails.
+2. the batch_files asset shows each file of those dates: the broken one red, the others green.
+3. the broken file, fixed, is re-run alone from its partition (no config typed): it turns green,
+   and its date's batch_outputs turns green too.
+4. the upload sensor turned on afterwards starts no run for the finished files, and the dates'
+   throughput figures do not change; they add up the files of each date.
+Screenshots of each step go to UI_SCREENSHOTS_DIR (default: the test's tmp folder; the README's
+pictures in docs/ui/ come from `UI_SCREENSHOTS_DIR=docs/ui`).
+
+Needs /usr/bin/chromium and the `playwright` package; if either is missing the test runs
+scripts/install_browser.sh once and skips, saying so, only if that cannot install them. Playwright
+never downloads a browser of its own. Does not cover S3 or the SQS queue (test_dagster_e2e.py,
+test_sensor_queue.py).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.defs.partitions import batch_file_partitions
+from batch_pipeline_tests.conftest import REPO, TINY_NAME
+from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+# Keep the browser off the network (these flags stop its background fetches).
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+BACKFILL_TIMEOUT = 300.0  # two runs, each ~25 s of imports and engine start, sharing one gpu slot
+UI_TIMEOUT_MS = 60_000
+
+
+def ensure_browser() -> Any:
+    """The playwright module, with Chromium installed; skip only if neither can be installed."""
+    def ready() -> bool:
+        return CHROMIUM.exists() and importlib.util.find_spec("playwright") is not None
+
+    if not ready():
+        script = REPO / "scripts" / "install_browser.sh"
+        result = subprocess.run(["bash", str(script), str(Path(sys.executable).parent.parent)],
+                                capture_output=True, text=True, timeout=900)
+        importlib.invalidate_caches()
+        if not ready():
+            pytest.skip(f"no browser for the UI test: {CHROMIUM} or playwright missing and "
+                        f"{script} could not install them: {(result.stderr or result.stdout)[-500:]}")
+    return importlib.import_module("playwright.sync_api")
+
+
+def chat_line(custom_id: str) -> str:
+    body = {"model": TINY_NAME, "messages": [{"role": "user", "content": f"hello {custom_id}"}], "max_tokens": 3}
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+@pytest.fixture(scope="module")
+def ui(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    playwright = ensure_browser()
+    root = tmp_path_factory.mktemp("dagster_ui")
+    inbox, out = root / "in", root / "out"
+    # Two recent dates: the dialog lists the last 90 days by default.
+    today = dt.datetime.now(dt.timezone.utc).date()
+    # Inside the upload sensor's window (SENSOR_WINDOW_DAYS, 3): it sees these files when turned on.
+    dates = [(today - dt.timedelta(days=d)).isoformat() for d in (2, 1)]
+    for date in dates:
+        (inbox / date).mkdir(parents=True)
+        (inbox / date / f"ui-{date}.jsonl").write_text("\n".join(chat_line(f"{date}-{i}") for i in range(3)) + "\n")
+    (inbox / dates[1] / "broken.jsonl").write_text('{"custom_id": "b-1"}\nnot json\n')  # every line invalid
+    env = pipeline_env(tiny_model_dir, str(inbox), str(out), PARTITIONS_START=dates[0])
+    shots = Path(os.environ.get("UI_SCREENSHOTS_DIR") or root / "screenshots")
+    shots.mkdir(parents=True, exist_ok=True)
+    server = start_dagster_dev(root / "home", env, root / "dagster-dev.log")
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.set_default_timeout(UI_TIMEOUT_MS)
+            yield Walk(server, page, dates, inbox, out, shots)
+            browser.close()
+    finally:
+        print(f"dagster dev log: {server.log_path}; screenshots: {shots}")
+        server.stop()
+
+
+class Walk:
+    """What the steps of the walk-through share: the server, the page, the two dates, the folders."""
+
+    def __init__(self, server: DagsterDev, page: Any, dates: list[str], inbox: Path, out: Path, shots: Path):
+        self.server, self.page, self.dates, self.inbox, self.out, self.shots = server, page, dates, inbox, out, shots
+
+    def shot(self, name: str) -> None:
+        self.page.screenshot(path=str(self.shots / f"{name}.png"))
+
+    def file_status(self) -> dict[str, str]:
+        instance = self.server.instance()
+        keys = instance.get_dynamic_partitions(batch_file_partitions.name)
+        found = instance.get_status_by_partition(dg.AssetKey("batch_files"), keys, batch_file_partitions) or {}
+        return {k: (v.value if v else "MISSING") for k, v in found.items()}
+
+    def date_status(self, asset: str) -> dict[str, str]:
+        days = dg.DailyPartitionsDefinition(start_date=self.dates[0], timezone="UTC", end_offset=1)  # the server's
+        found = self.server.instance().get_status_by_partition(dg.AssetKey(asset), self.dates, days) or {}
+        return {k: (v.value if v else "MISSING") for k, v in found.items()}
+
+    def figures(self, date: str) -> tuple[int, dict[str, Any]]:
+        """(storage id, metadata) of throughput_metrics' latest materialization for `date`."""
+        records = self.server.instance().fetch_materializations(
+            dg.AssetRecordsFilter(dg.AssetKey("throughput_metrics"), asset_partitions=[date]), limit=1).records
+        assert records, f"no throughput_metrics for {date}"
+        return records[0].storage_id, {k: v.value for k, v in records[0].asset_materialization.metadata.items()}
+
+
+def visible(page: Any, text: str) -> Any:
+    """The first visible element with `text` (the UI also renders hidden copies to measure them)."""
+    return page.locator(f"text={text} >> visible=true").first
+
+
+def open_group(server: DagsterDev, page: Any) -> None:
+    page.goto(f"{server.url}/locations/batch_pipeline/asset-groups/batch")
+    for asset in ("validated_requests", "inference_results", "batch_outputs", "throughput_metrics"):
+        page.get_by_text(asset, exact=True).first.wait_for()
+
+
+def test_backfill_of_two_dates_from_the_ui(ui: Walk) -> None:
+    server, page, dates, out = ui.server, ui.page, ui.dates, ui.out
+    open_group(server, page)
+    ui.shot("1-asset-group")
+
+    page.get_by_role("button", name="Materialize all…").click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Launch runs to materialize 4 assets").wait_for()
+    partitions = dialog.locator("input[type=text]").first
+    partitions.fill(f"[{dates[0]}...{dates[1]}]")
+    partitions.press("Enter")
+    dialog.get_by_text("2 partitions", exact=True).wait_for()
+    ui.shot("2-partition-range")
+    dialog.get_by_role("button", name="Launch backfill").click()
+    dialog.wait_for(state="detached")
+
+    instance = server.instance()
+    [backfill] = wait_for("the backfill in the instance", instance.get_backfills, 30)
+
+    def finished() -> Any:
+        current = server.instance().get_backfill(backfill.backfill_id)
+        return current if current.status.value not in ("REQUESTED", "CANCELING") else None
+
+    done = wait_for(f"backfill {backfill.backfill_id} finished", finished, BACKFILL_TIMEOUT, interval=3.0,
+                    on_timeout=server.log_tail)
+    page.goto(f"{server.url}/runs/b/{backfill.backfill_id}?tab=runs")
+    visible(page, "Failure").wait_for()
+    visible(page, "Success").wait_for()
+    ui.shot("3-backfill")
+    # The first date's run succeeds; the second fails on its broken file (and only that file fails).
+    assert done.status.value == "COMPLETED_FAILED", server.log_tail()
+    runs = server.instance().get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill.backfill_id}))
+    by_date = {r.tags["dagster/partition"]: r for r in runs}
+    assert sorted(by_date) == dates
+    assert (by_date[dates[0]].status.value, by_date[dates[1]].status.value) == ("SUCCESS", "FAILURE")
+    for date in dates:
+        batch = json.loads((out / date / f"ui-{date}" / "batch.json").read_text())
+        assert batch["status"] == "completed"
+        assert batch["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+        assert batch["metadata"]["partition"] == date
+    assert json.loads((out / dates[1] / "broken" / "batch.json").read_text())["status"] == "failed"
+
+    # One gpu slot for two runs: their inference steps never overlapped; a run that waited says so in its log.
+    spans = sorted(step_span(server, r.run_id, "inference_results") for r in runs)
+    assert spans[0][1] <= spans[1][0], f"inference steps overlapped: {spans}"
+    waited = [r.run_id for r in runs if any("blocked by limit for pool gpu" in (e.message or "")
+                                             for e in server.instance().all_logs(r.run_id))]
+    print(f"inference_results spans {spans}; runs that waited for the gpu pool: {waited}")
+
+
+def test_each_file_shows_on_its_own_the_broken_one_red(ui: Walk) -> None:
+    server, page, dates = ui.server, ui.page, ui.dates
+    assert ui.file_status() == {f"{dates[0]}/ui-{dates[0]}": "MATERIALIZED", f"{dates[1]}/ui-{dates[1]}": "MATERIALIZED",
+                                f"{dates[1]}/broken": "FAILED"}
+    assert ui.date_status("batch_outputs") == {dates[0]: "MATERIALIZED", dates[1]: "FAILED"}
+    page.goto(f"{server.url}/assets/batch_files?view=partitions")
+    visible(page, f"{dates[0]}/ui-{dates[0]}").wait_for()
+    visible(page, f"{dates[1]}/broken").click()
+    visible(page, "failed, and did not materialize this asset").wait_for()  # the date's run, named
+    visible(page, "Failed (1)").wait_for()
+    ui.shot("4-batch-files")
+
+
+def test_the_broken_file_fixed_reruns_alone_from_its_partition(ui: Walk) -> None:
+    server, page, dates = ui.server, ui.page, ui.dates
+    key = f"{dates[1]}/broken"
+    (ui.inbox / dates[1] / "broken.jsonl").write_text("\n".join(chat_line(f"fixed-{i}") for i in range(2)) + "\n")
+    before = {r.run_id for r in server.instance().get_runs()}
+    page.goto(f"{server.url}/assets/batch_files?view=partitions")
+    visible(page, key).click()  # the red one
+    page.get_by_role("button", name="Materialize…").click()
+    dialog = page.get_by_role("dialog")
+    dialog.get_by_text("Launch runs to materialize batch_files").wait_for()
+    dialog.get_by_text("1 partition", exact=True).wait_for()  # the selected file, preselected
+    ui.shot("5-rerun-one-file")
+    dialog.get_by_role("button", name="Launch 1 run").click()
+    dialog.wait_for(state="detached")
+
+    def the_rerun() -> Any:
+        new = [r for r in server.instance().get_runs() if r.run_id not in before]
+        return new[0] if new and new[0].is_finished else None
+
+    run = wait_for("the re-run of the broken file", the_rerun, BACKFILL_TIMEOUT, interval=2.0, on_timeout=server.log_tail)
+    assert run.status.value == "SUCCESS", server.log_tail()
+    assert run.tags["dagster/partition"] == key  # that file alone
+    fixed = json.loads((ui.out / dates[1] / "broken" / "batch.json").read_text())
+    assert fixed["status"] == "completed" and fixed["request_counts"]["completed"] == 2
+    assert ui.file_status()[key] == "MATERIALIZED"
+    assert ui.date_status("batch_outputs") == {dates[0]: "MATERIALIZED", dates[1]: "MATERIALIZED"}
+    page.goto(f"{server.url}/assets/batch_files?view=partitions&partition={key}")
+    visible(page, "Materialized (3)").wait_for()
+    visible(page, "results").wait_for()  # the file's metadata: status, counts, where its results are
+    ui.shot("6-batch-files-after-rerun")
+
+
+def test_sensor_on_afterwards_starts_nothing_and_figures_add_up(ui: Walk) -> None:
+    server, page, dates = ui.server, ui.page, ui.dates
+    figures_before = {date: ui.figures(date) for date in dates}
+    runs_before = len(server.instance().get_runs())
+    server.start_sensor("batch_upload_sensor")
+    tick = wait_for("a finished sensor tick", lambda: next(
+        (t for t in server.sensor_ticks("batch_upload_sensor") if t["status"] in ("SKIPPED", "SUCCESS", "FAILURE")), None),
+        120, interval=2.0, on_timeout=server.log_tail)
+    assert tick["status"] == "SKIPPED", tick
+    time.sleep(2)  # a run it had requested would be in the instance by now
+    assert len(server.instance().get_runs()) == runs_before
+    for date in dates:
+        assert ui.figures(date) == figures_before[date]  # not touched
+        per_file = [json.loads(m.read_text()) for m in sorted((ui.out / date).glob("*/metrics.json"))]
+        _, totals = figures_before[date]
+        assert totals["batches"] == len(per_file) == (2 if date == dates[1] else 1)
+        for key in ("requests_completed", "requests_total", "output_tokens"):
+            assert totals[key] == sum(m[key] for m in per_file), key
+    page.goto(f"{server.url}/assets/throughput_metrics?view=partitions&partition={dates[1]}")
+    visible(page, "batches_this_run").wait_for()
+    ui.shot("7-throughput-per-date")
+    open_group(server, page)
+    ui.shot("8-asset-group-after")
+
+
+def step_span(server: DagsterDev, run_id: str, step: str) -> tuple[float, float]:
+    records = server.instance().all_logs(run_id)
+    starts = [r.timestamp for r in records if r.step_key == step and r.dagster_event
+              and r.dagster_event.event_type == dg.DagsterEventType.STEP_START]
+    ends = [r.timestamp for r in records if r.step_key == step and r.dagster_event
+            and r.dagster_event.event_type == dg.DagsterEventType.STEP_SUCCESS]
+    assert starts and ends, f"no {step} start/success in run {run_id}"
+    return starts[0], ends[-1]
