@@ -186,6 +186,10 @@ def test_backfill_of_two_dates_from_the_ui(ui: Walk) -> None:
     waited = [r.run_id for r in runs if any("blocked by limit for pool gpu" in (e.message or "")
                                              for e in server.instance().all_logs(r.run_id))]
     print(f"inference_results spans {spans}; runs that waited for the gpu pool: {waited}")
+    later = [r for r in runs if step_span(server, r.run_id, "inference_results") == spans[1]][0]
+    ready = step_ready(server, later.run_id)
+    if ready < spans[0][1]:  # it reached inference while the other held the gpu slot: its log says so
+        assert later.run_id in waited, f"run {later.run_id} waited for the gpu pool without saying so"
 
 
 def test_each_file_shows_on_its_own_the_broken_one_red(ui: Walk) -> None:
@@ -256,6 +260,14 @@ def test_sensor_on_afterwards_starts_nothing_and_figures_add_up(ui: Walk) -> Non
     ui.shot("7-throughput-per-date")
     open_group(server, page)
     ui.shot("8-asset-group-after")
+
+
+def step_ready(server: DagsterDev, run_id: str) -> float:
+    """When the run's validated_requests finished: from then on its inference_results could start."""
+    done = [r.timestamp for r in server.instance().all_logs(run_id) if r.step_key == "validated_requests"
+            and r.dagster_event and r.dagster_event.event_type == dg.DagsterEventType.STEP_SUCCESS]
+    assert done, f"no validated_requests success in run {run_id}"
+    return done[0]
 
 
 def step_span(server: DagsterDev, run_id: str, step: str) -> tuple[float, float]:
