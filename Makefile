@@ -40,7 +40,7 @@ demo: install model $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/batch-pipeline run $(SAMPLE) --output-dir $(DEMO_OUT)
 	@echo
 	@echo "Results of the sample batch are in $(CURDIR)/$(DEMO_OUT):"
-	@echo "  output.jsonl (answers)  errors.jsonl (bad lines)  batch.json (Batch object)  metrics.json"
+	@echo "  output.jsonl (answers)  errors.jsonl (bad lines)  results.parquet (both, as a table)  batch.json (Batch object)  metrics.json"
 	@echo "The run is recorded in $(DAGSTER_HOME); see it with: make dev  (then open http://127.0.0.1:3000)"
 
 test: install

@@ -173,7 +173,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             f"inference {m['inference_seconds']:.1f}s ({m['requests_per_second']:.2f} req/s, "
             f"{m['output_tokens_per_second']:.1f} output tok/s), model load {m['model_load_seconds']:.1f}s"
         )
-    print(f"results in {output_dir}: output.jsonl errors.jsonl batch.json metrics.json")
+    print(f"results in {output_dir}: output.jsonl errors.jsonl results.parquet batch.json metrics.json")
     if batch["status"] != "completed":
         errors = (batch.get("errors") or {}).get("data") or [{"message": batch["status"]}]
         _err(f"batch {batch['status']}: {errors[0]['message']}")

@@ -372,7 +372,7 @@ def test_a_run_of_several_files_of_a_date_answers_those_alone(tiny_llm, tmp_path
     result = materialize(tiny_llm, str(inbox), str(out), instance=instance,
                          run_config=batch_run_config(input_uris=[str(one), str(two), str(gone)]))
     assert result.success
-    assert sorted(p.name for p in (out / DATE).iterdir() if not p.name.startswith(".")) == ["one", "two"]
+    assert sorted(p.name for p in (out / DATE).iterdir() if p.is_dir() and not p.name.startswith(".")) == ["one", "two"]
     assert [o["custom_id"] for o in read_jsonl(str(out / DATE / "two" / "output.jsonl"))] in (["t-1", "t-2"], ["t-2", "t-1"])
     assert metadata_of(result, "validated_requests")["batches"] == 2
     assert list((out / DATE / ".runs").glob("*.json"))  # the run's batch list, in the date's folder

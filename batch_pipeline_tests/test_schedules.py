@@ -152,7 +152,7 @@ def test_the_nightly_run_takes_every_file_of_the_date(tiny_llm, tmp_path: Path) 
     result = materialize(request, tiny_llm, inbox, out)
 
     assert result.success
-    assert sorted(p.name for p in (out / day).iterdir()) == [".runs", "dated", "uploaded-that-day"]
+    assert sorted(p.name for p in (out / day).iterdir()) == [".runs", "dated", "metrics.parquet", "uploaded-that-day"]
     for name, ids in [("dated", ["d-1", "d-2"]), ("uploaded-that-day", ["u-1"])]:
         batch = json.loads((out / day / name / "batch.json").read_text())
         assert batch["status"] == "completed"

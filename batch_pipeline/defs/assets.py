@@ -12,7 +12,7 @@ import dagster as dg
 from batch_pipeline.defs import file_status
 from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-from batch_pipeline.lib import checkpoints, locations, metrics, progress
+from batch_pipeline.lib import checkpoints, locations, metrics, progress, tables
 from batch_pipeline.lib.engine_args import require_hardware
 from batch_pipeline.lib.ingest import validate_batch
 from batch_pipeline.lib.inference import infer_batch
@@ -20,6 +20,7 @@ from batch_pipeline.lib.locations import BatchLocation, RunBatches
 from batch_pipeline.lib.results import finalize_batch
 from batch_pipeline.lib.settings import ConfigError
 from batch_pipeline.lib.shards import Shard, merge_if_complete, reusable_validation
+from batch_pipeline.lib.storage import join as storage_join
 from batch_pipeline.lib.storage import read_json
 
 DEFAULT_MAX_FAILED_RATE = 0.10
@@ -273,10 +274,11 @@ def batch_outputs(
         # The files are written either way; the run goes red so the failure is seen (and with it
         # the failed files' batch_files partitions, while the others of the date are green).
         raise dg.Failure(description=f"batch failed (file-level error): {', '.join(failed)}", metadata=metadata)
+    metadata.update(results_table_metadata(rows))
     if _in_date_layout(taken, output_root):
         scope, judged = context.partition_key, metrics.date_line_failures(output_root, context.partition_key)
         metadata = {**date_line_counts(judged), "batches_this_run": len(rows), "this_run": metadata["summary"],
-                    "scope": f"every batch of {context.partition_key}"}
+                    "scope": f"every batch of {context.partition_key}", **results_table_metadata(rows)}
     else:
         scope, judged = "this run's batches", [metrics.line_failures(row["output"]) for row in rows]
     return dg.MaterializeResult(metadata=metadata, check_results=[failed_line_rate(scope, judged)])
@@ -304,6 +306,28 @@ def write_batches(context: dg.AssetExecutionContext, taken: list[BatchLocation],
             file_status.completed(context, loc, written)
         rows.append({"batch": loc.name, "status": written["status"], **counts, "output": loc.output_uri})
     return rows
+
+
+RESULTS_COLUMNS = dg.TableSchema(columns=[
+    dg.TableColumn(field.name, str(field.type), constraints=dg.TableColumnConstraints(nullable=field.nullable))
+    for field in tables.RESULTS_SCHEMA
+])
+
+
+def results_table_metadata(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The results.parquet columns (Dagster's column schema) and the first rows of the run's first batch."""
+    if not rows:
+        return {}
+    first = rows[0]["output"]
+    head = tables.read_head(storage_join(first, tables.RESULTS_NAME))
+    return {
+        "dagster/column_schema": RESULTS_COLUMNS,
+        "results": dg.MetadataValue.path(storage_join(first, tables.RESULTS_NAME)),
+        "results_preview": dg.MetadataValue.table(
+            records=[dg.TableRecord({k: "" if v is None else v for k, v in row.items()}) for row in head],  # null shown blank
+            schema=RESULTS_COLUMNS,
+        ),
+    }
 
 
 def date_line_counts(judged: list[dict[str, Any]]) -> dict[str, Any]:
@@ -375,10 +399,16 @@ def throughput_metrics(
 
 def date_figures(output_root: str, date: str, this_run: int) -> dict[str, Any]:
     """throughput_metrics of a date: every batch of it (earlier sensor runs for other files, a
-    backfill, a re-run of one file), read from their metrics.json."""
+    backfill, a re-run of one file), read from their metrics.json; also written as one table,
+    `<output>/<date>/metrics.parquet` (a row per batch), for pandas."""
+    per_batch = metrics.date_metrics(output_root, date)
+    table = storage_join(output_root, date, metrics.DATE_TABLE)
+    if per_batch:
+        tables.write_metrics_table(table, per_batch)
     return {
-        **metrics.aggregate_metrics(metrics.date_metrics(output_root, date)),
+        **metrics.aggregate_metrics(per_batch),
         "batches_this_run": this_run,
+        "metrics_table": dg.MetadataValue.path(table),
         "scope": f"every batch of {date} under {locations.default_output(output_root, date, '')}",
     }
 

@@ -77,9 +77,14 @@ def date_batch_folders(output_root: str, partition: str, marker: str) -> list[st
     ]
 
 
+DATE_TABLE = "metrics.parquet"  # <output>/<date>/metrics.parquet: the date's metrics.json files as one table
+
+
 def date_metrics(output_root: str, partition: str) -> list[dict[str, Any]]:
-    """The metrics.json of every batch of one date: the date's figures, not only the last run's."""
-    return [storage.read_json(storage.join(f, "metrics.json")) for f in date_batch_folders(output_root, partition, "metrics.json")]
+    """The metrics.json of every batch of one date (with its folder's name as `batch`): the date's
+    figures, not only the last run's."""
+    return [{"batch": f.rstrip("/").rsplit("/", 1)[-1], **storage.read_json(storage.join(f, "metrics.json"))}
+            for f in date_batch_folders(output_root, partition, "metrics.json")]
 
 
 def date_validations(output_root: str, partition: str) -> list[dict[str, Any]]:

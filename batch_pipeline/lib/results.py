@@ -1,4 +1,4 @@
-"""The results step of a batch: output.jsonl, errors.jsonl and the Batch object (batch.json)."""
+"""The results step of a batch: output.jsonl, errors.jsonl, results.parquet and the Batch object (batch.json)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from batch_pipeline.lib import contract, storage
 from batch_pipeline.lib.checkpoints import LineSet, iter_answers
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.responses import cancelled_line
+from batch_pipeline.lib.tables import RESULTS_NAME, ResultsTable
 from batch_pipeline.lib.validation import InvalidLine
 
 EXPIRY_SECONDS = 24 * 3600  # OpenAI's completion window, recorded as expires_at
@@ -28,22 +29,28 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
     inference = storage.read_json(loc.work("inference.json")) if has_inference else None
     counts = {"output": 0, "error": 0, "input_tokens": 0, "output_tokens": 0}
     seen = LineSet()
+    table = ResultsTable()
     with storage.open_write(loc.out("output.jsonl")) as out, storage.open_write(loc.out("errors.jsonl")) as err:
         for bad in storage.iter_jsonl(loc.work("invalid.jsonl")):
             seen.add(bad["line"])
-            err.write(storage.json_line(InvalidLine(**bad).to_error_line(batch_id)))
+            record = InvalidLine(**bad).to_error_line(batch_id)
+            err.write(storage.json_line(record))
+            table.add(bad["line"], record)
             counts["error"] += 1
         for answer in iter_answers(loc, inference["checkpoint_key"]) if inference else ():
             if not seen.add(answer["line"]):
                 continue
             (out if answer["kind"] == "output" else err).write(storage.json_line(answer["record"]))
+            table.add(answer["line"], answer["record"])
             counts[answer["kind"]] += 1
             counts["input_tokens"] += answer.get("prompt_tokens", 0)
             counts["output_tokens"] += answer.get("completion_tokens", 0)
         if cancelled:
             for req in storage.iter_jsonl(loc.work("requests.jsonl")):
                 if seen.add(req["line"]):
-                    err.write(storage.json_line(cancelled_line(batch_id, req["line"], req["request"]["custom_id"])))
+                    record = cancelled_line(batch_id, req["line"], req["request"]["custom_id"])
+                    err.write(storage.json_line(record))
+                    table.add(req["line"], record)
                     counts["error"] += 1
         if counts["output"] + counts["error"] != validation["lines"]:
             # Raised inside the writers: nothing is published, the old files (if any) stay.
@@ -51,6 +58,7 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
                 f"{loc.name}: {validation['lines']} lines in, but {counts['output']} answers + "
                 f"{counts['error']} errors: inference has not finished (run inference_results first)"
             )
+    table.write(loc.out(RESULTS_NAME))  # the same lines as a table, in input order
     finished = int(time.time())
     file_error = validation["file_error"]
     status = "failed" if file_error else "cancelled" if cancelled else "completed"

@@ -1,0 +1,105 @@
+"""Results as a table: `results.parquet` beside `output.jsonl`, one row per input line, in input order.
+
+A data team joins answers back to its data rather than flattening JSONL: each batch's results also
+go to a Parquet file with an explicit schema (below), written by row groups. Rows are kept in
+memory until the file is written, a few hundred bytes each plus the answer text (a 50,000-line
+batch, OpenAI's limit per file, is tens of MB).
+
+Columns: `line` (1-based input line), `custom_id`, `status` (`completed`, `failed`, `cancelled`),
+`content` (the assistant message, or the completion text; null for embeddings and errors),
+`finish_reason`, `prompt_tokens`, `completion_tokens` (0 for lines that never ran), `error_code`,
+`error_message` (null when completed). With `n` > 1, content and finish_reason are the first choice's.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batch_pipeline.lib import contract, storage
+
+RESULTS_NAME = "results.parquet"
+ROW_GROUP_ROWS = 10_000
+
+RESULTS_SCHEMA = pa.schema([
+    pa.field("line", pa.int64(), nullable=False),
+    pa.field("custom_id", pa.string()),
+    pa.field("status", pa.string(), nullable=False),
+    pa.field("content", pa.string()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("prompt_tokens", pa.int64(), nullable=False),
+    pa.field("completion_tokens", pa.int64(), nullable=False),
+    pa.field("error_code", pa.string()),
+    pa.field("error_message", pa.string()),
+])
+
+
+def result_row(line: int, record: dict[str, Any]) -> dict[str, Any]:
+    """The table row of one output.jsonl / errors.jsonl line."""
+    row: dict[str, Any] = {"line": line, "custom_id": record.get("custom_id"), "status": "completed", "content": None,
+                           "finish_reason": None, "prompt_tokens": 0, "completion_tokens": 0,
+                           "error_code": None, "error_message": None}
+    error = record.get("error")
+    if error:  # refused before it ran: validation, the engine's checks, cancellation
+        row["status"] = "cancelled" if error.get("code") == contract.BATCH_CANCELLED else "failed"
+        row["error_code"], row["error_message"] = error.get("code"), error.get("message")
+        return row
+    response = record.get("response") or {}
+    body = response.get("body") or {}
+    if response.get("status_code", 200) != 200:  # the engine refused it: OpenAI's error body
+        err = body.get("error") or {}
+        row["status"] = "failed"
+        row["error_code"] = err.get("code") or err.get("type") or f"http_{response.get('status_code')}"
+        row["error_message"] = err.get("message")
+        return row
+    usage = body.get("usage") or {}
+    row["prompt_tokens"] = int(usage.get("prompt_tokens") or 0)
+    row["completion_tokens"] = int(usage.get("completion_tokens") or 0)
+    choices = body.get("choices") or []
+    if choices:
+        first = choices[0]
+        message = first.get("message")
+        row["content"] = message.get("content") if isinstance(message, dict) else first.get("text")
+        row["finish_reason"] = first.get("finish_reason")
+    return row
+
+
+class ResultsTable:
+    """The rows of one batch's results, gathered in any order and written in input order."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    def add(self, line: int, record: dict[str, Any]) -> None:
+        self.rows.append(result_row(line, record))
+
+    def write(self, uri: str) -> int:
+        """Write results.parquet (atomically, by row groups); returns the number of rows."""
+        self.rows.sort(key=lambda r: r["line"])
+        with storage.open_write(uri) as handle, pq.ParquetWriter(handle, RESULTS_SCHEMA, compression="zstd") as writer:
+            if not self.rows:
+                writer.write_table(RESULTS_SCHEMA.empty_table())
+            for start in range(0, len(self.rows), ROW_GROUP_ROWS):
+                writer.write_table(pa.Table.from_pylist(self.rows[start:start + ROW_GROUP_ROWS], schema=RESULTS_SCHEMA))
+        return len(self.rows)
+
+
+def read_head(uri: str, rows: int = 5) -> list[dict[str, Any]]:
+    """The first rows of a results.parquet (the first row group only is read)."""
+    local = storage.local_path(uri)
+    # A Parquet reader seeks (footer first); S3 objects are read whole for that.
+    parquet = pq.ParquetFile(str(local) if local else io.BytesIO(storage.read_bytes(uri)))
+    if parquet.num_row_groups == 0:
+        return []
+    return parquet.read_row_group(0).slice(0, rows).to_pylist()
+
+
+def write_metrics_table(uri: str, per_batch: list[dict[str, Any]]) -> None:
+    """A date's metrics.parquet: one row per batch (its metrics.json), for pandas."""
+    table = pa.Table.from_pandas(pd.DataFrame(per_batch), preserve_index=False)  # the union of their keys
+    with storage.open_write(uri) as handle:
+        pq.write_table(table, handle, compression="zstd")
