@@ -30,6 +30,8 @@ def _err(message: str) -> None:
 def cmd_validate(args: argparse.Namespace) -> int:
     from batch_pipeline.defs.resources import LLMResource
     from batch_pipeline.lib import storage
+    from batch_pipeline.lib.ingest import validate_table
+    from batch_pipeline.lib.table_inputs import is_table
     from batch_pipeline.lib.validation import validate_stream
 
     settings = LLMResource().validation_settings()
@@ -46,8 +48,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     print(f"validating {args.input} (served model: {settings.served_model_name})")
     try:
-        with storage.open_read(args.input) as f:
-            summary = validate_stream(f, settings, lambda _r: None, on_invalid)
+        if is_table(args.input):  # a Parquet/CSV batch: each row a chat request
+            summary = validate_table(args.input, settings, lambda _r: None, on_invalid)
+        else:
+            with storage.open_read(args.input) as f:
+                summary = validate_stream(f, settings, lambda _r: None, on_invalid)
     except FileNotFoundError as e:
         _err(str(e))
         return EXIT_FAILED

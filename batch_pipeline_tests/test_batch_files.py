@@ -156,7 +156,7 @@ def test_planned_files_of_a_failed_run_are_failed_partitions(instance):
 
 @pytest.mark.parametrize("key, message", [
     ("alpha", "is not <YYYY-MM-DD>/<batch name>"),
-    (f"{DATE}/gone", f"no batch file gone.jsonl (or .json, .ndjson) of {DATE}"),
+    (f"{DATE}/gone", f"no batch file gone.jsonl (or .json, .ndjson, .parquet, .csv) of {DATE}"),
     ("2020-01-01/alpha", "2020-01-01 is outside the date partitions"),
 ])
 def test_a_file_partition_that_cannot_run_says_why(tiny_llm, instance, date_with_a_broken_file, key, message):

@@ -4,7 +4,11 @@ Covers: the row built from every kind of result line (chat, completion, embeddin
 error, an engine refusal, a cancelled line); a JSONL batch run through the Dagster assets on the tiny
 model (real vLLM), whose results.parquet matches output.jsonl and errors.jsonl line for line, in
 input order, with the explicit schema; batch_outputs' column schema and preview; the date's
-metrics.parquet against the throughput figures. Does not cover Parquet/CSV inputs (not built yet).
+metrics.parquet against the throughput figures. Table inputs: a Parquet file (carried-through columns
+keep their types, error rows name the row and the column, custom_id defaults to the row number), a CSV
+with a messages column and a column name that collides with a result column, a table file found by the
+upload sensor on the S3 server and answered from S3, and (marked smollm2) real answers through the
+CLI's run_batch. Peak memory on a 1M-row file: bench/table_inputs.py.
 """
 
 from __future__ import annotations
@@ -13,9 +17,14 @@ import json
 
 import dagster as dg
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
-from batch_pipeline.lib import tables
+from batch_pipeline.defs.resources import BatchSelection, StorageResource
+from batch_pipeline.lib import table_inputs, tables
+from batch_pipeline_tests.conftest import TINY_NAME
+from batch_pipeline.defs.assets import BATCH_ASSETS as BATCH_ASSETS_FOR_S3
 from batch_pipeline_tests.test_assets import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
 
 
@@ -91,3 +100,149 @@ def test_results_parquet_matches_the_jsonl_results_line_for_line(tiny_llm, tmp_p
     assert daily["output_tokens"].sum() == figures["output_tokens"]
     assert figures["metrics_table"] == str(out / DATE / "metrics.parquet")
     assert json.loads((folder / "metrics.json").read_text())["requests_total"] == 8
+
+
+# ---------------------------------------------------------------------------------- table inputs
+
+
+def catalogue(path, rows: int = 6) -> None:
+    """A product table: prompt + system, per-row max_tokens/temperature, carried-through columns;
+    row 3 has no prompt, row 5 a max_tokens that is not a number, row 6 no custom_id."""
+    table = pa.table({
+        "custom_id": [f"p-{i}" for i in range(1, rows)] + [None],
+        "prompt": [f"Describe product {i}" if i != 3 else None for i in range(1, rows + 1)],
+        "system": ["Be brief."] * rows,
+        "max_tokens": ["3", "4", "3", "3", "ten", None],
+        "temperature": [0.0] * rows,
+        "product_id": pa.array(range(100, 100 + rows), pa.int64()),
+        "price": [9.5 + i for i in range(rows)],
+        "tags": [["a", "b"]] * rows,
+    })
+    pq.write_table(table, path, row_group_size=4)
+
+
+def test_parquet_rows_become_requests_and_come_back_with_their_columns(tiny_llm, tmp_path, monkeypatch):
+    monkeypatch.setattr(table_inputs, "READ_ROWS", 4)  # several record batches, not aligned with the row groups
+    monkeypatch.setattr(tables, "ROW_GROUP_ROWS", 5)
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    (inbox / DATE).mkdir(parents=True)
+    catalogue(inbox / DATE / "catalogue.parquet")
+    result = materialize(tiny_llm, str(inbox), str(out))
+    assert result.success
+    folder = out / DATE / "catalogue"
+    frame = pd.read_parquet(folder / "results.parquet")
+    assert list(frame["line"]) == [1, 2, 3, 4, 5, 6]
+    assert list(frame["product_id"]) == list(range(100, 106)) and str(frame["product_id"].dtype) == "int64"
+    assert list(frame["price"]) == [9.5 + i for i in range(6)] and list(frame["tags"].iloc[0]) == ["a", "b"]
+    assert list(frame["custom_id"]) == ["p-1", "p-2", "p-3", "p-4", "p-5", "6"]  # the row number when missing
+    assert list(frame["status"]) == ["completed", "completed", "failed", "completed", "failed", "completed"]
+    assert frame.loc[2, "error_message"] == "row 3: column `prompt` is empty"
+    assert frame.loc[4, "error_message"] == "row 5: column `max_tokens` must be an integer, got 'ten'"
+    assert set(frame.loc[[2, 4], "error_code"]) == {"invalid_request"}
+    assert (frame.loc[[0, 1, 3], "completion_tokens"] <= [3, 4, 3]).all()  # per-row max_tokens honoured
+    assert frame.loc[5, "completion_tokens"] > 4  # blank: the model's default
+    # The JSONL results hold the same answers; the request lines were OpenAI chat requests.
+    outputs = {o["custom_id"]: o for o in read_jsonl(str(folder / "output.jsonl"))}
+    assert set(outputs) == {"p-1", "p-2", "p-4", "6"}
+    assert outputs["p-2"]["response"]["body"]["usage"]["completion_tokens"] <= 4
+    errors = read_jsonl(str(folder / "errors.jsonl"))
+    assert sorted(e["error"]["line"] for e in errors) == [3, 5] and {e["custom_id"] for e in errors} == {"p-3", "p-5"}
+    batch = json.loads((folder / "batch.json").read_text())
+    assert batch["request_counts"] == {"total": 6, "completed": 4, "failed": 2}
+    assert batch["metadata"]["input_sha256"]
+
+
+def test_csv_with_messages_and_a_colliding_column(tiny_llm, tmp_path):
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    (inbox / DATE).mkdir(parents=True)
+    conversation = json.dumps([{"role": "system", "content": "Answer."}, {"role": "user", "content": "hi"}])
+    frame = pd.DataFrame({
+        "messages": [conversation, "not json", conversation],
+        "model": [TINY_NAME, TINY_NAME, "no-such-model"],
+        "max_tokens": [2, 2, 2],
+        "status": ["new", "old", "new"],  # a column named like a result column
+        "note": ["x", None, "z"],
+    })
+    frame.to_csv(inbox / DATE / "chats.csv", index=False)
+    assert materialize(tiny_llm, str(inbox), str(out)).success
+    results = pd.read_parquet(out / DATE / "chats" / "results.parquet")
+    assert list(results["status"]) == ["completed", "failed", "failed"]
+    assert list(results["input_status"]) == ["new", "old", "new"]  # carried through under another name
+    assert results.loc[0, "note"] == "x" and pd.isna(results.loc[1, "note"])
+    assert results.loc[1, "error_message"] == "row 2: column `messages` is not a JSON list of {role, content}"
+    assert results.loc[2, "error_code"] == "model_not_found"
+    assert list(results["custom_id"]) == ["1", "2", "3"]
+
+
+def test_a_table_on_s3_is_found_by_the_sensor_and_answered(tiny_llm, s3_bucket, moto_server, monkeypatch):
+    from batch_pipeline_tests.test_sensors import evaluate, turned_on
+
+    monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")  # DATE is fixed; the default window follows today
+
+    storage = StorageResource(input_path=f"s3://{s3_bucket}/incoming", output_path=f"s3://{s3_bucket}/output")
+    on = turned_on(storage)
+    client = moto_server.client()
+    frame = pd.DataFrame({"prompt": ["hello", "world"], "row_ref": [7, 8], "max_tokens": [2, 2]})
+    client.put_object(Bucket=s3_bucket, Key=f"incoming/{DATE}/rows.parquet", Body=frame.to_parquet(index=False))
+    client.put_object(Bucket=s3_bucket, Key=f"incoming/{DATE}/notes.txt", Body=b"not a batch")
+    [request] = evaluate(storage, on).run_requests
+    assert request.partition_key == DATE and request.tags["batch_pipeline/input_uri"].endswith("/rows.parquet")
+    result = dg.materialize(
+        BATCH_ASSETS_FOR_S3, partition_key=DATE, run_config=request.run_config, raise_on_error=False,
+        resources={"batch": BatchSelection(), "llm": tiny_llm, "storage": storage}, instance=dg.DagsterInstance.ephemeral(),
+    )
+    assert result.success
+    body = client.get_object(Bucket=s3_bucket, Key=f"output/{DATE}/rows/results.parquet")["Body"].read()
+    results = pq.read_table(pa.BufferReader(body)).to_pandas()
+    assert list(results["row_ref"]) == [7, 8] and list(results["status"]) == ["completed", "completed"]
+
+
+@pytest.mark.smollm2
+def test_real_answers_from_a_table_through_the_cli(smollm2_llm, tmp_path):
+    from batch_pipeline.cli import run_batch
+
+    questions = pd.DataFrame({
+        "custom_id": ["fr", "de"],
+        "prompt": ["What is the capital of France?", "What is the capital of Germany?"],
+        "max_tokens": [24, 24], "temperature": [0.0, 0.0], "country_code": ["FR", "DE"],
+    })
+    source = tmp_path / "capitals.parquet"
+    questions.to_parquet(source, index=False)
+    out = tmp_path / "out"
+    result = run_batch(str(source), str(out), DATE, resources={
+        "batch": BatchSelection(), "llm": smollm2_llm,
+        "storage": StorageResource(input_path=str(tmp_path), output_path=str(out))})
+    assert result.success
+    results = pd.read_parquet(out / "results.parquet").set_index("custom_id")
+    assert "Paris" in results.loc["fr", "content"] and "Berlin" in results.loc["de", "content"]
+    assert list(results["country_code"]) == ["FR", "DE"]
+
+
+def test_row_conversion_names_row_and_column():
+    ok = json.loads(table_inputs.request_line({"prompt": "hi", "max_tokens": 3.0, "temperature": "0.5"}, 4, "m"))
+    assert ok == {"custom_id": "4", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0.5}}
+    for row, message in [
+        ({"custom_id": "x"}, "row 2: no `prompt` or `messages` column in the file"),
+        ({"prompt": 5}, "row 2: column `prompt` must be text, got int '5'"),
+        ({"prompt": "a", "max_tokens": 2.5}, "row 2: column `max_tokens` must be an integer, got '2.5'"),
+        ({"prompt": "a", "temperature": "warm"}, "row 2: column `temperature` must be a number, got 'warm'"),
+        ({"messages": []}, "row 2: column `messages` must be a non-empty list of {role, content}"),
+    ]:
+        with pytest.raises(table_inputs.RowError) as caught:
+            table_inputs.request_line(row, 2, "m")
+        assert str(caught.value) == message
+
+
+def test_a_file_that_is_not_a_table_fails_as_a_batch_not_as_a_run(tiny_llm, tmp_path):
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    (inbox / DATE).mkdir(parents=True)
+    (inbox / DATE / "truncated.parquet").write_bytes(b"PAR1 this is not really parquet")
+    result = materialize(tiny_llm, str(inbox), str(out))
+    assert not result.success  # a file-level error turns the run red, as for JSONL...
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    assert failure.step_key == "batch_outputs"  # ...once its files are written, not by a crash in validation
+    batch = json.loads((out / DATE / "truncated" / "batch.json").read_text())
+    assert batch["status"] == "failed"
+    [error] = batch["errors"]["data"]
+    assert error["code"] == "unreadable_file" and error["message"].startswith("truncated.parquet cannot be read as Parquet: ")

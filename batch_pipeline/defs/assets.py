@@ -308,25 +308,25 @@ def write_batches(context: dg.AssetExecutionContext, taken: list[BatchLocation],
     return rows
 
 
-RESULTS_COLUMNS = dg.TableSchema(columns=[
-    dg.TableColumn(field.name, str(field.type), constraints=dg.TableColumnConstraints(nullable=field.nullable))
-    for field in tables.RESULTS_SCHEMA
-])
-
-
 def results_table_metadata(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The results.parquet columns (Dagster's column schema) and the first rows of the run's first batch."""
+    """The results.parquet columns (Dagster's column schema: the results' own, then a table input's
+    carried-through ones) and the first rows of the run's first batch."""
     if not rows:
         return {}
-    first = rows[0]["output"]
-    head = tables.read_head(storage_join(first, tables.RESULTS_NAME))
+    uri = storage_join(rows[0]["output"], tables.RESULTS_NAME)
+    schema, head = tables.read_head(uri)
+    columns = dg.TableSchema(columns=[
+        dg.TableColumn(f.name, str(f.type), constraints=dg.TableColumnConstraints(nullable=f.nullable)) for f in schema
+    ])
+
+    def cell(value: Any) -> Any:  # the preview shows scalars; lists and structs as text, null blank
+        return "" if value is None else value if isinstance(value, (str, int, float, bool)) else str(value)
+
     return {
-        "dagster/column_schema": RESULTS_COLUMNS,
-        "results": dg.MetadataValue.path(storage_join(first, tables.RESULTS_NAME)),
+        "dagster/column_schema": columns,
+        "results": dg.MetadataValue.path(uri),
         "results_preview": dg.MetadataValue.table(
-            records=[dg.TableRecord({k: "" if v is None else v for k, v in row.items()}) for row in head],  # null shown blank
-            schema=RESULTS_COLUMNS,
-        ),
+            records=[dg.TableRecord({k: cell(v) for k, v in row.items()}) for row in head], schema=columns),
     }
 
 

@@ -57,7 +57,7 @@ def batch_files(
     s = storage.settings()
     loc = locations.find_batch_file(s.input_path, s.output_path, date, name)
     if loc is None:
-        raise dg.Failure(description=f"no batch file {name}.jsonl (or .json, .ndjson) of {date} under "
+        raise dg.Failure(description=f"no batch file {name}.jsonl (or .json, .ndjson, .parquet, .csv) of {date} under "
                          f"{s.input_path} (in {date}/, or at the top uploaded that day): deleted or renamed?",
                          allow_retries=False)
     if batch.skip_completed and already_done(loc, functools.cache(llm.identity)):

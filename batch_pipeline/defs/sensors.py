@@ -135,7 +135,7 @@ def _description() -> str:
     except ConfigError as e:
         how = f"not configured: {e}"
     return (
-        "Starts batch_job for every new or changed .jsonl/.json/.ndjson file under STORAGE_INPUT_PATH "
+        "Starts batch_job for every new or changed .jsonl/.json/.ndjson/.parquet/.csv file under STORAGE_INPUT_PATH "
         "(<date>/<name>.jsonl runs as that date; <name>.jsonl as its upload date, UTC); a file version "
         f"already completed (by a backfill or the nightly run) starts no run. Now: {how}."
     )

@@ -24,7 +24,7 @@ from typing import Any
 
 from batch_pipeline.lib import storage
 
-INPUT_SUFFIXES = (".jsonl", ".json", ".ndjson")
+INPUT_SUFFIXES = (".jsonl", ".json", ".ndjson", ".parquet", ".csv")  # tables: lib/table_inputs.py
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def resolve_files(input_uris: list[str], output_root: str, partition: str,
     found = []
     for uri in dict.fromkeys(input_uris):
         if not is_batch_file(uri):
-            raise ValueError(f"{uri} is not a batch file (.jsonl, .json, .ndjson)")
+            raise ValueError(f"{uri} is not a batch file (.jsonl, .json, .ndjson, .parquet, .csv)")
         if not storage.exists(uri):
             log(f"{uri} is gone since this run was requested; left out")
             continue

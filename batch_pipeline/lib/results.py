@@ -9,6 +9,7 @@ from batch_pipeline.lib import contract, storage
 from batch_pipeline.lib.checkpoints import LineSet, iter_answers
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.responses import cancelled_line
+from batch_pipeline.lib.table_inputs import PASSTHROUGH_NAME
 from batch_pipeline.lib.tables import RESULTS_NAME, ResultsTable
 from batch_pipeline.lib.validation import InvalidLine
 
@@ -58,7 +59,9 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
                 f"{loc.name}: {validation['lines']} lines in, but {counts['output']} answers + "
                 f"{counts['error']} errors: inference has not finished (run inference_results first)"
             )
-    table.write(loc.out(RESULTS_NAME))  # the same lines as a table, in input order
+    # The same lines as a table, in input order (a table input's other columns carried through).
+    passthrough = loc.work(PASSTHROUGH_NAME)
+    table.write(loc.out(RESULTS_NAME), passthrough if storage.exists(passthrough) else None)
     finished = int(time.time())
     file_error = validation["file_error"]
     status = "failed" if file_error else "cancelled" if cancelled else "completed"

@@ -14,6 +14,7 @@ Columns: `line` (1-based input line), `custom_id`, `status` (`completed`, `faile
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 from typing import Any
 
 import pandas as pd
@@ -77,25 +78,74 @@ class ResultsTable:
     def add(self, line: int, record: dict[str, Any]) -> None:
         self.rows.append(result_row(line, record))
 
-    def write(self, uri: str) -> int:
-        """Write results.parquet (atomically, by row groups); returns the number of rows."""
+    def write(self, uri: str, passthrough_uri: str | None = None) -> int:
+        """Write results.parquet (atomically, by row groups); returns the number of rows. With
+        `passthrough_uri` (a table input's carried-through columns, one row per input row, in
+        order), those columns follow the results' own, renamed `input_<name>` where a name is taken."""
         self.rows.sort(key=lambda r: r["line"])
-        with storage.open_write(uri) as handle, pq.ParquetWriter(handle, RESULTS_SCHEMA, compression="zstd") as writer:
+        extra = _open_parquet(passthrough_uri) if passthrough_uri else None
+        schema, renamed = RESULTS_SCHEMA, []
+        if extra is not None:
+            taken = set(RESULTS_SCHEMA.names)
+            fields = [f for f in extra.schema_arrow if f.name != "line"]
+            renamed = [f"input_{f.name}" if f.name in taken else f.name for f in fields]
+            schema = pa.schema(list(RESULTS_SCHEMA) + [f.with_name(n) for f, n in zip(fields, renamed)])
+        carried = _Taker(extra.iter_batches(batch_size=ROW_GROUP_ROWS)) if extra is not None else None
+        with storage.open_write(uri) as handle, pq.ParquetWriter(handle, schema, compression="zstd") as writer:
             if not self.rows:
-                writer.write_table(RESULTS_SCHEMA.empty_table())
+                writer.write_table(schema.empty_table())
             for start in range(0, len(self.rows), ROW_GROUP_ROWS):
-                writer.write_table(pa.Table.from_pylist(self.rows[start:start + ROW_GROUP_ROWS], schema=RESULTS_SCHEMA))
+                group = pa.Table.from_pylist(self.rows[start:start + ROW_GROUP_ROWS], schema=RESULTS_SCHEMA)
+                if carried is not None:
+                    group = _with_columns(group, carried.take(group.num_rows), renamed)
+                writer.write_table(group)
         return len(self.rows)
 
 
-def read_head(uri: str, rows: int = 5) -> list[dict[str, Any]]:
-    """The first rows of a results.parquet (the first row group only is read)."""
+def _open_parquet(uri: str) -> pq.ParquetFile:
     local = storage.local_path(uri)
     # A Parquet reader seeks (footer first); S3 objects are read whole for that.
-    parquet = pq.ParquetFile(str(local) if local else io.BytesIO(storage.read_bytes(uri)))
+    return pq.ParquetFile(str(local) if local else io.BytesIO(storage.read_bytes(uri)))
+
+
+class _Taker:
+    """Exactly n rows at a time from record batches of any size."""
+
+    def __init__(self, batches: Iterator[pa.RecordBatch]) -> None:
+        self.batches, self.pending = batches, []
+
+    def take(self, n: int) -> pa.Table:
+        have = sum(b.num_rows for b in self.pending)
+        while have < n:
+            batch = next(self.batches, None)
+            if batch is None:
+                break
+            self.pending.append(batch)
+            have += batch.num_rows
+        table = pa.Table.from_batches(self.pending) if self.pending else None
+        if table is None:
+            raise RuntimeError("the carried-through columns have fewer rows than the results: validate the batch again")
+        head, rest = table.slice(0, n), table.slice(n)
+        self.pending = rest.to_batches() if rest.num_rows else []
+        return head
+
+
+def _with_columns(group: pa.Table, carried: pa.Table, names: list[str]) -> pa.Table:
+    """`group` (results rows) with the input's carried-through columns of the same rows."""
+    if carried.num_rows != group.num_rows or carried.column(0).to_pylist() != group.column("line").to_pylist():
+        raise RuntimeError("the carried-through columns do not line up with the results (rows "
+                           f"{carried.column(0)[0]}.. vs lines {group.column('line')[0]}..): validate the batch again")
+    for name, column in zip(names, carried.columns[1:]):
+        group = group.append_column(name, column.combine_chunks())
+    return group
+
+
+def read_head(uri: str, rows: int = 5) -> tuple[pa.Schema, list[dict[str, Any]]]:
+    """The schema and first rows of a results.parquet (the first row group only is read)."""
+    parquet = _open_parquet(uri)
     if parquet.num_row_groups == 0:
-        return []
-    return parquet.read_row_group(0).slice(0, rows).to_pylist()
+        return parquet.schema_arrow, []
+    return parquet.schema_arrow, parquet.read_row_group(0).slice(0, rows).to_pylist()
 
 
 def write_metrics_table(uri: str, per_batch: list[dict[str, Any]]) -> None:

@@ -54,6 +54,7 @@ class ValidationSummary:
     errors_by_code: Counter = field(default_factory=Counter)
     endpoints: Counter = field(default_factory=Counter)
     models: Counter = field(default_factory=Counter)
+    unreadable: str | None = None  # why a table input could not be read (to the end)
 
     @property
     def endpoint(self) -> str:
@@ -64,6 +65,8 @@ class ValidationSummary:
 
     def file_error(self) -> contract.BatchFileError | None:
         """A file-level problem that makes the whole batch `failed`, or None."""
+        if self.unreadable:
+            return contract.BatchFileError(code="unreadable_file", message=self.unreadable)
         if self.lines == 0:
             return contract.BatchFileError(code="empty_file", message="the input file has no requests")
         if self.valid == 0:
@@ -343,10 +346,40 @@ def validate_stream(
         else:
             errors[result.code] += 1
             on_invalid(result)
+    _finish(summary, lines, valid, kinds)
+    summary.sha256 = hasher.hexdigest()
+    summary.bytes_read = size
+    return summary
+
+
+def _finish(summary: ValidationSummary, lines: int, valid: int, kinds: dict[tuple[str, str], int]) -> None:
     summary.lines, summary.valid, summary.invalid = lines, valid, lines - valid
     for (url, model), n in kinds.items():
         summary.endpoints[url] += n
         summary.models[model] += n
-    summary.sha256 = hasher.hexdigest()
-    summary.bytes_read = size
+
+
+def validate_rows(
+    rows: Iterable[tuple[int, bytes | InvalidLine]],
+    settings: ValidationSettings,
+    on_valid: Callable[[ValidLine], None],
+    on_invalid: Callable[[InvalidLine], None],
+) -> ValidationSummary:
+    """validate_stream for rows already turned into request lines (a table input: lib/table_inputs.py),
+    some refused before (an InvalidLine); the caller sets sha256 and bytes_read."""
+    summary = ValidationSummary()
+    validate = LineValidator(settings).validate
+    lines = valid = 0
+    kinds: dict[tuple[str, str], int] = {}
+    for number, raw in rows:
+        lines += 1
+        result = raw if isinstance(raw, InvalidLine) else validate(number, raw)
+        if type(result) is ValidLine:
+            valid += 1
+            kinds[(result.url, result.model)] = kinds.get((result.url, result.model), 0) + 1
+            on_valid(result)
+        else:
+            summary.errors_by_code[result.code] += 1
+            on_invalid(result)
+    _finish(summary, lines, valid, kinds)
     return summary
