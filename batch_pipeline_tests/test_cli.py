@@ -41,6 +41,16 @@ def test_validate_clean_file_exits_0(tmp_path, capsys):
     assert "2 requests: 2 valid, 0 invalid" in capsys.readouterr().out
 
 
+def test_validate_a_csv_table_names_rows_and_columns(tmp_path, capsys):
+    path = tmp_path / "rows.csv"
+    path.write_text("custom_id,prompt,max_tokens,region\na,hello,3,eu\nb,,3,us\nc,hi,many,eu\n")
+    assert main(["validate", str(path), "--served-model-name", TINY_NAME]) == EXIT_INVALID_LINES
+    out = capsys.readouterr().out
+    assert "line 2 [invalid_request] custom_id='b': column `prompt` is empty" in out
+    assert "line 3 [invalid_request] custom_id='c': column `max_tokens` must be an integer, got 'many'" in out
+    assert "3 requests: 1 valid, 2 invalid" in out
+
+
 def test_validate_missing_file_is_a_one_line_error(tmp_path, capsys):
     assert main(["validate", str(tmp_path / "nope.jsonl")]) == EXIT_FAILED
     err = capsys.readouterr().err.strip().splitlines()
