@@ -91,6 +91,7 @@ def test_results_parquet_matches_the_jsonl_results_line_for_line(tiny_llm, tmp_p
     assert [c.name for c in schema.columns] == [f.name for f in tables.RESULTS_SCHEMA]
     preview = outputs_meta["results_preview"].value
     assert [r.data["line"] for r in preview.records] == [1, 2, 3, 4, 5]
+    assert "content" not in preview.records[0].data and "error_message" not in preview.records[0].data  # no text
 
     # The date's figures as one table: a row per batch, adding up to throughput_metrics.
     figures = metadata_of(result, "throughput_metrics")

@@ -310,7 +310,7 @@ def write_batches(context: dg.AssetExecutionContext, taken: list[BatchLocation],
 
 def results_table_metadata(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The results.parquet columns (Dagster's column schema: the results' own, then a table input's
-    carried-through ones) and the first rows of the run's first batch."""
+    carried-through ones) and the first rows of the run's first batch, without their text."""
     if not rows:
         return {}
     uri = storage_join(rows[0]["output"], tables.RESULTS_NAME)
@@ -319,15 +319,19 @@ def results_table_metadata(rows: list[dict[str, Any]]) -> dict[str, Any]:
         dg.TableColumn(f.name, str(f.type), constraints=dg.TableColumnConstraints(nullable=f.nullable)) for f in schema
     ])
 
-    def cell(value: Any) -> Any:  # the preview shows scalars; lists and structs as text, null blank
-        return "" if value is None else value if isinstance(value, (str, int, float, bool)) else str(value)
-
+    # The preview leaves out every column that can hold user text (answers, error messages quoting
+    # values, a table input's own columns): Dagster events never carry prompt or completion text.
+    shown = dg.TableSchema(columns=[c for c in columns.columns if c.name in PREVIEW_COLUMNS])
     return {
         "dagster/column_schema": columns,
         "results": dg.MetadataValue.path(uri),
         "results_preview": dg.MetadataValue.table(
-            records=[dg.TableRecord({k: cell(v) for k, v in row.items()}) for row in head], schema=columns),
+            records=[dg.TableRecord({k: "" if row[k] is None else row[k] for k in PREVIEW_COLUMNS}) for row in head],
+            schema=shown),
     }
+
+
+PREVIEW_COLUMNS = ("line", "custom_id", "status", "finish_reason", "prompt_tokens", "completion_tokens", "error_code")
 
 
 def date_line_counts(judged: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,6 +4,8 @@ A batch file `<input>/<YYYY-MM-DD>/<name>.jsonl` belongs to that date; `<input>/
 UTC date it was uploaded. Its results go to `<output>/<date>/<name>/`:
 
     output.jsonl  errors.jsonl  batch.json  metrics.json      the results (the contract)
+    results.parquet        the same lines as a table (lib/tables.py)
+    _work/passthrough.parquet  a table input's carried-through columns
     _work/requests.jsonl   valid requests, in input order
     _work/invalid.jsonl    lines that failed validation
     _work/validation.json  counts, checksum, batch id, timings
