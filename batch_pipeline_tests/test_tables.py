@@ -185,9 +185,10 @@ def test_a_table_on_s3_is_found_by_the_sensor_and_answered(tiny_llm, s3_bucket, 
     client = moto_server.client()
     frame = pd.DataFrame({"prompt": ["hello", "world"], "row_ref": [7, 8], "max_tokens": [2, 2]})
     client.put_object(Bucket=s3_bucket, Key=f"incoming/{DATE}/rows.parquet", Body=frame.to_parquet(index=False))
+    client.put_object(Bucket=s3_bucket, Key=f"incoming/{DATE}/sheet.csv", Body=b"prompt,max_tokens,owner\nhey,2,ann\n")
     client.put_object(Bucket=s3_bucket, Key=f"incoming/{DATE}/notes.txt", Body=b"not a batch")
-    [request] = evaluate(storage, on).run_requests
-    assert request.partition_key == DATE and request.tags["batch_pipeline/input_uri"].endswith("/rows.parquet")
+    [request] = evaluate(storage, on).run_requests  # both tables of the date, in one run
+    assert request.partition_key == DATE and request.tags["batch_pipeline/batch_name"] == "rows, sheet"
     result = dg.materialize(
         BATCH_ASSETS_FOR_S3, partition_key=DATE, run_config=request.run_config, raise_on_error=False,
         resources={"batch": BatchSelection(), "llm": tiny_llm, "storage": storage}, instance=dg.DagsterInstance.ephemeral(),
@@ -196,10 +197,13 @@ def test_a_table_on_s3_is_found_by_the_sensor_and_answered(tiny_llm, s3_bucket, 
     body = client.get_object(Bucket=s3_bucket, Key=f"output/{DATE}/rows/results.parquet")["Body"].read()
     results = pq.read_table(pa.BufferReader(body)).to_pandas()
     assert list(results["row_ref"]) == [7, 8] and list(results["status"]) == ["completed", "completed"]
+    body = client.get_object(Bucket=s3_bucket, Key=f"output/{DATE}/sheet/results.parquet")["Body"].read()
+    sheet = pq.read_table(pa.BufferReader(body)).to_pandas()
+    assert list(sheet["owner"]) == ["ann"] and list(sheet["status"]) == ["completed"]
 
 
 @pytest.mark.smollm2
-def test_real_answers_from_a_table_through_the_cli(smollm2_llm, tmp_path):
+def test_real_answers_from_tables_through_the_cli(smollm2_llm, tmp_path):
     from batch_pipeline.cli import run_batch
 
     questions = pd.DataFrame({
@@ -217,6 +221,14 @@ def test_real_answers_from_a_table_through_the_cli(smollm2_llm, tmp_path):
     results = pd.read_parquet(out / "results.parquet").set_index("custom_id")
     assert "Paris" in results.loc["fr", "content"] and "Berlin" in results.loc["de", "content"]
     assert list(results["country_code"]) == ["FR", "DE"]
+    sheet = tmp_path / "capitals.csv"
+    sheet.write_text('custom_id,prompt,max_tokens,temperature,note\nfr,"What is the capital of France?",24,0,x\n')
+    result = run_batch(str(sheet), str(tmp_path / "out-csv"), DATE, resources={
+        "batch": BatchSelection(), "llm": smollm2_llm,
+        "storage": StorageResource(input_path=str(tmp_path), output_path=str(tmp_path / "out-csv"))})
+    assert result.success
+    row = pd.read_parquet(tmp_path / "out-csv" / "results.parquet").iloc[0]
+    assert "Paris" in row["content"] and row["note"] == "x"
 
 
 def test_row_conversion_names_row_and_column():
