@@ -274,13 +274,14 @@ def batch_outputs(
         # The files are written either way; the run goes red so the failure is seen (and with it
         # the failed files' batch_files partitions, while the others of the date are green).
         raise dg.Failure(description=f"batch failed (file-level error): {', '.join(failed)}", metadata=metadata)
-    metadata.update(results_table_metadata(rows))
+    table = results_table_metadata(rows)  # read once (from S3, a download)
     if _in_date_layout(taken, output_root):
         scope, judged = context.partition_key, metrics.date_line_failures(output_root, context.partition_key)
         metadata = {**date_line_counts(judged), "batches_this_run": len(rows), "this_run": metadata["summary"],
-                    "scope": f"every batch of {context.partition_key}", **results_table_metadata(rows)}
+                    "scope": f"every batch of {context.partition_key}", **table}
     else:
         scope, judged = "this run's batches", [metrics.line_failures(row["output"]) for row in rows]
+        metadata.update(table)
     return dg.MaterializeResult(metadata=metadata, check_results=[failed_line_rate(scope, judged)])
 
 

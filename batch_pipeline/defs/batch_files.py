@@ -80,10 +80,8 @@ def refresh_date(context: dg.AssetExecutionContext, output_root: str, date: str,
     check and, when no file of the date is left failed, batch_outputs (a date made red by this
     file turns green) are recorded again over every batch of the date."""
     judged = metrics.date_line_failures(output_root, date)
-    failed_files = [folder for folder in metrics.date_batch_folders(output_root, date, "batch.json")
-                    if read_json(f"{folder}/batch.json")["status"] == "failed"]
     why = f"after re-running {name} alone"
-    if not failed_files:
+    if not any(b["status"] == "failed" for b in judged):
         context.log_event(dg.AssetMaterialization(
             "batch_outputs", partition=date, description=f"every batch of {date}, {why}",
             metadata={**date_line_counts(judged), "scope": f"every batch of {date}", "rerun": name},

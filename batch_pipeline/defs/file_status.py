@@ -8,7 +8,7 @@ materialization of a failed run: Dagster's own definition of a failed partition,
 
 Dagster has no public call to plan a materialization of an asset outside the run's selection: the
 one event it needs is built with `dagster._core.events`, here and nowhere else, and
-test_file_status.py pins its behaviour, so a Dagster upgrade breaks that test, not the UI.
+test_batch_files.py pins its behaviour, so a Dagster upgrade breaks that test, not the UI.
 """
 
 from __future__ import annotations
@@ -36,12 +36,9 @@ def key_of(loc: BatchLocation) -> str:
 
 
 def register(instance: dg.DagsterInstance, keys: Iterable[str]) -> list[str]:
-    """Add the batch_files partitions not there yet; returns those added."""
-    wanted = list(dict.fromkeys(keys))
-    if not wanted:
-        return []
-    known = set(instance.get_dynamic_partitions(batch_file_partitions.name))
-    new = [k for k in wanted if k not in known]
+    """Add the batch_files partitions not there yet; returns those added. One look-up per key of the
+    run (as the sensor daemon does), not a read of every file partition ever added."""
+    new = [k for k in dict.fromkeys(keys) if not instance.has_dynamic_partition(batch_file_partitions.name, k)]
     if new:
         instance.add_dynamic_partitions(batch_file_partitions.name, new)
     return new

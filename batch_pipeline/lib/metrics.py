@@ -83,32 +83,30 @@ DATE_TABLE = "metrics.parquet"  # <output>/<date>/metrics.parquet: the date's me
 def date_metrics(output_root: str, partition: str) -> list[dict[str, Any]]:
     """The metrics.json of every batch of one date (with its folder's name as `batch`): the date's
     figures, not only the last run's."""
-    return [{"batch": f.rstrip("/").rsplit("/", 1)[-1], **storage.read_json(storage.join(f, "metrics.json"))}
+    return [{"batch": storage.basename(f), **storage.read_json(storage.join(f, "metrics.json"))}
             for f in date_batch_folders(output_root, partition, "metrics.json")]
 
 
 def date_validations(output_root: str, partition: str) -> list[dict[str, Any]]:
     """Line counts of every batch of one date that has been validated, whichever runs did it:
     {"batch", "lines", "valid", "invalid"} each."""
-    return [
-        {"batch": folder.rstrip("/").rsplit("/", 1)[-1],
-         **{k: int(v[k]) for k in ("lines", "valid", "invalid")}}
-        for folder in date_batch_folders(output_root, partition, "_work/validation.json")
-        if (v := storage.read_json(storage.join(folder, "_work", "validation.json")))
-    ]
+    found = []
+    for folder in date_batch_folders(output_root, partition, "_work/validation.json"):
+        validation = storage.read_json(storage.join(folder, "_work", "validation.json"))
+        found.append({"batch": storage.basename(folder), **{k: int(validation[k]) for k in ("lines", "valid", "invalid")}})
+    return found
 
 
 def line_failures(output_uri: str) -> dict[str, Any]:
-    """A batch's failed lines for the failed_line_rate check: counts from batch.json, the codes of
-    the lines validation refused (its errors_by_code) and where the error file is."""
+    """A batch's failed lines for the failed_line_rate check: status and counts from batch.json, the
+    codes of the lines validation refused (its errors_by_code) and where the error file is."""
     batch = storage.read_json(storage.join(output_uri, "batch.json"))
     try:
         codes = storage.read_json(storage.join(output_uri, "_work", "validation.json")).get("errors_by_code", {})
     except FileNotFoundError:
         codes = {}
     counts = batch["request_counts"]
-    name = output_uri.rstrip("/").rsplit("/", 1)[-1]
-    return {"batch": name, "failed": counts["failed"], "total": counts["total"],
+    return {"batch": storage.basename(output_uri), "status": batch["status"], "failed": counts["failed"], "total": counts["total"],
             "rate": counts["failed"] / counts["total"] if counts["total"] else 0.0,
             "codes": {str(k): int(v) for k, v in codes.items()}, "errors": batch.get("error_file_id") or ""}
 

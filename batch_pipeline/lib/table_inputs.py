@@ -163,8 +163,8 @@ def table_rows(path: Path, default_model: str, passthrough: Any) -> Iterator[tup
     number = 0
     for batch in record_batches(path):
         rows = batch.to_pylist()
-        lines = pa.array(range(number + 1, number + 1 + len(rows)), pa.int64())
         if passthrough is not None:
+            lines = pa.array(range(number + 1, number + 1 + len(rows)), pa.int64())
             keep = [name for name in batch.schema.names if name not in REQUEST_COLUMNS]
             table = pa.Table.from_arrays([lines, *(batch.column(n) for n in keep)], names=["line", *keep])
             passthrough.write_table(table.cast(passthrough.schema))
