@@ -60,6 +60,8 @@ VALID = [
     ("completions list", line(url=contract.COMPLETIONS_URL, body={"model": MODEL, "prompt": ["a", "b"]})),
     ("embeddings", line(url=contract.EMBEDDINGS_URL, body={"model": "embed-model", "input": ["a", "b"], "encoding_format": "base64"})),
     ("64-character custom_id", line(custom_id="x" * 64)),
+    ("reasoning and bias fields", line(body=chat(reasoning_effort="low", chat_template_kwargs={"enable_thinking": True},
+                                                 logit_bias={"8": -100, "9": 50.5}, structured_outputs={"regex": "[a-z]+"}))),
 ]
 
 
@@ -105,6 +107,11 @@ INVALID = [
     ("penalty out of range", line(body=chat(presence_penalty=2.5)), contract.INVALID_REQUEST, "body.presence_penalty"),
     ("top_logprobs without logprobs", line(body=chat(top_logprobs=2)), contract.INVALID_REQUEST, "top_logprobs requires logprobs"),
     ("top_logprobs over 20", line(body=chat(logprobs=True, top_logprobs=21)), contract.INVALID_REQUEST, "body.top_logprobs"),
+    ("logit_bias over 100", line(body=chat(logit_bias={"8": 101})), contract.INVALID_REQUEST, "body.logit_bias.8"),
+    ("logit_bias key not a token id", line(body=chat(logit_bias={"the": 5})), contract.INVALID_REQUEST, "body.logit_bias"),
+    ("unknown reasoning_effort", line(body=chat(reasoning_effort="max")), contract.INVALID_REQUEST, "body.reasoning_effort"),
+    ("structured_outputs not an object", line(body=chat(structured_outputs="a|b")), contract.INVALID_REQUEST,
+     "body.structured_outputs"),
     ("bad response_format", line(body=chat(response_format={"type": "xml"})), contract.INVALID_REQUEST, "body.response_format"),
     ("json_schema without schema", line(body=chat(response_format={"type": "json_schema"})), contract.INVALID_REQUEST, "json_schema"),
     ("missing model", line(body={"messages": [{"role": "user", "content": "x"}]}), contract.INVALID_REQUEST, "body.model"),

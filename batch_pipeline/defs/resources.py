@@ -74,6 +74,11 @@ class LLMResource(dg.ConfigurableResource):
     embedding_served_model_name: str = Field(
         default="", description="EMBEDDING_SERVED_MODEL_NAME: what embeddings lines' body.model must say; blank = folder name"
     )
+    reasoning_parser: str = Field(
+        default="",
+        description="REASONING_PARSER: vLLM reasoning parser (deepseek_r1, qwen3, openai_gptoss, ...) that splits "
+        "chat answers into reasoning_content and content; blank = none",
+    )
     checkpoint_answers: Optional[int] = Field(
         default=None, description="CHECKPOINT_ANSWERS: answers per checkpoint part (default 256)"
     )
@@ -138,6 +143,7 @@ class LLMResource(dg.ConfigurableResource):
             "max_model_len": s.max_model_len or "",
             "dtype": kwargs["dtype"],
             "seed": s.seed,
+            **({"reasoning_parser": s.reasoning_parser} if s.reasoning_parser else {}),
         }
 
     # -- engine lifetime ---------------------------------------------------------------------

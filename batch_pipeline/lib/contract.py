@@ -110,6 +110,10 @@ class _SamplingBody(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     max_tokens: int | None = Field(default=None, ge=1)
+    # OpenAI's token id (as a string) -> bias from -100 to 100, added to that token's logit.
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    # vLLM's own extension: constrain the output to a regex, a choice, a JSON schema or a grammar.
+    structured_outputs: dict[str, Any] | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -123,6 +127,10 @@ class ChatBody(_SamplingBody):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
+    # Reasoning models: how hard to think (passed to the chat template, which must take it), and
+    # vLLM's extension for any other chat template variable (e.g. Qwen3's enable_thinking).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> "ChatBody":
@@ -190,10 +198,20 @@ class RequestCounts(BaseModel):
     failed: int = 0
 
 
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     input_tokens: int = 0
     output_tokens: int = 0
     total_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
 
 
 class BatchFileError(BaseModel):

@@ -57,6 +57,7 @@ class Engines:
         self.queue = (queue_factor, queue_floor)  # requests kept in the engine: see GenerationEngine.window
         self._generation: GenerationEngine | None = None
         self._embedding: EmbeddingEngine | None = None
+        self._unused: list[Any] = []  # engines built but not wrapped (their wrapper refused the model)
         self.load_seconds = 0.0
 
     def _build(self, runner: str, path: str, name: str) -> Any:
@@ -73,7 +74,12 @@ class Engines:
     def generation(self) -> GenerationEngine:
         if self._generation is None:
             llm = self._build("generate", self.model_path, self.served_name)
-            self._generation = GenerationEngine(llm, self.served_name, self.model_path, *self.queue)
+            try:
+                self._generation = GenerationEngine(llm, self.served_name, self.model_path, *self.queue,
+                                                    reasoning_parser=self.settings.reasoning_parser)
+            except Exception:
+                self._unused.append(llm)  # e.g. a REASONING_PARSER that does not fit the model: shut down in close()
+                raise
         return self._generation
 
     @property
@@ -120,4 +126,7 @@ class Engines:
         for engine in (self._generation, self._embedding):
             if engine is not None:
                 shutdown_llm(engine.llm)
+        for llm in self._unused:
+            shutdown_llm(llm)
         self._generation = self._embedding = None
+        self._unused.clear()

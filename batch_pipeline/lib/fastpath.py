@@ -64,6 +64,8 @@ class _Sampling(msgspec.Struct):
     presence_penalty: Union[Penalty, None] = None
     frequency_penalty: Union[Penalty, None] = None
     max_tokens: Union[Positive, None] = None
+    logit_bias: Union[dict[int, Annotated[float, Meta(ge=-100, le=100)]], None] = None
+    structured_outputs: Union[dict[str, Any], None] = None
 
 
 class _ChatBody(_Sampling):
@@ -72,6 +74,8 @@ class _ChatBody(_Sampling):
     logprobs: bool = False
     top_logprobs: Union[Annotated[int, Meta(ge=0, le=20)], None] = None
     response_format: Union[_ResponseFormat, None] = None
+    reasoning_effort: Union[Literal["none", "minimal", "low", "medium", "high", "xhigh"], None] = None
+    chat_template_kwargs: Union[dict[str, Any], None] = None
 
     def __post_init__(self) -> None:
         if not self.messages:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batch_pipeline.lib import contract, responses, vllm_adapter
+from batch_pipeline.lib.reasoning import Reasoning, template_takes
 from batch_pipeline.lib.responses import Answer
 
 # A request stream may yield this when it has nothing ready yet (a data-parallel rank waiting for
@@ -32,20 +33,27 @@ class Prepared:
     prompts: list[Any]  # conversations (chat) or strings (completions)
     params: list[Any]
     prompt_lens: list[int] = field(default_factory=list)
+    template_kwargs: dict[str, Any] | None = None  # chat only: variables for the chat template
 
 
 class GenerationEngine(vllm_adapter.ServedModel):
     """One vLLM `LLM` serving chat and completions for the duration of a run."""
 
-    def __init__(self, llm: Any, served_model_name: str, model_path: str, queue_factor: int = 4, queue_floor: int = 64):
+    def __init__(self, llm: Any, served_model_name: str, model_path: str, queue_factor: int = 4, queue_floor: int = 64,
+                 reasoning_parser: str = ""):
         super().__init__(llm, served_model_name, model_path)
         self._defaults = vllm_adapter.default_sampling_values(llm)
         self.queue_factor, self.queue_floor = queue_factor, queue_floor
+        # REASONING_PARSER: vLLM's parser splits each chat answer's thinking from its content.
+        self.reasoning = Reasoning(reasoning_parser, self.tokenizer, served_model_name) if reasoning_parser else None
+        if self.reasoning is not None:
+            self._defaults.update(self.reasoning.sampling_overrides)
 
     # -- preparation ------------------------------------------------------------------------
 
-    def _count_chat(self, conversation: list[dict[str, Any]]) -> int:
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    def _count_chat(self, conversation: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> int:
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                  **(template_kwargs or {}))
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _count_text(self, prompt: str) -> int:
@@ -70,8 +78,14 @@ class GenerationEngine(vllm_adapter.ServedModel):
         values.update({k: v for k, v in overrides.items() if v is not None})
         extras = body.model_extra or {}
         values.update({k: extras[k] for k in VLLM_SAMPLING_EXTRAS if extras.get(k) is not None})
+        if body.logit_bias:
+            values["logit_bias"] = dict(body.logit_bias)
         fmt = getattr(body, "response_format", None)
-        if fmt is not None and fmt.type == "json_object":
+        if body.structured_outputs:
+            if fmt is not None and fmt.type != "text":
+                raise ValueError("structured_outputs and response_format both constrain the output: give one of them")
+            values["structured_outputs"] = StructuredOutputsParams(**body.structured_outputs)
+        elif fmt is not None and fmt.type == "json_object":
             values["structured_outputs"] = StructuredOutputsParams(json_object=True)
         elif fmt is not None and fmt.type == "json_schema":
             values["structured_outputs"] = StructuredOutputsParams(json=fmt.json_schema.schema_)
@@ -85,9 +99,20 @@ class GenerationEngine(vllm_adapter.ServedModel):
         """Parse, measure and build sampling params; an Answer when the request cannot run."""
         try:
             body = req.parsed_body()
+            template_kwargs = None
             if req.url == contract.CHAT_URL:
+                template_kwargs = dict(body.chat_template_kwargs or {})
+                if body.reasoning_effort is not None:
+                    if not template_takes(self.tokenizer, "reasoning_effort"):
+                        return responses.contract_error(
+                            batch_id, req, contract.INVALID_REQUEST,
+                            f"reasoning_effort: the chat template of {self.served_model_name} does not take it, so it "
+                            "cannot be honoured (a model that thinks on a switch takes chat_template_kwargs instead, "
+                            'e.g. {"enable_thinking": false})',
+                        )
+                    template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
                 conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-                lengths = [self._count_chat(conversation)]
+                lengths = [self._count_chat(conversation, template_kwargs)]
                 prompts: list[Any] = [conversation]
                 logprobs = (body.top_logprobs or 0) if body.logprobs else None
             else:
@@ -109,13 +134,15 @@ class GenerationEngine(vllm_adapter.ServedModel):
             params = [self._sampling(body, self._room(n, body.token_limit()), logprobs) for n in lengths]
         except Exception as e:  # noqa: BLE001 - vLLM refusing a parameter combination
             return responses.engine_error(batch_id, req, e)
-        return Prepared(req=req, body=body, prompts=prompts, params=params, prompt_lens=lengths)
+        return Prepared(req=req, body=body, prompts=prompts, params=params, prompt_lens=lengths,
+                        template_kwargs=template_kwargs or None)
 
     # -- execution --------------------------------------------------------------------------
 
     def _enqueue(self, item: Prepared) -> list[str]:
         if item.req.url == contract.CHAT_URL:
-            return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False)
+            return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False,
+                                         chat_template_kwargs=item.template_kwargs)
         return self.llm.enqueue(item.prompts, item.params, use_tqdm=False)
 
     def window(self) -> int:
@@ -173,7 +200,8 @@ class GenerationEngine(vllm_adapter.ServedModel):
 
     def _answer(self, batch_id: str, item: Prepared, outputs: list[Any], created: int) -> Answer:
         if item.req.url == contract.CHAT_URL:
-            return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.served_model_name, created)
+            return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.served_model_name, created,
+                                       reasoning=self.reasoning, template_kwargs=item.template_kwargs)
         return responses.completion_body(
             batch_id, item.req, item.body, item.prompts, outputs, self.served_model_name, created
         )

@@ -26,6 +26,8 @@ class Answer:
     record: dict[str, Any]
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, the thinking (REASONING_PARSER)
+    cached_tokens: int = 0  # of prompt_tokens, the ones found in vLLM's prefix cache
     rank: int = 0  # the data-parallel rank that computed it (ranks.py); 0 with one engine
 
 
@@ -63,8 +65,9 @@ def engine_error(batch_id: str, req: contract.BatchRequest, exc: BaseException, 
     return Answer(req.line, "error", _envelope(batch_id, req, status, body))
 
 
-def success(batch_id: str, req: contract.BatchRequest, body: dict[str, Any], prompt: int, completion: int) -> Answer:
-    return Answer(req.line, "output", _envelope(batch_id, req, 200, body), prompt, completion)
+def success(batch_id: str, req: contract.BatchRequest, body: dict[str, Any], prompt: int, completion: int,
+            reasoning: int = 0, cached: int = 0) -> Answer:
+    return Answer(req.line, "output", _envelope(batch_id, req, 200, body), prompt, completion, reasoning, cached)
 
 
 def _envelope(batch_id: str, req: contract.BatchRequest, status: int, body: dict[str, Any]) -> dict[str, Any]:
@@ -79,30 +82,39 @@ def _envelope(batch_id: str, req: contract.BatchRequest, status: int, body: dict
 # ----------------------------------------------------------------------------- generation bodies
 
 
-def chat_body(batch_id: str, req: contract.BatchRequest, body: Any, out: Any, model: str, created: int) -> Answer:
-    """A `chat.completion` from one vLLM RequestOutput (n choices)."""
+def chat_body(batch_id: str, req: contract.BatchRequest, body: Any, out: Any, model: str, created: int,
+              reasoning: Any = None, template_kwargs: dict[str, Any] | None = None) -> Answer:
+    """A `chat.completion` from one vLLM RequestOutput (n choices). With a reasoning parser
+    (lib/reasoning.py), each message's thinking is apart from its content."""
     top = body.top_logprobs or 0
-    choices = [
-        {
+    choices, reasoning_tokens = [], 0
+    for i, comp in enumerate(out.outputs):
+        message: dict[str, Any] = {"role": "assistant", "content": comp.text, "refusal": None}
+        if reasoning is not None:
+            split = reasoning.split(comp.text, comp.token_ids, template_kwargs, constrained=constrained(body))
+            # Both names: reasoning_content (DeepSeek's API, vLLM before 0.11), reasoning (vLLM since).
+            message.update(content=split.content, reasoning_content=split.reasoning, reasoning=split.reasoning)
+            reasoning_tokens += split.reasoning_tokens
+        choices.append({
             "index": i,
-            "message": {"role": "assistant", "content": comp.text, "refusal": None},
+            "message": message,
             "logprobs": _chat_logprobs(comp, top) if body.logprobs else None,
             "finish_reason": finish_reason(comp),
-        }
-        for i, comp in enumerate(out.outputs)
-    ]
+        })
     prompt_tokens = len(out.prompt_token_ids or [])
     completion_tokens = sum(len(comp.token_ids) for comp in out.outputs)
-    return _completion(batch_id, req, "chat.completion", choices, model, created, prompt_tokens, completion_tokens)
+    return _completion(batch_id, req, "chat.completion", choices, model, created, prompt_tokens, completion_tokens,
+                       reasoning_tokens, cached_tokens(out))
 
 
 def completion_body(
     batch_id: str, req: contract.BatchRequest, body: Any, prompts: Sequence[str], outs: Sequence[Any], model: str, created: int
 ) -> Answer:
     """A `text_completion` from one vLLM RequestOutput per prompt."""
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     for prompt_text, out in zip(prompts, outs):
         prompt_tokens += len(out.prompt_token_ids or [])
+        cached += cached_tokens(out)
         for comp in out.outputs:
             completion_tokens += len(comp.token_ids)
             echo = prompt_text if body.echo else ""
@@ -114,12 +126,13 @@ def completion_body(
                     "finish_reason": finish_reason(comp),
                 }
             )
-    return _completion(batch_id, req, "text_completion", choices, model, created, prompt_tokens, completion_tokens)
+    return _completion(batch_id, req, "text_completion", choices, model, created, prompt_tokens, completion_tokens,
+                       0, cached)
 
 
 def _completion(
     batch_id: str, req: contract.BatchRequest, kind: str, choices: list[dict[str, Any]], model: str, created: int,
-    prompt_tokens: int, completion_tokens: int,
+    prompt_tokens: int, completion_tokens: int, reasoning_tokens: int = 0, cached: int = 0,
 ) -> Answer:
     prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
     payload = {
@@ -128,10 +141,14 @@ def _completion(
         "created": created,
         "model": model,
         "choices": choices,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": {
+            **usage(prompt_tokens, completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        },
         "system_fingerprint": None,
     }
-    return success(batch_id, req, payload, prompt_tokens, completion_tokens)
+    return success(batch_id, req, payload, prompt_tokens, completion_tokens, reasoning_tokens, cached)
 
 
 def embeddings_body(batch_id: str, req: contract.BatchRequest, body: Any, outs: Sequence[Any], model: str) -> Answer:
@@ -152,6 +169,17 @@ def embeddings_body(batch_id: str, req: contract.BatchRequest, body: Any, outs: 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def constrained(body: Any) -> bool:
+    """Whether the output was generated under a structured-output constraint."""
+    fmt = getattr(body, "response_format", None)
+    return bool(getattr(body, "structured_outputs", None)) or (fmt is not None and fmt.type != "text")
+
+
+def cached_tokens(out: Any) -> int:
+    """Prompt tokens vLLM found in its prefix cache (0 when it does not say)."""
+    return int(getattr(out, "num_cached_tokens", 0) or 0)
 
 
 def finish_reason(comp: Any) -> str:

@@ -28,7 +28,7 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
     batch_id = validation["batch_id"]
     has_inference = validation["valid"] and storage.exists(loc.work("inference.json"))
     inference = storage.read_json(loc.work("inference.json")) if has_inference else None
-    counts = {"output": 0, "error": 0, "input_tokens": 0, "output_tokens": 0}
+    counts = {"output": 0, "error": 0, "input_tokens": 0, "output_tokens": 0, "cached_tokens": 0, "reasoning_tokens": 0}
     seen = LineSet()
     table = ResultsTable()
     with storage.open_write(loc.out("output.jsonl")) as out, storage.open_write(loc.out("errors.jsonl")) as err:
@@ -46,6 +46,8 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
             counts[answer["kind"]] += 1
             counts["input_tokens"] += answer.get("prompt_tokens", 0)
             counts["output_tokens"] += answer.get("completion_tokens", 0)
+            counts["cached_tokens"] += answer.get("cached_tokens", 0)
+            counts["reasoning_tokens"] += answer.get("reasoning_tokens", 0)
         if cancelled:
             for req in storage.iter_jsonl(loc.work("requests.jsonl")):
                 if seen.add(req["line"]):
@@ -87,6 +89,8 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
             input_tokens=counts["input_tokens"],
             output_tokens=counts["output_tokens"],
             total_tokens=counts["input_tokens"] + counts["output_tokens"],
+            input_tokens_details=contract.InputTokensDetails(cached_tokens=counts["cached_tokens"]),
+            output_tokens_details=contract.OutputTokensDetails(reasoning_tokens=counts["reasoning_tokens"]),
         ),
         metadata={
             "partition": loc.partition,

@@ -30,6 +30,7 @@ ENGINE_ENV = {
     "ENGINE_ARGS": "extra_engine_args",
     "EMBEDDING_MODEL_PATH": "embedding_model_path",
     "EMBEDDING_SERVED_MODEL_NAME": "embedding_served_model_name",
+    "REASONING_PARSER": "reasoning_parser",
     "CHECKPOINT_ANSWERS": "checkpoint_answers",
     "CHECKPOINT_SECONDS": "checkpoint_seconds",
 }
@@ -73,6 +74,7 @@ class EngineSettings:
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
     embedding_model_path: str = ""  # empty: the bundled all-MiniLM-L6-v2
     embedding_served_model_name: str = ""
+    reasoning_parser: str = ""  # vLLM's reasoning parser name (deepseek_r1, qwen3, ...); empty: none
     # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
     # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
     checkpoint_answers: int = 256
