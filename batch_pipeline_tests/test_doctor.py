@@ -267,3 +267,19 @@ def test_upload_sensor_check_with_and_without_the_queue(
     result = check()
     assert result.status == "FAIL" and "does not answer" in result.detail
     storage.reset_clients()
+
+
+def test_score_model_and_reasoning_parser_are_checked(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    (result,) = doctor.run_checks(only=["score and reasoning"])
+    assert result.status == "PASS" and "the embedding model" in result.detail
+    monkeypatch.setenv("REASONING_PARSER", "no_such_parser")
+    (result,) = doctor.run_checks(only=["score and reasoning"])
+    assert result.status == "FAIL" and "REASONING_PARSER='no_such_parser'" in result.detail and "deepseek_r1" in result.detail
+    monkeypatch.setenv("REASONING_PARSER", "deepseek_r1")
+    monkeypatch.setenv("SCORE_MODEL_PATH", str(local_setup / "no-model"))
+    (result,) = doctor.run_checks(only=["score and reasoning"])
+    assert result.status == "FAIL" and result.detail == f"SCORE_MODEL_PATH={local_setup / 'no-model'} has no config.json"
+    (local_setup / "no-model").mkdir()
+    (local_setup / "no-model" / "config.json").write_text("{}")
+    (result,) = doctor.run_checks(only=["score and reasoning"])
+    assert result.status == "PASS" and "no-model (SCORE_MODEL_PATH=" in result.detail and "REASONING_PARSER=deepseek_r1" in result.detail

@@ -65,7 +65,15 @@ VALID = [
 ]
 
 
-@pytest.mark.parametrize("raw", [v[1] for v in VALID], ids=[v[0] for v in VALID])
+# Valid lines the C fast path leaves to the pydantic path (endpoints it has no schema for).
+VALID_SLOW = [
+    ("score", line(url=contract.SCORE_URL, body={"model": "embed-model", "queries": "q", "documents": ["a", "b"]})),
+    ("score, vLLM's older names", line(url=contract.SCORE_URL, body={"model": "embed-model", "text_1": ["q", "r"], "text_2": ["a", "b"]})),
+    ("rerank", line(url=contract.RERANK_URL, body={"model": "embed-model", "query": "q", "documents": ["a"], "top_n": 1})),
+]
+
+
+@pytest.mark.parametrize("raw", [v[1] for v in VALID + VALID_SLOW], ids=[v[0] for v in VALID + VALID_SLOW])
 def test_valid_lines_pass(raw):
     result = check(raw)
     assert isinstance(result, ValidLine), result
@@ -107,6 +115,16 @@ INVALID = [
     ("penalty out of range", line(body=chat(presence_penalty=2.5)), contract.INVALID_REQUEST, "body.presence_penalty"),
     ("top_logprobs without logprobs", line(body=chat(top_logprobs=2)), contract.INVALID_REQUEST, "top_logprobs requires logprobs"),
     ("top_logprobs over 20", line(body=chat(logprobs=True, top_logprobs=21)), contract.INVALID_REQUEST, "body.top_logprobs"),
+    ("score without documents", line(url=contract.SCORE_URL, body={"model": "embed-model", "queries": "q"}),
+     contract.INVALID_REQUEST, "body.documents: required with queries"),
+    ("score with nothing to score", line(url=contract.SCORE_URL, body={"model": "embed-model"}),
+     contract.INVALID_REQUEST, "body: queries and documents are required"),
+    ("rerank with a query list", line(url=contract.RERANK_URL, body={"model": "embed-model", "query": ["q"], "documents": ["a"]}),
+     contract.INVALID_REQUEST, "body.query: one string"),
+    ("rerank with a negative top_n", line(url=contract.RERANK_URL, body={"model": "embed-model", "query": "q", "documents": ["a"], "top_n": -1}),
+     contract.INVALID_REQUEST, "body.top_n"),
+    ("score on the generation model", line(url=contract.SCORE_URL, body={"model": MODEL, "queries": "q", "documents": ["a"]}),
+     contract.MODEL_NOT_FOUND, "/v1/score serves 'embed-model'"),
     ("logit_bias over 100", line(body=chat(logit_bias={"8": 101})), contract.INVALID_REQUEST, "body.logit_bias.8"),
     ("logit_bias key not a token id", line(body=chat(logit_bias={"the": 5})), contract.INVALID_REQUEST, "body.logit_bias"),
     ("unknown reasoning_effort", line(body=chat(reasoning_effort="max")), contract.INVALID_REQUEST, "body.reasoning_effort"),

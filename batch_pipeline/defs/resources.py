@@ -79,6 +79,13 @@ class LLMResource(dg.ConfigurableResource):
         description="REASONING_PARSER: vLLM reasoning parser (deepseek_r1, qwen3, openai_gptoss, ...) that splits "
         "chat answers into reasoning_content and content; blank = none",
     )
+    score_model_path: str = Field(
+        default="",
+        description="SCORE_MODEL_PATH: cross-encoder for /v1/score and /v1/rerank; blank = the embedding model (cosine)",
+    )
+    score_served_model_name: str = Field(
+        default="", description="SCORE_SERVED_MODEL_NAME: what score and rerank lines' body.model must say; blank = folder name"
+    )
     checkpoint_answers: Optional[int] = Field(
         default=None, description="CHECKPOINT_ANSWERS: answers per checkpoint part (default 256)"
     )
@@ -126,7 +133,9 @@ class LLMResource(dg.ConfigurableResource):
     def validation_settings(self) -> ValidationSettings:
         _, served = self.generation_model()
         _, embedding = self.embedding_model()
-        return ValidationSettings(served_model_name=served, embedding_model_name=embedding, **validation_limits_from_env())
+        score = self.settings().score_model()
+        return ValidationSettings(served_model_name=served, embedding_model_name=embedding,
+                                  score_model_name=score[1] if score else None, **validation_limits_from_env())
 
     def identity(self) -> dict[str, Any]:
         """What answers depend on: recorded in batch.json and used to key checkpoints."""

@@ -211,6 +211,31 @@ def check_embedding_model() -> CheckResult:
     return _pass("embedding model", f"bundled {folder.name} ({folder.resolve()})")
 
 
+def check_scoring_model() -> CheckResult:
+    """/v1/score and /v1/rerank: SCORE_MODEL_PATH's cross-encoder, else the embedding model; and
+    REASONING_PARSER, if set, is one of vLLM's (whether it fits the model shows when the model loads)."""
+    try:
+        settings = engine_settings_from_env()
+    except ValueError as e:
+        return _fail("score and reasoning", str(e))
+    parser = ""
+    if settings.reasoning_parser:
+        from batch_pipeline.lib.reasoning import parser_names
+
+        names = parser_names()
+        if settings.reasoning_parser not in names:
+            return _fail("score and reasoning", f"REASONING_PARSER={settings.reasoning_parser!r} is not one of vLLM's reasoning "
+                                    f"parsers: {', '.join(names)}")
+        parser = f"; REASONING_PARSER={settings.reasoning_parser}"
+    own = settings.score_model()
+    if own is None:
+        return _pass("score and reasoning", f"/v1/score and /v1/rerank: the embedding model (cosine of embeddings){parser}")
+    folder, name = own
+    if not (Path(folder) / "config.json").is_file():
+        return _fail("score and reasoning", f"SCORE_MODEL_PATH={folder} has no config.json")
+    return _pass("score and reasoning", f"/v1/score and /v1/rerank: {name} (SCORE_MODEL_PATH={folder}){parser}")
+
+
 def check_storage_input() -> CheckResult:
     """STORAGE_INPUT_PATH can be listed."""
     storage.reset_clients()  # pick up the current AWS_* environment
@@ -356,6 +381,7 @@ CHECKS: dict[str, Callable[[], CheckResult]] = {
     "gpu": check_gpu,
     "model": check_model,
     "embedding model": check_embedding_model,
+    "score and reasoning": check_scoring_model,
     "storage input": check_storage_input,
     "storage output": check_storage_output,
     "upload sensor": check_upload_sensor,

@@ -15,10 +15,12 @@ from batch_pipeline.lib.engine_args import engine_kwargs
 from batch_pipeline.lib.generation import NOTHING_YET, GenerationEngine
 from batch_pipeline.lib.progress import PROGRESS_SECONDS, heartbeat
 from batch_pipeline.lib.responses import Answer
+from batch_pipeline.lib.scoring import ScoringEngine
 from batch_pipeline.lib.settings import EngineSettings
 from batch_pipeline.lib.vllm_adapter import build_llm, shutdown_llm
 
-EMBEDDING_CHUNK = 64
+EMBEDDING_CHUNK = 64  # pooling requests (embeddings, score, rerank) answered together
+POOLING_URLS = (contract.EMBEDDINGS_URL, *contract.SCORING_URLS)
 LOAD_PROGRESS_SECONDS = PROGRESS_SECONDS  # how often a model load says where it is
 
 
@@ -57,6 +59,7 @@ class Engines:
         self.queue = (queue_factor, queue_floor)  # requests kept in the engine: see GenerationEngine.window
         self._generation: GenerationEngine | None = None
         self._embedding: EmbeddingEngine | None = None
+        self._scoring: ScoringEngine | None = None
         self._unused: list[Any] = []  # engines built but not wrapped (their wrapper refused the model)
         self.load_seconds = 0.0
 
@@ -91,22 +94,41 @@ class Engines:
             self._embedding = EmbeddingEngine(llm, self.embedding_name, self.embedding_path)
         return self._embedding
 
+    @property
+    def scoring(self) -> ScoringEngine:
+        """SCORE_MODEL_PATH's cross-encoder, or the embedding model's engine (a bi-encoder)."""
+        if self._scoring is None:
+            own = self.settings.score_model()
+            if own is None:
+                embedding = self.embedding
+                self._scoring = ScoringEngine(embedding.llm, embedding.served_model_name, embedding.model_path)
+            else:
+                path, name = own
+                self._scoring = ScoringEngine(self._build("pooling", path, name), name, path)
+        return self._scoring
+
+    def _pooled(self, batch_id: str, requests: list[contract.BatchRequest], created: int) -> list[Answer]:
+        embeddings = [r for r in requests if r.url == contract.EMBEDDINGS_URL]
+        scored = [r for r in requests if r.url != contract.EMBEDDINGS_URL]
+        return ((self.embedding.run(batch_id, embeddings) if embeddings else [])
+                + (self.scoring.run(batch_id, scored, created) if scored else []))
+
     def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int,
                expected: int | None = None) -> Iterator[Answer]:
         """Answer a stream of mixed requests, each exactly once, in the order they finish.
         (`expected`, the stream's length, matters only to RankedEngines.)"""
         ready: deque[Answer] = deque()
-        embeddings: list[contract.BatchRequest] = []
+        pooled: list[contract.BatchRequest] = []  # embeddings, score and rerank: the pooling models
 
         def generation_only() -> Iterator[contract.BatchRequest]:
             for req in requests:
-                if req is NOTHING_YET or req.url != contract.EMBEDDINGS_URL:
+                if req is NOTHING_YET or req.url not in POOLING_URLS:
                     yield req
                     continue
-                embeddings.append(req)
-                if len(embeddings) >= EMBEDDING_CHUNK:
-                    ready.extend(self.embedding.run(batch_id, embeddings))
-                    embeddings.clear()
+                pooled.append(req)
+                if len(pooled) >= EMBEDDING_CHUNK:
+                    ready.extend(self._pooled(batch_id, pooled, created))
+                    pooled.clear()
 
         generation = generation_only()
         first = next(generation, None)
@@ -117,16 +139,18 @@ class Engines:
                 yield answer
                 while ready:
                     yield ready.popleft()
-        if embeddings:
-            ready.extend(self.embedding.run(batch_id, embeddings))
+        if pooled:
+            ready.extend(self._pooled(batch_id, pooled, created))
         while ready:
             yield ready.popleft()
 
     def close(self) -> None:
-        for engine in (self._generation, self._embedding):
+        shared = self._embedding.llm if self._embedding is not None else None
+        scoring = self._scoring if self._scoring is not None and self._scoring.llm is not shared else None
+        for engine in (self._generation, self._embedding, scoring):
             if engine is not None:
                 shutdown_llm(engine.llm)
         for llm in self._unused:
             shutdown_llm(llm)
-        self._generation = self._embedding = None
+        self._generation = self._embedding = self._scoring = None
         self._unused.clear()

@@ -31,6 +31,8 @@ ENGINE_ENV = {
     "EMBEDDING_MODEL_PATH": "embedding_model_path",
     "EMBEDDING_SERVED_MODEL_NAME": "embedding_served_model_name",
     "REASONING_PARSER": "reasoning_parser",
+    "SCORE_MODEL_PATH": "score_model_path",
+    "SCORE_SERVED_MODEL_NAME": "score_served_model_name",
     "CHECKPOINT_ANSWERS": "checkpoint_answers",
     "CHECKPOINT_SECONDS": "checkpoint_seconds",
 }
@@ -75,6 +77,8 @@ class EngineSettings:
     embedding_model_path: str = ""  # empty: the bundled all-MiniLM-L6-v2
     embedding_served_model_name: str = ""
     reasoning_parser: str = ""  # vLLM's reasoning parser name (deepseek_r1, qwen3, ...); empty: none
+    score_model_path: str = ""  # /v1/score and /v1/rerank: a cross-encoder; empty: the embedding model
+    score_served_model_name: str = ""
     # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
     # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
     checkpoint_answers: int = 256
@@ -96,6 +100,12 @@ class EngineSettings:
             if not ok:
                 value = getattr(self, ENGINE_ENV[name])
                 raise ConfigError(f"{name}={value!r} is out of range{RANGES.get(name, '')}")
+
+    def score_model(self) -> tuple[str, str] | None:
+        """(folder, served name) of SCORE_MODEL_PATH, or None: the embedding model scores."""
+        if not self.score_model_path:
+            return None
+        return self.score_model_path, self.score_served_model_name or Path(self.score_model_path).name
 
     def with_overrides(self, **overrides: Any) -> "EngineSettings":
         values = asdict(self)

@@ -35,12 +35,16 @@ class ValidationSettings:
 
     served_model_name: str
     embedding_model_name: str | None = None
+    score_model_name: str | None = None  # /v1/score and /v1/rerank; None: the embedding model
     max_custom_id_length: int = contract.MAX_CUSTOM_ID_LENGTH
     max_line_bytes: int = 10 * 2**20
 
     def models_for(self, url: str) -> tuple[str, ...]:
         if url == contract.EMBEDDINGS_URL:
             return (self.embedding_model_name,) if self.embedding_model_name else ()
+        if url in contract.SCORING_URLS:
+            name = self.score_model_name or self.embedding_model_name
+            return (name,) if name else ()
         return (self.served_model_name,)
 
 
@@ -150,6 +154,9 @@ def _describe_pydantic(err: ValidationError, prefix: str) -> str:
     loc = _clean_loc(first["loc"])
     where = _loc([prefix, *loc]) if prefix else _loc(loc)
     msg = first["msg"]
+    field = re.match(r"(?:Value error, )?([a-z_0-9]+): (.*)", msg, re.S)
+    if first["type"] == "value_error" and field and not loc:  # a check across fields that names one of them
+        return f"{_loc([prefix, field.group(1)]) if prefix else field.group(1)}: {field.group(2)}"
     if first["type"] == "missing":
         return f"{where}: required field is missing"
     if first["type"] not in ("value_error", "model_type") and "input" in first:
