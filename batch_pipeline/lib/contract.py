@@ -244,7 +244,7 @@ class ResponsesTool(_Lenient):
     def _function_only(cls, value: str) -> str:
         if value != "function":
             raise ValueError(f"{value!r} tools run on OpenAI's servers and cannot run in an offline batch")
-        raise ValueError(TOOLS_NOT_YET)
+        return value
 
 
 class ResponsesBody(_Lenient):
@@ -293,6 +293,13 @@ class ResponsesBody(_Lenient):
             what = {"previous_response_id": "response", "conversation": "conversation", "prompt": "prompt template"}
             raise ValueError(f"a {what[info.field_name]} stored on a server cannot be used in an offline batch: "
                              "give the whole conversation in input")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_function_tools_yet(cls, value: list[ResponsesTool] | None) -> list[ResponsesTool] | None:
+        if value:  # function tools (any other type was refused above)
+            raise ValueError(TOOLS_NOT_YET)
         return value
 
     @field_validator("tool_choice")
