@@ -36,6 +36,12 @@ def line(custom_id="r1", method="POST", url=contract.CHAT_URL, body=None, **extr
     return json.dumps(obj, ensure_ascii=False).encode()
 
 
+def responses_line(custom_id="r1", **body):
+    """A /v1/responses line; a field given as None is left out."""
+    fields = {"model": MODEL, "input": "hi", **body}
+    return line(custom_id, url=contract.RESPONSES_URL, body={k: v for k, v in fields.items() if v is not None})
+
+
 def check(raw: bytes, number: int = 7):
     return LineValidator(SETTINGS).validate(number, raw)
 
@@ -80,6 +86,53 @@ def test_valid_lines_pass(raw):
     assert result.line == 7 and result.raw == raw
     assert result.body == json.loads(raw)["body"]
     assert json.loads(result.record()) == {"line": 7, "request": json.loads(raw)}
+
+
+# /v1/responses lines: valid, though the msgspec fast path does not know the url (pydantic decides).
+RESPONSES_VALID = [
+    ("string input", responses_line()),
+    ("message list with instructions", responses_line(instructions="be brief", input=[
+        {"role": "system", "content": "s"}, {"role": "developer", "content": "d"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "a", "annotations": []}]},
+        {"role": "user", "content": "again"}])),
+    ("sampling and limits", responses_line(max_output_tokens=9, temperature=0, top_p=0.5, seed=3, top_k=5)),
+    ("text formats", responses_line(text={"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"},
+                                                     "strict": True}})),
+    ("json_object", responses_line(text={"format": {"type": "json_object"}, "verbosity": "low"})),
+    ("reasoning effort", responses_line(reasoning={"effort": "low", "summary": "auto"})),
+    ("accepted and ignored", responses_line(metadata={"k": "v"}, store=False, user="u-1", service_tier="auto",
+                                            include=[], truncation="disabled", parallel_tool_calls=False)),
+    ("false switches and no tools", responses_line(stream=False, background=False, tools=[], tool_choice="none")),
+]
+
+
+@pytest.mark.parametrize("raw", [v[1] for v in RESPONSES_VALID], ids=[v[0] for v in RESPONSES_VALID])
+def test_valid_responses_lines_pass(raw):
+    result = check(raw)
+    assert isinstance(result, ValidLine), result
+    assert result.url == contract.RESPONSES_URL and result.model == MODEL and result.raw == raw
+    # The chat it runs as: instructions first, then the input's turns in order.
+    chat = contract.ResponsesBody.model_validate(result.body).as_chat()
+    body = result.body
+    expected = ([body["instructions"]] if "instructions" in body else []) + (
+        [body["input"]] if isinstance(body["input"], str) else [m["content"] if isinstance(m["content"], str)
+                                                                  else m["content"][0]["text"] for m in body["input"]])
+    assert [m.text() for m in chat.messages] == expected
+    assert chat.max_completion_tokens == body.get("max_output_tokens")
+
+
+def test_a_responses_line_maps_to_the_chat_fields_it_runs_as():
+    body = contract.ResponsesBody.model_validate({
+        "model": MODEL, "input": "q", "max_output_tokens": 7, "temperature": 0.3, "top_p": 0.9, "seed": 5,
+        "text": {"format": {"type": "json_schema", "name": "p", "schema": {"type": "object"}, "strict": True}},
+        "reasoning": {"effort": "high"}, "top_k": 4, "logit_bias": {"8": -100}})
+    chat = body.as_chat()
+    assert (chat.max_completion_tokens, chat.token_limit(), chat.temperature, chat.top_p, chat.seed) == (7, 7, 0.3, 0.9, 5)
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == {"type": "object"}
+    assert chat.response_format.json_schema.name == "p" and chat.reasoning_effort == "high"
+    assert chat.model_extra["top_k"] == 4 and chat.logit_bias == {8: -100}
+    assert [(m.role, m.text()) for m in chat.messages] == [("user", "q")]
 
 
 INVALID = [
@@ -141,6 +194,39 @@ INVALID = [
     ("embeddings bad encoding", line(url=contract.EMBEDDINGS_URL, body={"model": "embed-model", "input": "x", "encoding_format": "hex"}),
      contract.INVALID_REQUEST, "body.encoding_format"),
     ("embeddings wrong model", line(url=contract.EMBEDDINGS_URL, body={"model": MODEL, "input": "x"}), contract.MODEL_NOT_FOUND, "embed-model"),
+    # /v1/responses: what only a server with stored state or hosted tools could do, named by field.
+    ("responses previous_response_id", responses_line(previous_response_id="resp_1"), contract.INVALID_REQUEST,
+     "body.previous_response_id: a response stored on a server"),
+    ("responses conversation", responses_line(conversation={"id": "conv_1"}), contract.INVALID_REQUEST,
+     "body.conversation: a conversation stored on a server"),
+    ("responses stored prompt", responses_line(prompt={"id": "pmpt_1"}), contract.INVALID_REQUEST, "body.prompt"),
+    ("responses background", responses_line(background=True), contract.INVALID_REQUEST, "body.background"),
+    ("responses stream", responses_line(stream=True), contract.INVALID_REQUEST, "body.stream"),
+    ("responses web_search tool", responses_line(tools=[{"type": "web_search"}]), contract.INVALID_REQUEST,
+     "body.tools[0].type: 'web_search' tools run on OpenAI's servers"),
+    ("responses file_search tool", responses_line(tools=[{"type": "function", "name": "f"}, {"type": "file_search"}]),
+     contract.INVALID_REQUEST, "body.tools[1].type"),
+    ("responses function tool", responses_line(tools=[{"type": "function", "name": "f", "parameters": {}}]),
+     contract.INVALID_REQUEST, "body.tools: tool calling on /v1/responses is not supported yet"),
+    ("responses tool_choice", responses_line(tool_choice={"type": "function", "name": "f"}), contract.INVALID_REQUEST,
+     "body.tool_choice: tool calling on /v1/responses is not supported yet"),
+    ("responses without input", responses_line(input=None), contract.INVALID_REQUEST, "body.input"),
+    ("responses empty input list", responses_line(input=[]), contract.INVALID_REQUEST, "body.input"),
+    ("responses image input", responses_line(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+     contract.INVALID_REQUEST, "body.input[0].content[0].type"),
+    ("responses tool output item", responses_line(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]),
+     contract.INVALID_REQUEST, "body.input[0].type"),
+    ("responses tool role", responses_line(input=[{"role": "tool", "content": "x"}]), contract.INVALID_REQUEST,
+     "body.input[0].role"),
+    ("responses max_output_tokens zero", responses_line(max_output_tokens=0), contract.INVALID_REQUEST, "body.max_output_tokens"),
+    ("responses temperature too high", responses_line(temperature=2.5), contract.INVALID_REQUEST, "body.temperature"),
+    ("responses bad text format", responses_line(text={"format": {"type": "xml"}}), contract.INVALID_REQUEST, "body.text.format.type"),
+    ("responses json_schema without schema", responses_line(text={"format": {"type": "json_schema", "name": "x"}}),
+     contract.INVALID_REQUEST, "body.text.format: schema is required"),
+    ("responses unknown effort", responses_line(reasoning={"effort": "max"}), contract.INVALID_REQUEST, "body.reasoning.effort"),
+    ("responses metadata not strings", responses_line(metadata={"k": 1}), contract.INVALID_REQUEST, "body.metadata.k"),
+    ("responses unknown model", responses_line(model="gpt-4o"), contract.MODEL_NOT_FOUND, "/v1/responses serves 'tiny-model'"),
+    ("responses embedding model", responses_line(model="embed-model"), contract.MODEL_NOT_FOUND, "'embed-model'"),
 ]
 
 

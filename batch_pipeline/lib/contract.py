@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -17,12 +17,14 @@ EMBEDDINGS_URL = "/v1/embeddings"
 SCORE_URL = "/v1/score"
 RERANK_URL = "/v1/rerank"
 SCORING_URLS = (SCORE_URL, RERANK_URL)
+RESPONSES_URL = "/v1/responses"
 SUPPORTED_URLS = (
     CHAT_URL,
     COMPLETIONS_URL,
     EMBEDDINGS_URL,
     SCORE_URL,
     RERANK_URL,
+    RESPONSES_URL,
 )
 
 MAX_CUSTOM_ID_LENGTH = 64
@@ -238,12 +240,177 @@ class RerankBody(_Lenient):
         return [self.documents] if isinstance(self.documents, str) else list(self.documents)
 
 
+# ---------------------------------------------------------------------- /v1/responses bodies
+#
+# OpenAI's Responses API, offline: one Response per line, run as a chat on the served model.
+# What only exists on a server that keeps state (stored responses, conversations, background
+# runs) or calls out (hosted tools) is refused, naming the field.
+
+TOOLS_NOT_YET = "tool calling on /v1/responses is not supported yet"
+# Passed through to the chat the line runs as (vLLM's extensions, as on chat lines).
+_RESPONSES_TO_CHAT = ("seed", "logit_bias", "structured_outputs", "chat_template_kwargs",
+                      "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens")
+
+
+class ResponsesTextPart(_Lenient):
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class ResponsesMessage(_Lenient):
+    """An input item: a message (`type` may be left out, as OpenAI's "easy input message")."""
+
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: Union[str, list[ResponsesTextPart]]
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content
+
+
+class ResponsesTextFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = Field(default="response", max_length=64)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> "ResponsesTextFormat":
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("schema is required when type is 'json_schema'")
+        return self
+
+    def as_response_format(self) -> dict[str, Any]:
+        """The chat `response_format` that constrains the output the same way."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.schema_, "strict": self.strict}}
+
+    def echo(self) -> dict[str, Any]:
+        """As a Response echoes it (`text.format`)."""
+        if self.type != "json_schema":
+            return {"type": self.type}
+        return self.model_dump(by_alias=True, exclude_none=True)
+
+
+class ResponsesText(_Lenient):
+    format: ResponsesTextFormat | None = None
+
+
+class ResponsesReasoning(_Lenient):
+    # `summary` is accepted and ignored: the thinking is given whole, as reasoning_text.
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+
+
+class ResponsesTool(_Lenient):
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _function_only(cls, value: str) -> str:
+        if value != "function":
+            raise ValueError(f"{value!r} tools run on OpenAI's servers and cannot run in an offline batch")
+        return value
+
+
+class ResponsesBody(_Lenient):
+    model: str = Field(min_length=1)
+    input: Union[str, Annotated[list[ResponsesMessage], Field(min_length=1)]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    text: ResponsesText | None = None
+    reasoning: ResponsesReasoning | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # vLLM's extensions, as on chat lines.
+    seed: int | None = None
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    # Accepted and ignored: store, service_tier, include, truncation, parallel_tool_calls, ...
+    stream: bool | None = None
+    background: bool | None = None
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    tools: list[ResponsesTool] | None = None
+    tool_choice: Any = None
+
+    @field_validator("stream")
+    @classmethod
+    def _no_stream(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("a batch line cannot be streamed: leave stream out or false")
+        return value
+
+    @field_validator("background")
+    @classmethod
+    def _no_background(cls, value: bool | None) -> bool | None:
+        if value:
+            raise ValueError("a batch line already runs in the background: leave background out or false")
+        return value
+
+    @field_validator("previous_response_id", "conversation", "prompt")
+    @classmethod
+    def _nothing_stored(cls, value: Any, info: Any) -> Any:
+        if value is not None:
+            what = {"previous_response_id": "response", "conversation": "conversation", "prompt": "prompt template"}
+            raise ValueError(f"a {what[info.field_name]} stored on a server cannot be used in an offline batch: "
+                             "give the whole conversation in input")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_function_tools_yet(cls, value: list[ResponsesTool] | None) -> list[ResponsesTool] | None:
+        if value:  # function tools (any other type was refused above)
+            raise ValueError(TOOLS_NOT_YET)
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none", "auto"):
+            raise ValueError(TOOLS_NOT_YET)
+        return value
+
+    def text_format(self) -> ResponsesTextFormat | None:
+        return self.text.format if self.text is not None else None
+
+    def conversation_messages(self) -> list[dict[str, str]]:
+        """The chat the line runs as: the instructions as a system message, then the input."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+        if isinstance(self.input, str):
+            return messages + [{"role": "user", "content": self.input}]
+        return messages + [{"role": m.role, "content": m.text()} for m in self.input]
+
+    def as_chat(self) -> ChatBody:
+        """The chat completions body this line runs as (same sampling, constraint and thinking)."""
+        fmt = self.text_format()
+        extras = {**(self.model_extra or {}), **self.model_dump(include=set(_RESPONSES_TO_CHAT), exclude_none=True)}
+        chat = {
+            "model": self.model,
+            "messages": self.conversation_messages(),
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "response_format": fmt.as_response_format() if fmt is not None else None,
+            "reasoning_effort": self.reasoning.effort if self.reasoning is not None else None,
+            **{k: v for k, v in extras.items() if k in _RESPONSES_TO_CHAT},
+        }
+        return ChatBody.model_validate(chat)
+
+
 BODY_MODELS: dict[str, type[BaseModel]] = {
     CHAT_URL: ChatBody,
     COMPLETIONS_URL: CompletionBody,
     EMBEDDINGS_URL: EmbeddingBody,
     SCORE_URL: ScoreBody,
     RERANK_URL: RerankBody,
+    RESPONSES_URL: ResponsesBody,
 }
 
 Body = Union[ChatBody, CompletionBody, EmbeddingBody, ScoreBody, RerankBody]

@@ -1,8 +1,9 @@
-"""Chat and completions on one vLLM `LLM`: requests streamed in, one answer per request out.
+"""Chat, Responses and completions on one vLLM `LLM`: requests streamed in, one answer per request out.
 
 Chat goes through `LLM.enqueue_chat` (the queueing form of `LLM.chat`: same chat template and
-rendering), completions through `LLM.enqueue` (the form of `LLM.generate`). Prompts are measured
-with the model's own tokenizer first, so an over-long prompt becomes a `context_length_exceeded`
+rendering), and so does a `/v1/responses` line, as the chat it amounts to (ResponsesBody.as_chat);
+completions through `LLM.enqueue` (the form of `LLM.generate`). Prompts are measured with the
+model's own tokenizer first, so an over-long prompt becomes a `context_length_exceeded`
 line instead of an exception, and `max_tokens` beyond the room left in the context is clamped to it.
 """
 
@@ -23,6 +24,9 @@ NOTHING_YET = object()
 # vLLM's own extensions to the OpenAI body, accepted as its online server accepts them.
 VLLM_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens")
 
+# Endpoints answered as a chat (LLM.enqueue_chat): /v1/responses lines run as the chat they amount to.
+CHAT_URLS = (contract.CHAT_URL, contract.RESPONSES_URL)
+
 
 @dataclass
 class Prepared:
@@ -34,6 +38,7 @@ class Prepared:
     params: list[Any]
     prompt_lens: list[int] = field(default_factory=list)
     template_kwargs: dict[str, Any] | None = None  # chat only: variables for the chat template
+    source: Any = None  # /v1/responses: the line's own body (`body` is the chat it runs as)
 
 
 class GenerationEngine(vllm_adapter.ServedModel):
@@ -98,15 +103,18 @@ class GenerationEngine(vllm_adapter.ServedModel):
     def prepare(self, batch_id: str, req: contract.BatchRequest) -> Prepared | Answer:
         """Parse, measure and build sampling params; an Answer when the request cannot run."""
         try:
-            body = req.parsed_body()
+            body = source = req.parsed_body()
             template_kwargs = None
-            if req.url == contract.CHAT_URL:
+            if req.url == contract.RESPONSES_URL:
+                body = source.as_chat()  # a Response is computed as the chat it amounts to
+            if req.url in CHAT_URLS:
                 template_kwargs = dict(body.chat_template_kwargs or {})
                 if body.reasoning_effort is not None:
                     if not template_takes(self.tokenizer, "reasoning_effort"):
+                        field = "reasoning.effort" if req.url == contract.RESPONSES_URL else "reasoning_effort"
                         return responses.contract_error(
                             batch_id, req, contract.INVALID_REQUEST,
-                            f"reasoning_effort: the chat template of {self.served_model_name} does not take it, so it "
+                            f"{field}: the chat template of {self.served_model_name} does not take it, so it "
                             "cannot be honoured (a model that thinks on a switch takes chat_template_kwargs instead, "
                             'e.g. {"enable_thinking": false})',
                         )
@@ -135,12 +143,13 @@ class GenerationEngine(vllm_adapter.ServedModel):
         except Exception as e:  # noqa: BLE001 - vLLM refusing a parameter combination
             return responses.engine_error(batch_id, req, e)
         return Prepared(req=req, body=body, prompts=prompts, params=params, prompt_lens=lengths,
-                        template_kwargs=template_kwargs or None)
+                        template_kwargs=template_kwargs or None,
+                        source=source if req.url == contract.RESPONSES_URL else None)
 
     # -- execution --------------------------------------------------------------------------
 
     def _enqueue(self, item: Prepared) -> list[str]:
-        if item.req.url == contract.CHAT_URL:
+        if item.req.url in CHAT_URLS:
             return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False,
                                          chat_template_kwargs=item.template_kwargs)
         return self.llm.enqueue(item.prompts, item.params, use_tqdm=False)
@@ -199,6 +208,10 @@ class GenerationEngine(vllm_adapter.ServedModel):
                 vllm_adapter.abort(self.llm, [enqueued_id for _, _, enqueued_id in pending.values()])
 
     def _answer(self, batch_id: str, item: Prepared, outputs: list[Any], created: int) -> Answer:
+        if item.req.url == contract.RESPONSES_URL:
+            return responses.responses_body(batch_id, item.req, item.source, item.body, outputs[0], item.params[0],
+                                            self.served_model_name, created, reasoning=self.reasoning,
+                                            template_kwargs=item.template_kwargs)
         if item.req.url == contract.CHAT_URL:
             return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.served_model_name, created,
                                        reasoning=self.reasoning, template_kwargs=item.template_kwargs)

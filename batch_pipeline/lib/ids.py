@@ -27,3 +27,13 @@ def request_id(batch_id: str, line: int) -> str:
 
 def completion_id(prefix: str, batch_id: str, line: int) -> str:
     return f"{prefix}-" + _digest("completion", batch_id, line)
+
+
+def response_id(batch_id: str, line: int) -> str:
+    """A /v1/responses Response's id."""
+    return "resp_" + _digest("response", batch_id, line)
+
+
+def response_item_id(prefix: str, batch_id: str, line: int) -> str:
+    """The id of an output item of a Response (`msg`, `rs`)."""
+    return f"{prefix}_" + _digest("item", prefix, batch_id, line)

@@ -3,13 +3,15 @@
 Every line of `output.jsonl` and `errors.jsonl` is built here. An error line is made by
 `error_line` alone, whatever refused the request: validation (`InvalidLine`), the engine's checks
 before running it (`contract_error`), cancellation (`cancelled_line`). Bodies follow OpenAI's
-`chat.completion`, `text_completion` and embeddings `list` objects, so the openai SDK's types load them.
+`chat.completion`, `text_completion`, `response` (/v1/responses) and embeddings `list` objects, so
+the openai SDK's types load them.
 """
 
 from __future__ import annotations
 
 import base64
 import struct
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +107,75 @@ def chat_body(batch_id: str, req: contract.BatchRequest, body: Any, out: Any, mo
     completion_tokens = sum(len(comp.token_ids) for comp in out.outputs)
     return _completion(batch_id, req, "chat.completion", choices, model, created, prompt_tokens, completion_tokens,
                        reasoning_tokens, cached_tokens(out))
+
+
+def responses_body(batch_id: str, req: contract.BatchRequest, body: Any, chat: Any, out: Any, params: Any,
+                   model: str, created: int, reasoning: Any = None,
+                   template_kwargs: dict[str, Any] | None = None) -> Answer:
+    """An OpenAI `response` (/v1/responses) from the RequestOutput of the chat the line ran as
+    (`chat`, ResponsesBody.as_chat). With a reasoning parser, the thinking is a `reasoning` item
+    before the message; an answer cut by the token limit is `incomplete` (max_output_tokens)."""
+    comp = out.outputs[0]
+    cut = finish_reason(comp) == "length"
+    text, thinking, reasoning_tokens = comp.text, None, 0
+    if reasoning is not None:
+        split = reasoning.split(comp.text, comp.token_ids, template_kwargs, constrained=constrained(chat))
+        text, thinking, reasoning_tokens = split.content, split.reasoning, split.reasoning_tokens
+    item_status = "incomplete" if cut else "completed"
+    output: list[dict[str, Any]] = []
+    if thinking is not None:
+        output.append({
+            "type": "reasoning",
+            "id": ids.response_item_id("rs", batch_id, req.line),
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": thinking}],
+            "status": "incomplete" if cut and not text else "completed",
+        })
+    if text or thinking is None or not cut:  # cut while thinking: no message, as OpenAI answers
+        output.append({
+            "type": "message",
+            "id": ids.response_item_id("msg", batch_id, req.line),
+            "status": item_status,
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}],
+        })
+    prompt_tokens = len(out.prompt_token_ids or [])
+    completion_tokens = len(comp.token_ids)
+    cached = cached_tokens(out)
+    fmt = body.text_format()
+    payload = {
+        "id": ids.response_id(batch_id, req.line),
+        "object": "response",
+        "created_at": created,
+        "status": item_status,
+        "completed_at": int(time.time()) if not cut else None,
+        "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": bool((body.model_extra or {}).get("parallel_tool_calls", True)),
+        "previous_response_id": None,
+        "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
+        "background": False,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "text": {"format": fmt.echo() if fmt is not None else {"type": "text"}},
+        "tool_choice": body.tool_choice or "auto",
+        "tools": [],
+        "truncation": "disabled",
+        "usage": {
+            "input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+        "user": body.user,
+        "metadata": body.metadata or {},
+    }
+    return success(batch_id, req, payload, prompt_tokens, completion_tokens, reasoning_tokens, cached)
 
 
 def completion_body(

@@ -6,9 +6,10 @@ memory until the file is written, a few hundred bytes each plus the answer text 
 batch, OpenAI's limit per file, is tens of MB).
 
 Columns: `line` (1-based input line), `custom_id`, `status` (`completed`, `failed`, `cancelled`),
-`content` (the assistant message, or the completion text; null for embeddings and errors),
-`finish_reason`, `prompt_tokens`, `completion_tokens` (0 for lines that never ran), `error_code`,
-`error_message` (null when completed). With `n` > 1, content and finish_reason are the first choice's.
+`content` (the assistant message, a Response's output text, or the completion text; null for
+embeddings and errors), `finish_reason`, `prompt_tokens`, `completion_tokens` (0 for lines that
+never ran; a Response's input and output tokens), `error_code`, `error_message` (null when
+completed). With `n` > 1, content and finish_reason are the first choice's.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def result_row(line: int, record: dict[str, Any]) -> dict[str, Any]:
         row["error_message"] = err.get("message")
         return row
     usage = body.get("usage") or {}
+    if body.get("object") == "response":  # /v1/responses: the output_text, and its own usage names
+        row["prompt_tokens"] = int(usage.get("input_tokens") or 0)
+        row["completion_tokens"] = int(usage.get("output_tokens") or 0)
+        row["content"] = "".join(part.get("text", "") for item in body.get("output") or [] if item.get("type") == "message"
+                                 for part in item.get("content") or [] if part.get("type") == "output_text")
+        row["finish_reason"] = "length" if body.get("status") == "incomplete" else "stop"
+        return row
     row["prompt_tokens"] = int(usage.get("prompt_tokens") or 0)
     row["completion_tokens"] = int(usage.get("completion_tokens") or 0)
     choices = body.get("choices") or []
