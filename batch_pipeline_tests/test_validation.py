@@ -46,6 +46,10 @@ def check(raw: bytes, number: int = 7):
     return LineValidator(SETTINGS).validate(number, raw)
 
 
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "d", "strict": True,
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
 VALID = [
     ("plain chat", line()),
     ("method in lower case", line(method="post")),
@@ -68,6 +72,17 @@ VALID = [
     ("64-character custom_id", line(custom_id="x" * 64)),
     ("reasoning and bias fields", line(body=chat(reasoning_effort="low", chat_template_kwargs={"enable_thinking": True},
                                                  logit_bias={"8": -100, "9": 50.5}, structured_outputs={"regex": "[a-z]+"}))),
+    ("tools, tool_choice auto", line(body=chat(tools=[TOOL, {"type": "function", "function": {"name": "g"}}], tool_choice="auto"))),
+    ("tools without tool_choice", line(body=chat(tools=[TOOL], parallel_tool_calls=False))),
+    ("tool_choice none and required", line(body=chat(tools=[TOOL], tool_choice="required", parallel_tool_calls=True))),
+    ("named tool_choice", line(body=chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}))),
+    ("tool_choice none without tools", line(body=chat(tool_choice="none"))),
+    ("auto with structured_outputs", line(body=chat(tools=[TOOL], structured_outputs={"regex": "<tool_call>.*"}))),
+    ("tool call history", line(body=chat(messages=[
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], tools=[TOOL], tool_choice="none"))),
 ]
 
 
@@ -194,6 +209,42 @@ INVALID = [
     ("embeddings bad encoding", line(url=contract.EMBEDDINGS_URL, body={"model": "embed-model", "input": "x", "encoding_format": "hex"}),
      contract.INVALID_REQUEST, "body.encoding_format"),
     ("embeddings wrong model", line(url=contract.EMBEDDINGS_URL, body={"model": MODEL, "input": "x"}), contract.MODEL_NOT_FOUND, "embed-model"),
+    # Tool calling on chat lines.
+    ("tool of another type", line(body=chat(tools=[TOOL, {"type": "web_search"}])), contract.INVALID_REQUEST,
+     "body.tools[1].type: 'web_search' tools are not supported"),
+    ("tool without function", line(body=chat(tools=[{"type": "function"}])), contract.INVALID_REQUEST, "body.tools[0].function"),
+    ("tool function without name", line(body=chat(tools=[{"type": "function", "function": {"parameters": {}}}])),
+     contract.INVALID_REQUEST, "body.tools[0].function.name"),
+    ("tool function name with spaces", line(body=chat(tools=[{"type": "function", "function": {"name": "get weather"}}])),
+     contract.INVALID_REQUEST, "body.tools[0].function.name"),
+    ("tool parameters not an object", line(body=chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}])),
+     contract.INVALID_REQUEST, "body.tools[0].function.parameters"),
+    ("tools not a list", line(body=chat(tools=TOOL)), contract.INVALID_REQUEST, "body.tools"),
+    ("unknown tool_choice", line(body=chat(tools=[TOOL], tool_choice="any")), contract.INVALID_REQUEST, "body.tool_choice"),
+    ("named tool_choice not declared", line(body=chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "f"}})),
+     contract.INVALID_REQUEST, "body.tool_choice: names the function 'f', which is not among body.tools"),
+    ("named tool_choice without name", line(body=chat(tools=[TOOL], tool_choice={"type": "function", "function": {}})),
+     contract.INVALID_REQUEST, "body.tool_choice"),
+    ("required without tools", line(body=chat(tool_choice="required")), contract.INVALID_REQUEST,
+     "body.tool_choice: 'required' needs tools"),
+    ("named choice and response_format", line(body=chat(tools=[TOOL], tool_choice=NAMED,
+                                                         response_format={"type": "json_object"})),
+     contract.INVALID_REQUEST, "body.tool_choice: a forced tool call"),
+    ("required and structured_outputs", line(body=chat(tools=[TOOL], tool_choice="required", structured_outputs={"regex": "x"})),
+     contract.INVALID_REQUEST, "structured_outputs"),
+    ("parallel_tool_calls not a bool", line(body=chat(tools=[TOOL], parallel_tool_calls="no")), contract.INVALID_REQUEST,
+     "body.parallel_tool_calls"),
+    ("history tool call without id", line(body=chat(messages=[
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}])),
+     contract.INVALID_REQUEST, "body.messages[1].tool_calls[0].id"),
+    ("history tool call arguments not a string", line(body=chat(messages=[
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}])),
+     contract.INVALID_REQUEST, "body.messages[1].tool_calls[0].function.arguments"),
+    ("tool_call_id not a string", line(body=chat(messages=[
+        {"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": 5, "content": "x"}])),
+     contract.INVALID_REQUEST, "body.messages[1].tool_call_id"),
     # /v1/responses: what only a server with stored state or hosted tools could do, named by field.
     ("responses previous_response_id", responses_line(previous_response_id="resp_1"), contract.INVALID_REQUEST,
      "body.previous_response_id: a response stored on a server"),

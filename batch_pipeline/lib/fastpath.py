@@ -28,11 +28,23 @@ class _TextPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str
 
 
+class _CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class _ToolCall(msgspec.Struct):
+    id: str
+    function: _CalledFunction
+    type: Literal["function"] = "function"
+
+
 class _Message(msgspec.Struct):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[_TextPart], None] = None
     name: Union[str, None] = None
-    tool_calls: Any = None
+    tool_calls: Union[list[_ToolCall], None] = None
+    tool_call_id: Union[str, None] = None
 
     def __post_init__(self) -> None:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -52,6 +64,27 @@ class _ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("json_schema is required")
+
+
+class _Function(msgspec.Struct):
+    name: Annotated[str, Meta(pattern=contract.FUNCTION_NAME)]
+    description: Union[str, None] = None
+    parameters: Union[dict[str, Any], None] = None
+    strict: Union[bool, None] = None
+
+
+class _Tool(msgspec.Struct):
+    type: Literal["function"]
+    function: _Function
+
+
+class _NamedFunction(msgspec.Struct):
+    name: str
+
+
+class _NamedToolChoice(msgspec.Struct):
+    type: Literal["function"]
+    function: _NamedFunction
 
 
 class _Sampling(msgspec.Struct):
@@ -76,12 +109,19 @@ class _ChatBody(_Sampling):
     response_format: Union[_ResponseFormat, None] = None
     reasoning_effort: Union[Literal["none", "minimal", "low", "medium", "high", "xhigh"], None] = None
     chat_template_kwargs: Union[dict[str, Any], None] = None
+    tools: Union[list[_Tool], None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], _NamedToolChoice, None] = None
+    parallel_tool_calls: Union[bool, None] = None
 
     def __post_init__(self) -> None:
         if not self.messages:
             raise ValueError("messages are required")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs")
+        fmt = self.response_format is not None and self.response_format.type != "text"
+        names = [t.function.name for t in self.tools or []]
+        if contract.tool_choice_problem(self.tool_choice, names, fmt, bool(self.structured_outputs)):
+            raise ValueError("tool_choice")
 
 
 class _CompletionBody(_Sampling):
