@@ -283,3 +283,12 @@ def test_score_model_and_reasoning_parser_are_checked(local_setup: Path, monkeyp
     (local_setup / "no-model" / "config.json").write_text("{}")
     (result,) = doctor.run_checks(only=["score and reasoning"])
     assert result.status == "PASS" and "no-model (SCORE_MODEL_PATH=" in result.detail and "REASONING_PARSER=deepseek_r1" in result.detail
+
+
+def test_tool_call_parser_is_checked(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("TOOL_CALL_PARSER", "no_such_parser")
+    (result,) = doctor.run_checks(only=["score and reasoning"])
+    assert result.status == "FAIL" and "TOOL_CALL_PARSER='no_such_parser'" in result.detail and "hermes" in result.detail
+    monkeypatch.setenv("TOOL_CALL_PARSER", "hermes")
+    (result,) = doctor.run_checks(only=["score and reasoning"])
+    assert result.status == "PASS" and "TOOL_CALL_PARSER=hermes" in result.detail

@@ -79,6 +79,11 @@ class LLMResource(dg.ConfigurableResource):
         description="REASONING_PARSER: vLLM reasoning parser (deepseek_r1, qwen3, openai_gptoss, ...) that splits "
         "chat answers into reasoning_content and content; blank = none",
     )
+    tool_call_parser: str = Field(
+        default="",
+        description="TOOL_CALL_PARSER: vLLM tool parser (hermes, llama3_json, mistral, ...) that reads tool calls from "
+        "chat answers for tool_choice auto; blank = none (lines with tools and tool_choice auto are refused)",
+    )
     score_model_path: str = Field(
         default="",
         description="SCORE_MODEL_PATH: cross-encoder for /v1/score and /v1/rerank; blank = the embedding model (cosine)",
@@ -153,6 +158,7 @@ class LLMResource(dg.ConfigurableResource):
             "dtype": kwargs["dtype"],
             "seed": s.seed,
             **({"reasoning_parser": s.reasoning_parser} if s.reasoning_parser else {}),
+            **({"tool_call_parser": s.tool_call_parser} if s.tool_call_parser else {}),
         }
 
     # -- engine lifetime ---------------------------------------------------------------------

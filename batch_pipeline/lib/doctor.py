@@ -213,7 +213,7 @@ def check_embedding_model() -> CheckResult:
 
 def check_scoring_model() -> CheckResult:
     """/v1/score and /v1/rerank: SCORE_MODEL_PATH's cross-encoder, else the embedding model; and
-    REASONING_PARSER, if set, is one of vLLM's (whether it fits the model shows when the model loads)."""
+    REASONING_PARSER and TOOL_CALL_PARSER, if set, are vLLM's (whether they fit the model shows when it loads)."""
     try:
         settings = engine_settings_from_env()
     except ValueError as e:
@@ -227,6 +227,14 @@ def check_scoring_model() -> CheckResult:
             return _fail("score and reasoning", f"REASONING_PARSER={settings.reasoning_parser!r} is not one of vLLM's reasoning "
                                     f"parsers: {', '.join(names)}")
         parser = f"; REASONING_PARSER={settings.reasoning_parser}"
+    if settings.tool_call_parser:
+        from batch_pipeline.lib.tool_calls import parser_names as tool_parser_names
+
+        names = tool_parser_names()
+        if settings.tool_call_parser not in names:
+            return _fail("score and reasoning", f"TOOL_CALL_PARSER={settings.tool_call_parser!r} is not one of vLLM's tool "
+                                    f"parsers: {', '.join(names)}")
+        parser += f"; TOOL_CALL_PARSER={settings.tool_call_parser}"
     own = settings.score_model()
     if own is None:
         return _pass("score and reasoning", f"/v1/score and /v1/rerank: the embedding model (cosine of embeddings){parser}")

@@ -79,9 +79,10 @@ class Engines:
             llm = self._build("generate", self.model_path, self.served_name)
             try:
                 self._generation = GenerationEngine(llm, self.served_name, self.model_path, *self.queue,
-                                                    reasoning_parser=self.settings.reasoning_parser)
+                                                    reasoning_parser=self.settings.reasoning_parser,
+                                                    tool_call_parser=self.settings.tool_call_parser)
             except Exception:
-                self._unused.append(llm)  # e.g. a REASONING_PARSER that does not fit the model: shut down in close()
+                self._unused.append(llm)  # e.g. a REASONING_PARSER or TOOL_CALL_PARSER that does not fit: shut down in close()
                 raise
         return self._generation
 

@@ -31,6 +31,7 @@ ENGINE_ENV = {
     "EMBEDDING_MODEL_PATH": "embedding_model_path",
     "EMBEDDING_SERVED_MODEL_NAME": "embedding_served_model_name",
     "REASONING_PARSER": "reasoning_parser",
+    "TOOL_CALL_PARSER": "tool_call_parser",
     "SCORE_MODEL_PATH": "score_model_path",
     "SCORE_SERVED_MODEL_NAME": "score_served_model_name",
     "CHECKPOINT_ANSWERS": "checkpoint_answers",
@@ -77,6 +78,7 @@ class EngineSettings:
     embedding_model_path: str = ""  # empty: the bundled all-MiniLM-L6-v2
     embedding_served_model_name: str = ""
     reasoning_parser: str = ""  # vLLM's reasoning parser name (deepseek_r1, qwen3, ...); empty: none
+    tool_call_parser: str = ""  # vLLM's tool parser name (hermes, llama3_json, ...) for tool_choice auto; empty: none
     score_model_path: str = ""  # /v1/score and /v1/rerank: a cross-encoder; empty: the embedding model
     score_served_model_name: str = ""
     # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
