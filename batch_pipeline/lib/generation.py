@@ -13,7 +13,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from batch_pipeline.lib import contract, responses, vllm_adapter
+import copy
+import json
+
+from batch_pipeline.lib import contract, responses, tool_calls, vllm_adapter
 from batch_pipeline.lib.reasoning import Reasoning, template_takes
 from batch_pipeline.lib.responses import Answer
 
@@ -39,13 +42,14 @@ class Prepared:
     prompt_lens: list[int] = field(default_factory=list)
     template_kwargs: dict[str, Any] | None = None  # chat only: variables for the chat template
     source: Any = None  # /v1/responses: the line's own body (`body` is the chat it runs as)
+    tools: tool_calls.ToolPlan | None = None  # chat only: how the line's tools are used
 
 
 class GenerationEngine(vllm_adapter.ServedModel):
     """One vLLM `LLM` serving chat and completions for the duration of a run."""
 
     def __init__(self, llm: Any, served_model_name: str, model_path: str, queue_factor: int = 4, queue_floor: int = 64,
-                 reasoning_parser: str = ""):
+                 reasoning_parser: str = "", tool_call_parser: str = ""):
         super().__init__(llm, served_model_name, model_path)
         self._defaults = vllm_adapter.default_sampling_values(llm)
         self.queue_factor, self.queue_floor = queue_factor, queue_floor
@@ -53,18 +57,22 @@ class GenerationEngine(vllm_adapter.ServedModel):
         self.reasoning = Reasoning(reasoning_parser, self.tokenizer, served_model_name) if reasoning_parser else None
         if self.reasoning is not None:
             self._defaults.update(self.reasoning.sampling_overrides)
+        # TOOL_CALL_PARSER: vLLM's parser reads tool calls from the answers of tool_choice auto lines.
+        self.tool_parser = tool_calls.ToolParser(tool_call_parser, self.tokenizer, served_model_name) if tool_call_parser else None
 
     # -- preparation ------------------------------------------------------------------------
 
-    def _count_chat(self, conversation: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None) -> int:
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                                  **(template_kwargs or {}))
+    def _count_chat(self, conversation: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> int:
+        text = self.tokenizer.apply_chat_template(_as_rendered(conversation), tokenize=False, add_generation_prompt=True,
+                                                  tools=tools, **(template_kwargs or {}))
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _count_text(self, prompt: str) -> int:
         return len(self.tokenizer.encode(prompt))
 
-    def _sampling(self, body: Any, max_tokens: int, logprobs: int | None) -> Any:
+    def _sampling(self, body: Any, max_tokens: int, logprobs: int | None,
+                  tools: tool_calls.ToolPlan | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -86,7 +94,11 @@ class GenerationEngine(vllm_adapter.ServedModel):
         if body.logit_bias:
             values["logit_bias"] = dict(body.logit_bias)
         fmt = getattr(body, "response_format", None)
-        if body.structured_outputs:
+        if tools is not None:
+            values.update(tools.sampling)
+        if tools is not None and tools.schema is not None:  # a forced call (named or required): its JSON
+            values["structured_outputs"] = StructuredOutputsParams(json=tools.schema)
+        elif body.structured_outputs:
             if fmt is not None and fmt.type != "text":
                 raise ValueError("structured_outputs and response_format both constrain the output: give one of them")
             values["structured_outputs"] = StructuredOutputsParams(**body.structured_outputs)
@@ -104,7 +116,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
         """Parse, measure and build sampling params; an Answer when the request cannot run."""
         try:
             body = source = req.parsed_body()
-            template_kwargs = None
+            template_kwargs, plan = None, None
             if req.url == contract.RESPONSES_URL:
                 body = source.as_chat()  # a Response is computed as the chat it amounts to
             if req.url in CHAT_URLS:
@@ -119,8 +131,12 @@ class GenerationEngine(vllm_adapter.ServedModel):
                             'e.g. {"enable_thinking": false})',
                         )
                     template_kwargs.setdefault("reasoning_effort", body.reasoning_effort)
-                conversation = [{"role": m.role, "content": m.text()} for m in body.messages]
-                lengths = [self._count_chat(conversation, template_kwargs)]
+                try:
+                    plan = tool_calls.plan(body, self.tool_parser)
+                except ValueError as e:
+                    return responses.contract_error(batch_id, req, contract.INVALID_REQUEST, f"body.{e}")
+                conversation = [_message(m) for m in body.messages]
+                lengths = [self._count_chat(conversation, template_kwargs, plan.tools)]
                 prompts: list[Any] = [conversation]
                 logprobs = (body.top_logprobs or 0) if body.logprobs else None
             else:
@@ -139,19 +155,20 @@ class GenerationEngine(vllm_adapter.ServedModel):
                 "for output",
             )
         try:
-            params = [self._sampling(body, self._room(n, body.token_limit()), logprobs) for n in lengths]
+            params = [self._sampling(body, self._room(n, body.token_limit()), logprobs, plan) for n in lengths]
         except Exception as e:  # noqa: BLE001 - vLLM refusing a parameter combination
             return responses.engine_error(batch_id, req, e)
         return Prepared(req=req, body=body, prompts=prompts, params=params, prompt_lens=lengths,
                         template_kwargs=template_kwargs or None,
-                        source=source if req.url == contract.RESPONSES_URL else None)
+                        source=source if req.url == contract.RESPONSES_URL else None, tools=plan)
 
     # -- execution --------------------------------------------------------------------------
 
     def _enqueue(self, item: Prepared) -> list[str]:
         if item.req.url in CHAT_URLS:
             return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False,
-                                         chat_template_kwargs=item.template_kwargs)
+                                         chat_template_kwargs=item.template_kwargs,
+                                         tools=item.tools.tools if item.tools is not None else None)
         return self.llm.enqueue(item.prompts, item.params, use_tqdm=False)
 
     def window(self) -> int:
@@ -214,7 +231,34 @@ class GenerationEngine(vllm_adapter.ServedModel):
                                             template_kwargs=item.template_kwargs)
         if item.req.url == contract.CHAT_URL:
             return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.served_model_name, created,
-                                       reasoning=self.reasoning, template_kwargs=item.template_kwargs)
+                                       reasoning=self.reasoning, template_kwargs=item.template_kwargs,
+                                       tools=item.tools, tool_parser=self.tool_parser)
         return responses.completion_body(
             batch_id, item.req, item.body, item.prompts, outputs, self.served_model_name, created
         )
+
+
+def _message(m: contract.ChatMessage) -> dict[str, Any]:
+    """A chat message as it goes to vLLM (OpenAI's shape): tool calls and tool results kept."""
+    message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _as_rendered(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as vLLM hands it to the chat template: tool call arguments as objects, not
+    JSON strings (an argument string that is not a JSON object becomes {}, as vLLM makes it)."""
+    if not any("tool_calls" in m for m in conversation):
+        return conversation
+    rendered = copy.deepcopy(conversation)
+    for message in rendered:
+        for call in message.get("tool_calls") or []:
+            try:
+                arguments = json.loads(call["function"]["arguments"] or "{}")
+            except ValueError:
+                arguments = {}
+            call["function"]["arguments"] = arguments if isinstance(arguments, dict) else {}
+    return rendered

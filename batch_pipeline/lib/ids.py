@@ -37,3 +37,8 @@ def response_id(batch_id: str, line: int) -> str:
 def response_item_id(prefix: str, batch_id: str, line: int) -> str:
     """The id of an output item of a Response (`msg`, `rs`)."""
     return f"{prefix}_" + _digest("item", prefix, batch_id, line)
+
+
+def tool_call_id(batch_id: str, line: int, choice: int, index: int) -> str:
+    """The id of the `index`th tool call in choice `choice` of a chat answer."""
+    return "call_" + _digest("tool_call", batch_id, line, choice, index)

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batch_pipeline.lib import contract, ids
+from batch_pipeline.lib import contract, ids, tool_calls
 
 
 @dataclass
@@ -85,23 +85,34 @@ def _envelope(batch_id: str, req: contract.BatchRequest, status: int, body: dict
 
 
 def chat_body(batch_id: str, req: contract.BatchRequest, body: Any, out: Any, model: str, created: int,
-              reasoning: Any = None, template_kwargs: dict[str, Any] | None = None) -> Answer:
+              reasoning: Any = None, template_kwargs: dict[str, Any] | None = None,
+              tools: Any = None, tool_parser: Any = None) -> Answer:
     """A `chat.completion` from one vLLM RequestOutput (n choices). With a reasoning parser
-    (lib/reasoning.py), each message's thinking is apart from its content."""
+    (lib/reasoning.py), each message's thinking is apart from its content. With tools
+    (lib/tool_calls.py), the calls found are `message.tool_calls` and content is null."""
     top = body.top_logprobs or 0
+    forced = tools is not None and tools.schema is not None
     choices, reasoning_tokens = [], 0
     for i, comp in enumerate(out.outputs):
         message: dict[str, Any] = {"role": "assistant", "content": comp.text, "refusal": None}
         if reasoning is not None:
-            split = reasoning.split(comp.text, comp.token_ids, template_kwargs, constrained=constrained(body))
+            split = reasoning.split(comp.text, comp.token_ids, template_kwargs, constrained=constrained(body) or forced)
             # Both names: reasoning_content (DeepSeek's API, vLLM before 0.11), reasoning (vLLM since).
             message.update(content=split.content, reasoning_content=split.reasoning, reasoning=split.reasoning)
             reasoning_tokens += split.reasoning_tokens
+        reason = finish_reason(comp)
+        if tools is not None and tools.mode != "none" and reason != "length":
+            # A text cut by the token limit is no call: it stays content, finish_reason "length".
+            found = tool_calls.extract(tools, tool_parser, body, message["content"], batch_id, req.line, i)
+            if found is not None:
+                message.update(content=found.content, tool_calls=found.calls)
+                # OpenAI: "stop" when the call was forced by name, "tool_calls" when the model chose.
+                reason = "stop" if tools.mode == "named" else "tool_calls"
         choices.append({
             "index": i,
             "message": message,
             "logprobs": _chat_logprobs(comp, top) if body.logprobs else None,
-            "finish_reason": finish_reason(comp),
+            "finish_reason": reason,
         })
     prompt_tokens = len(out.prompt_token_ids or [])
     completion_tokens = sum(len(comp.token_ids) for comp in out.outputs)
