@@ -37,6 +37,8 @@ TIME = {"type": "function", "function": {
                    "required": ["zone"], "additionalProperties": False}}}
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+pytestmark = pytest.mark.smollm2  # real answers from the bundled model
+
 HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
