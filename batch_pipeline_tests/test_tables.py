@@ -44,7 +44,13 @@ def test_rows_of_every_kind_of_result_line():
     rows = {r["custom_id"]: r for r in (tables.result_row(i, rec) for i, rec in
                                          enumerate([chat, text, emb, invalid, refused, cancelled], 1))}
     assert rows["c"] | {} == {"line": 1, "custom_id": "c", "status": "completed", "content": "hi", "finish_reason": "stop",
-                             "prompt_tokens": 7, "completion_tokens": 2, "error_code": None, "error_message": None}
+                             "prompt_tokens": 7, "completion_tokens": 2, "error_code": None, "error_message": None,
+                             "tool_calls": None}
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    called = tables.result_row(7, {"custom_id": "f", "error": None, "response": {"status_code": 200, "body": {
+        "object": "chat.completion", "usage": {},
+        "choices": [{"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}]}}})
+    assert (called["content"], called["finish_reason"], json.loads(called["tool_calls"])) == (None, "tool_calls", calls)
     assert (rows["t"]["content"], rows["t"]["finish_reason"], rows["t"]["completion_tokens"]) == ("abc", "length", 5)
     assert (rows["e"]["status"], rows["e"]["content"], rows["e"]["prompt_tokens"]) == ("completed", None, 4)
     assert (rows[None]["status"], rows[None]["error_code"], rows[None]["line"]) == ("failed", "invalid_json", 4)

@@ -9,12 +9,14 @@ Columns: `line` (1-based input line), `custom_id`, `status` (`completed`, `faile
 `content` (the assistant message, a Response's output text, or the completion text; null for
 embeddings and errors), `finish_reason`, `prompt_tokens`, `completion_tokens` (0 for lines that
 never ran; a Response's input and output tokens), `error_code`, `error_message` (null when
-completed). With `n` > 1, content and finish_reason are the first choice's.
+completed), `tool_calls` (the first choice's `message.tool_calls` as a JSON string; null when it
+made none). With `n` > 1, content and finish_reason are the first choice's.
 """
 
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +39,7 @@ RESULTS_SCHEMA = pa.schema([
     pa.field("completion_tokens", pa.int64(), nullable=False),
     pa.field("error_code", pa.string()),
     pa.field("error_message", pa.string()),
+    pa.field("tool_calls", pa.string()),
 ])
 
 
@@ -44,7 +47,7 @@ def result_row(line: int, record: dict[str, Any]) -> dict[str, Any]:
     """The table row of one output.jsonl / errors.jsonl line."""
     row: dict[str, Any] = {"line": line, "custom_id": record.get("custom_id"), "status": "completed", "content": None,
                            "finish_reason": None, "prompt_tokens": 0, "completion_tokens": 0,
-                           "error_code": None, "error_message": None}
+                           "error_code": None, "error_message": None, "tool_calls": None}
     error = record.get("error")
     if error:  # refused before it ran: validation, the engine's checks, cancellation
         row["status"] = "cancelled" if error.get("code") == contract.BATCH_CANCELLED else "failed"
@@ -74,6 +77,8 @@ def result_row(line: int, record: dict[str, Any]) -> dict[str, Any]:
         message = first.get("message")
         row["content"] = message.get("content") if isinstance(message, dict) else first.get("text")
         row["finish_reason"] = first.get("finish_reason")
+        if isinstance(message, dict) and message.get("tool_calls"):
+            row["tool_calls"] = json.dumps(message["tool_calls"], ensure_ascii=False)
     return row
 
 
