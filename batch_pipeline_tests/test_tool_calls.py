@@ -19,6 +19,7 @@ from openai.types.chat import ChatCompletion
 from batch_pipeline.lib import contract
 from batch_pipeline.lib.engines import Engines
 from batch_pipeline.lib.tool_calls import ToolParserConfigError, required_schema
+from batch_pipeline_tests.test_assets import DATE, materialize, read_jsonl, write_batch
 
 try:
     import jsonschema
@@ -194,3 +195,41 @@ def test_an_unknown_tool_parser_is_a_clear_config_error(smollm2_llm):
     with pytest.raises(ToolParserConfigError, match="TOOL_CALL_PARSER='no_such_parser' is not one of vLLM's tool parsers"):
         with smollm2_llm.rebuilt(tool_call_parser="no_such_parser").open(log=lambda _m: None) as engines:
             _ = engines.generation
+
+
+def test_a_batch_with_tool_lines(smollm2_llm, tmp_path):
+    """Through the pipeline: validation (the fast path and pydantic), output and error files, results.parquet."""
+    import pandas as pd
+
+    def chat(custom_id: str, **body) -> str:
+        payload = {"model": MODEL, "messages": ASK, "temperature": 0, "max_tokens": 80, **body}
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": contract.CHAT_URL, "body": payload})
+
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    write_batch(inbox / DATE, "tools.jsonl", [
+        chat("named", tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}),
+        chat("required", tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False),
+        chat("auto", tools=[WEATHER]),  # no TOOL_CALL_PARSER
+        chat("undeclared", tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}}),
+        chat("hosted", tools=[{"type": "web_search"}]),
+        chat("plain", max_tokens=5),
+    ])
+    assert materialize(smollm2_llm, str(inbox), str(out)).success
+    folder = f"{out}/{DATE}/tools"
+    outputs = {o["custom_id"]: ChatCompletion.model_validate(o["response"]["body"])
+               for o in read_jsonl(f"{folder}/output.jsonl")}
+    errors = {e["custom_id"]: e["error"] for e in read_jsonl(f"{folder}/errors.jsonl")}
+    assert sorted(outputs) == ["named", "plain", "required"] and sorted(errors) == ["auto", "hosted", "undeclared"]
+    [named] = outputs["named"].choices[0].message.tool_calls
+    assert named.function.name == "get_time" and check_arguments("get_time", named.function.arguments)
+    [required] = outputs["required"].choices[0].message.tool_calls
+    assert outputs["required"].choices[0].finish_reason == "tool_calls" and required.function.name in SCHEMAS
+    assert all(e["code"] == contract.INVALID_REQUEST for e in errors.values())
+    assert "body.tool_choice" in errors["auto"]["message"] and "TOOL_CALL_PARSER" in errors["auto"]["message"]
+    assert "body.tool_choice: names the function 'get_time'" in errors["undeclared"]["message"]
+    assert "body.tools[0].type" in errors["hosted"]["message"]
+
+    table = pd.read_parquet(f"{folder}/results.parquet").set_index("custom_id")
+    assert json.loads(table.loc["named", "tool_calls"]) == [named.model_dump(exclude_none=True)]
+    assert table.loc["named", "finish_reason"] == "stop" and pd.isna(table.loc["named", "content"])
+    assert pd.isna(table.loc["plain", "tool_calls"]) and table.loc["plain", "content"]
