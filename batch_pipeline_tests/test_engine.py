@@ -185,3 +185,10 @@ def test_a_model_load_reports_its_phase_and_time_while_it_runs(tiny_llm, monkeyp
     assert all("building the engine (weights, KV cache, warm-up)" in m for m in loading)  # vLLM is imported
     loaded = next(i for i, m in enumerate(messages) if m.startswith(f"generate model {TINY_NAME} loaded in"))
     assert messages.index(loading[-1]) < loaded  # no beat after the load finished
+
+
+def test_vllm_sampling_extensions_reach_the_engine(engines):
+    """allowed_token_ids (one of vLLM's extensions) leaves the model one token to choose."""
+    record = run(engines, req(1, max_tokens=3, temperature=0, allowed_token_ids=[40], ignore_eos=True))[1]
+    content = ChatCompletion.model_validate(body_of(record)).choices[0].message.content
+    assert content == engines.generation.tokenizer.decode([40, 40, 40])

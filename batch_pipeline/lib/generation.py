@@ -21,8 +21,8 @@ from batch_pipeline.lib.responses import Answer
 # more from the run process): the engine goes on stepping what it holds and asks again.
 NOTHING_YET = object()
 
-# vLLM's own extensions to the OpenAI body, accepted as its online server accepts them.
-VLLM_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens")
+# vLLM's own extensions to the OpenAI body, honoured as its online server honours them.
+VLLM_SAMPLING_EXTRAS = contract.VLLM_SAMPLING_EXTRAS
 
 # Endpoints answered as a chat (LLM.enqueue_chat): /v1/responses lines run as the chat they amount to.
 CHAT_URLS = (contract.CHAT_URL, contract.RESPONSES_URL)
