@@ -283,3 +283,17 @@ def test_score_model_and_reasoning_parser_are_checked(local_setup: Path, monkeyp
     (local_setup / "no-model" / "config.json").write_text("{}")
     (result,) = doctor.run_checks(only=["score and reasoning"])
     assert result.status == "PASS" and "no-model (SCORE_MODEL_PATH=" in result.detail and "REASONING_PARSER=deepseek_r1" in result.detail
+
+
+def test_lora_adapters_are_listed_and_checked(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    (result,) = doctor.run_checks(only=["lora adapters"])
+    assert result.status == "PASS" and result.detail.startswith("none")
+    adapter = local_setup / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 16, "peft_type": "LORA"}')
+    monkeypatch.setenv("LORA_MODULES", f"support-bot={adapter} legal={local_setup / 'missing'}")
+    (result,) = doctor.run_checks(only=["lora adapters"])
+    assert result.status == "FAIL" and f"legal={local_setup / 'missing'} is not a LoRA adapter folder" in result.detail
+    monkeypatch.setenv("LORA_MODULES", f"support-bot={adapter}")
+    (result,) = doctor.run_checks(only=["lora adapters"])
+    assert result.status == "PASS" and f"support-bot (rank 16, {adapter})" in result.detail

@@ -86,6 +86,12 @@ class LLMResource(dg.ConfigurableResource):
     score_served_model_name: str = Field(
         default="", description="SCORE_SERVED_MODEL_NAME: what score and rerank lines' body.model must say; blank = folder name"
     )
+    lora_modules: str = Field(
+        default="",
+        description="LORA_MODULES: LoRA adapters on the generation model, 'name=path name2=path2'; a line names one "
+        "in body.model; blank = none",
+    )
+    max_lora_rank: Optional[int] = Field(default=None, description="MAX_LORA_RANK: blank = the adapters' largest rank")
     checkpoint_answers: Optional[int] = Field(
         default=None, description="CHECKPOINT_ANSWERS: answers per checkpoint part (default 256)"
     )
@@ -135,7 +141,8 @@ class LLMResource(dg.ConfigurableResource):
         _, embedding = self.embedding_model()
         score = self.settings().score_model()
         return ValidationSettings(served_model_name=served, embedding_model_name=embedding,
-                                  score_model_name=score[1] if score else None, **validation_limits_from_env())
+                                  score_model_name=score[1] if score else None,
+                                  adapter_names=tuple(self.settings().lora_adapters()), **validation_limits_from_env())
 
     def identity(self) -> dict[str, Any]:
         """What answers depend on: recorded in batch.json and used to key checkpoints."""
@@ -153,6 +160,7 @@ class LLMResource(dg.ConfigurableResource):
             "dtype": kwargs["dtype"],
             "seed": s.seed,
             **({"reasoning_parser": s.reasoning_parser} if s.reasoning_parser else {}),
+            **({"lora_modules": s.lora_modules} if s.lora_modules else {}),
         }
 
     # -- engine lifetime ---------------------------------------------------------------------

@@ -236,6 +236,21 @@ def check_scoring_model() -> CheckResult:
     return _pass("score and reasoning", f"/v1/score and /v1/rerank: {name} (SCORE_MODEL_PATH={folder}){parser}")
 
 
+def check_lora_adapters() -> CheckResult:
+    """LORA_MODULES: each adapter folder is a PEFT LoRA adapter; lists what lines may name."""
+    from batch_pipeline.lib.engine_args import adapter_rank
+
+    try:
+        adapters = engine_settings_from_env().lora_adapters()
+        ranks = {name: adapter_rank(name, path) for name, path in adapters.items()}
+    except ValueError as e:
+        return _fail("lora adapters", str(e))
+    if not adapters:
+        return _pass("lora adapters", "none (LORA_MODULES unset): lines name the served model")
+    listed = ", ".join(f"{name} (rank {rank}, {adapters[name]})" for name, rank in ranks.items())
+    return _pass("lora adapters", f"{len(adapters)} served on the generation model: {listed}")
+
+
 def check_storage_input() -> CheckResult:
     """STORAGE_INPUT_PATH can be listed."""
     storage.reset_clients()  # pick up the current AWS_* environment
@@ -382,6 +397,7 @@ CHECKS: dict[str, Callable[[], CheckResult]] = {
     "model": check_model,
     "embedding model": check_embedding_model,
     "score and reasoning": check_scoring_model,
+    "lora adapters": check_lora_adapters,
     "storage input": check_storage_input,
     "storage output": check_storage_output,
     "upload sensor": check_upload_sensor,

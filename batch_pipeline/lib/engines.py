@@ -79,7 +79,8 @@ class Engines:
             llm = self._build("generate", self.model_path, self.served_name)
             try:
                 self._generation = GenerationEngine(llm, self.served_name, self.model_path, *self.queue,
-                                                    reasoning_parser=self.settings.reasoning_parser)
+                                                    reasoning_parser=self.settings.reasoning_parser,
+                                                    lora_modules=self.settings.lora_adapters())
             except Exception:
                 self._unused.append(llm)  # e.g. a REASONING_PARSER that does not fit the model: shut down in close()
                 raise

@@ -45,7 +45,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
     """One vLLM `LLM` serving chat and completions for the duration of a run."""
 
     def __init__(self, llm: Any, served_model_name: str, model_path: str, queue_factor: int = 4, queue_floor: int = 64,
-                 reasoning_parser: str = ""):
+                 reasoning_parser: str = "", lora_modules: dict[str, str] | None = None):
         super().__init__(llm, served_model_name, model_path)
         self._defaults = vllm_adapter.default_sampling_values(llm)
         self.queue_factor, self.queue_floor = queue_factor, queue_floor
@@ -53,6 +53,12 @@ class GenerationEngine(vllm_adapter.ServedModel):
         self.reasoning = Reasoning(reasoning_parser, self.tokenizer, served_model_name) if reasoning_parser else None
         if self.reasoning is not None:
             self._defaults.update(self.reasoning.sampling_overrides)
+        # LORA_MODULES: a line naming an adapter in body.model runs with it (vLLM's LoRARequest).
+        self.adapters: dict[str, Any] = {}
+        if lora_modules:
+            from vllm.lora.request import LoRARequest
+
+            self.adapters = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(lora_modules.items())}
 
     # -- preparation ------------------------------------------------------------------------
 
@@ -149,10 +155,15 @@ class GenerationEngine(vllm_adapter.ServedModel):
     # -- execution --------------------------------------------------------------------------
 
     def _enqueue(self, item: Prepared) -> list[str]:
+        adapter = self.adapters.get(item.body.model)  # None: the base model
         if item.req.url in CHAT_URLS:
-            return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False,
+            return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False, lora_request=adapter,
                                          chat_template_kwargs=item.template_kwargs)
-        return self.llm.enqueue(item.prompts, item.params, use_tqdm=False)
+        return self.llm.enqueue(item.prompts, item.params, use_tqdm=False, lora_request=adapter)
+
+    def model_name(self, item: Prepared) -> str:
+        """The model an answer names: the adapter the line asked for, or the served model."""
+        return item.body.model if item.body.model in self.adapters else self.served_model_name
 
     def window(self) -> int:
         """Requests kept queued in the engine: enough that the scheduler always has a full batch."""
@@ -210,11 +221,11 @@ class GenerationEngine(vllm_adapter.ServedModel):
     def _answer(self, batch_id: str, item: Prepared, outputs: list[Any], created: int) -> Answer:
         if item.req.url == contract.RESPONSES_URL:
             return responses.responses_body(batch_id, item.req, item.source, item.body, outputs[0], item.params[0],
-                                            self.served_model_name, created, reasoning=self.reasoning,
+                                            self.model_name(item), created, reasoning=self.reasoning,
                                             template_kwargs=item.template_kwargs)
         if item.req.url == contract.CHAT_URL:
-            return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.served_model_name, created,
+            return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.model_name(item), created,
                                        reasoning=self.reasoning, template_kwargs=item.template_kwargs)
         return responses.completion_body(
-            batch_id, item.req, item.body, item.prompts, outputs, self.served_model_name, created
+            batch_id, item.req, item.body, item.prompts, outputs, self.model_name(item), created
         )

@@ -33,6 +33,8 @@ ENGINE_ENV = {
     "REASONING_PARSER": "reasoning_parser",
     "SCORE_MODEL_PATH": "score_model_path",
     "SCORE_SERVED_MODEL_NAME": "score_served_model_name",
+    "LORA_MODULES": "lora_modules",
+    "MAX_LORA_RANK": "max_lora_rank",
     "CHECKPOINT_ANSWERS": "checkpoint_answers",
     "CHECKPOINT_SECONDS": "checkpoint_seconds",
 }
@@ -79,6 +81,10 @@ class EngineSettings:
     reasoning_parser: str = ""  # vLLM's reasoning parser name (deepseek_r1, qwen3, ...); empty: none
     score_model_path: str = ""  # /v1/score and /v1/rerank: a cross-encoder; empty: the embedding model
     score_served_model_name: str = ""
+    # LoRA adapters served on the generation model: "name=path name2=path2" (commas work too); a
+    # line selects one by naming it in body.model.
+    lora_modules: str = ""
+    max_lora_rank: int | None = None  # None: the largest rank among the adapters
     # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
     # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
     checkpoint_answers: int = 256
@@ -100,6 +106,19 @@ class EngineSettings:
             if not ok:
                 value = getattr(self, ENGINE_ENV[name])
                 raise ConfigError(f"{name}={value!r} is out of range{RANGES.get(name, '')}")
+        self.lora_adapters()  # a malformed LORA_MODULES fails here, naming the variable
+
+    def lora_adapters(self) -> dict[str, str]:
+        """LORA_MODULES as {served name: adapter folder}, in the order given."""
+        adapters: dict[str, str] = {}
+        for item in self.lora_modules.replace(",", " ").split():
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ConfigError(f"LORA_MODULES={self.lora_modules!r}: {item!r} is not name=path")
+            if name in adapters or name in (self.served_model_name,):
+                raise ConfigError(f"LORA_MODULES={self.lora_modules!r}: the name {name!r} is used twice")
+            adapters[name] = path
+        return adapters
 
     def score_model(self) -> tuple[str, str] | None:
         """(folder, served name) of SCORE_MODEL_PATH, or None: the embedding model scores."""
