@@ -297,3 +297,17 @@ def test_lora_adapters_are_listed_and_checked(local_setup: Path, monkeypatch: py
     monkeypatch.setenv("LORA_MODULES", f"support-bot={adapter}")
     (result,) = doctor.run_checks(only=["lora adapters"])
     assert result.status == "PASS" and f"support-bot (rank 16, {adapter})" in result.detail
+
+
+def test_models_file_is_listed_and_checked(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    model = local_setup / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    models = local_setup / "models.yaml"
+    models.write_text(f"small: {model}\nbig:\n  path: {local_setup / 'nowhere'}\n")
+    monkeypatch.setenv("MODELS_FILE", str(models))
+    (result,) = doctor.run_checks(only=["models file"])
+    assert result.status == "FAIL" and result.detail == f"no config.json in the folder of big ({local_setup / 'nowhere'})"
+    models.write_text(f"small: {model}\n")
+    (result,) = doctor.run_checks(only=["models file"])
+    assert result.status == "PASS" and f"small ({model})" in result.detail

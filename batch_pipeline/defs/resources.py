@@ -92,6 +92,11 @@ class LLMResource(dg.ConfigurableResource):
         "in body.model; blank = none",
     )
     max_lora_rank: Optional[int] = Field(default=None, description="MAX_LORA_RANK: blank = the adapters' largest rank")
+    models_file: str = Field(
+        default="",
+        description="MODELS_FILE: YAML of more generation models (served name -> path, preset, settings); each line "
+        "runs on the model its body.model names; blank = only MODEL_PATH",
+    )
     checkpoint_answers: Optional[int] = Field(
         default=None, description="CHECKPOINT_ANSWERS: answers per checkpoint part (default 256)"
     )
@@ -142,7 +147,8 @@ class LLMResource(dg.ConfigurableResource):
         score = self.settings().score_model()
         return ValidationSettings(served_model_name=served, embedding_model_name=embedding,
                                   score_model_name=score[1] if score else None,
-                                  adapter_names=tuple(self.settings().lora_adapters()), **validation_limits_from_env())
+                                  adapter_names=tuple(self.settings().lora_adapters()),
+                                  other_models=tuple(self.settings().model_registry()), **validation_limits_from_env())
 
     def identity(self) -> dict[str, Any]:
         """What answers depend on: recorded in batch.json and used to key checkpoints."""
@@ -161,6 +167,11 @@ class LLMResource(dg.ConfigurableResource):
             "seed": s.seed,
             **({"reasoning_parser": s.reasoning_parser} if s.reasoning_parser else {}),
             **({"lora_modules": s.lora_modules} if s.lora_modules else {}),
+            **({"models_file": json.dumps({name: {"path": m.model_path, "max_model_len": m.max_model_len, "dtype": m.dtype,
+                                                  "seed": m.seed, "reasoning_parser": m.reasoning_parser,
+                                                  "lora_modules": m.lora_modules}
+                                           for name, m in s.model_registry().items()}, sort_keys=True)}
+               if s.models_file else {}),
         }
 
     # -- engine lifetime ---------------------------------------------------------------------
@@ -187,7 +198,8 @@ class LLMResource(dg.ConfigurableResource):
             plans = plan_ranks(s, gpu_count())
             engines = RankedEngines(s, plans, path, served, emb_path, emb_name, log=log)
         else:
-            engines = Engines(s, path, served, emb_path, emb_name, log=log, builder=self.build_engine)
+            engines = Engines(s, path, served, emb_path, emb_name, log=log, builder=self.build_engine,
+                              owns=self.owns_engines())
         try:
             yield engines
         finally:

@@ -251,6 +251,21 @@ def check_lora_adapters() -> CheckResult:
     return _pass("lora adapters", f"{len(adapters)} served on the generation model: {listed}")
 
 
+def check_models_file() -> CheckResult:
+    """MODELS_FILE: every model it lists has a folder with a config.json."""
+    try:
+        registry = engine_settings_from_env().model_registry()
+    except ValueError as e:
+        return _fail("models file", str(e))
+    if not registry:
+        return _pass("models file", "none (MODELS_FILE unset): one generation model")
+    missing = [f"{name} ({m.model_path})" for name, m in registry.items() if not (Path(m.model_path) / "config.json").is_file()]
+    if missing:
+        return _fail("models file", f"no config.json in the folder of {', '.join(missing)}")
+    listed = ", ".join(f"{name} ({m.model_path})" for name, m in registry.items())
+    return _pass("models file", f"{len(registry)} more generation model(s), loaded one at a time: {listed}")
+
+
 def check_storage_input() -> CheckResult:
     """STORAGE_INPUT_PATH can be listed."""
     storage.reset_clients()  # pick up the current AWS_* environment
@@ -398,6 +413,7 @@ CHECKS: dict[str, Callable[[], CheckResult]] = {
     "embedding model": check_embedding_model,
     "score and reasoning": check_scoring_model,
     "lora adapters": check_lora_adapters,
+    "models file": check_models_file,
     "storage input": check_storage_input,
     "storage output": check_storage_output,
     "upload sensor": check_upload_sensor,

@@ -37,6 +37,7 @@ class ValidationSettings:
     embedding_model_name: str | None = None
     score_model_name: str | None = None  # /v1/score and /v1/rerank; None: the embedding model
     adapter_names: tuple[str, ...] = ()  # LORA_MODULES: served on the generation model
+    other_models: tuple[str, ...] = ()  # MODELS_FILE: more generation models
     max_custom_id_length: int = contract.MAX_CUSTOM_ID_LENGTH
     max_line_bytes: int = 10 * 2**20
 
@@ -46,7 +47,7 @@ class ValidationSettings:
         if url in contract.SCORING_URLS:
             name = self.score_model_name or self.embedding_model_name
             return (name,) if name else ()
-        return (self.served_model_name, *self.adapter_names)
+        return (self.served_model_name, *self.adapter_names, *self.other_models)
 
 
 @dataclass
