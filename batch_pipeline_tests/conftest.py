@@ -42,7 +42,8 @@ _ENGINES: dict[tuple[str, str], Any] = {}
 
 
 def _session_engine(kwargs: dict[str, Any]) -> Any:
-    key = (str(kwargs["model"]), kwargs.get("runner", "generate"))
+    # An engine with LoRA enabled is a different engine (its own kernels and adapter slots).
+    key = (str(kwargs["model"]), kwargs.get("runner", "generate"), kwargs.get("max_loras") if kwargs.get("enable_lora") else 0)
     if key not in _ENGINES:
         _ENGINES[key] = build_llm(kwargs)
     return _ENGINES[key]

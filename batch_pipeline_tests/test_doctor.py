@@ -292,3 +292,31 @@ def test_tool_call_parser_is_checked(local_setup: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("TOOL_CALL_PARSER", "hermes")
     (result,) = doctor.run_checks(only=["score and reasoning"])
     assert result.status == "PASS" and "TOOL_CALL_PARSER=hermes" in result.detail
+
+
+def test_lora_adapters_are_listed_and_checked(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    (result,) = doctor.run_checks(only=["lora adapters"])
+    assert result.status == "PASS" and result.detail.startswith("none")
+    adapter = local_setup / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 16, "peft_type": "LORA"}')
+    monkeypatch.setenv("LORA_MODULES", f"support-bot={adapter} legal={local_setup / 'missing'}")
+    (result,) = doctor.run_checks(only=["lora adapters"])
+    assert result.status == "FAIL" and f"legal={local_setup / 'missing'} is not a LoRA adapter folder" in result.detail
+    monkeypatch.setenv("LORA_MODULES", f"support-bot={adapter}")
+    (result,) = doctor.run_checks(only=["lora adapters"])
+    assert result.status == "PASS" and f"support-bot (rank 16, {adapter})" in result.detail
+
+
+def test_models_file_is_listed_and_checked(local_setup: Path, monkeypatch: pytest.MonkeyPatch):
+    model = local_setup / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    models = local_setup / "models.yaml"
+    models.write_text(f"small: {model}\nbig:\n  path: {local_setup / 'nowhere'}\n")
+    monkeypatch.setenv("MODELS_FILE", str(models))
+    (result,) = doctor.run_checks(only=["models file"])
+    assert result.status == "FAIL" and result.detail == f"no config.json in the folder of big ({local_setup / 'nowhere'})"
+    models.write_text(f"small: {model}\n")
+    (result,) = doctor.run_checks(only=["models file"])
+    assert result.status == "PASS" and f"small ({model})" in result.detail

@@ -185,3 +185,23 @@ def test_a_model_load_reports_its_phase_and_time_while_it_runs(tiny_llm, monkeyp
     assert all("building the engine (weights, KV cache, warm-up)" in m for m in loading)  # vLLM is imported
     loaded = next(i for i, m in enumerate(messages) if m.startswith(f"generate model {TINY_NAME} loaded in"))
     assert messages.index(loading[-1]) < loaded  # no beat after the load finished
+
+
+def test_vllm_sampling_extensions_reach_the_engine(engines):
+    """allowed_token_ids (one of vLLM's extensions) leaves the model one token to choose."""
+    record = run(engines, req(1, max_tokens=3, temperature=0, allowed_token_ids=[40], ignore_eos=True))[1]
+    content = ChatCompletion.model_validate(body_of(record)).choices[0].message.content
+    assert content == engines.generation.tokenizer.decode([40, 40, 40])
+
+
+def test_prefix_cache_hits_are_reported_as_cached_tokens(engines):
+    """Lines sharing a long prefix: the later ones find it in vLLM's prefix cache, and their usage
+    says how many prompt tokens came from there (OpenAI's prompt_tokens_details.cached_tokens)."""
+    system = {"role": "system", "content": "You answer questions about the catalogue. " * 20}
+    ask = lambda i, text: req(i, messages=[system, {"role": "user", "content": text}], max_tokens=2)  # noqa: E731
+    first = ChatCompletion.model_validate(body_of(run(engines, ask(1, "first question"))[1]))
+    later = ChatCompletion.model_validate(body_of(run(engines, ask(2, "second question"))[2]))
+    assert first.usage.prompt_tokens > 200
+    cached = later.usage.prompt_tokens_details.cached_tokens
+    # Whole KV blocks of the shared system prompt: most of the prompt, never all of it.
+    assert 100 < cached < later.usage.prompt_tokens, (cached, later.usage.prompt_tokens)

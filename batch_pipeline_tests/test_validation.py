@@ -64,12 +64,17 @@ VALID = [
     ("max_completion_tokens", line(body=chat(max_completion_tokens=9))),
     ("json_object", line(body=chat(response_format={"type": "json_object"}))),
     ("json_schema", line(body=chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"}}}))),
-    ("unknown body fields are ignored", line(body=chat(user="u-1", stream=False))),
+    ("fields that change nothing offline are ignored", line(body=chat(user="u-1", stream=False))),
     ("chinese text", line(body=chat(messages=[{"role": "user", "content": "北京是哪个国家的首都？"}]))),
     ("completions string", line(url=contract.COMPLETIONS_URL, body={"model": MODEL, "prompt": "Once", "echo": True, "logprobs": 2})),
     ("completions list", line(url=contract.COMPLETIONS_URL, body={"model": MODEL, "prompt": ["a", "b"]})),
     ("embeddings", line(url=contract.EMBEDDINGS_URL, body={"model": "embed-model", "input": ["a", "b"], "encoding_format": "base64"})),
     ("64-character custom_id", line(custom_id="x" * 64)),
+    ("fields that change nothing offline", line(body=chat(user="u1", metadata={"k": "v"}, store=False, service_tier="auto",
+                                                          prompt_cache_key="p", safety_identifier="s"))),
+    ("vLLM's sampling extensions", line(body=chat(top_k=5, min_p=0.1, repetition_penalty=1.1, ignore_eos=False, min_tokens=1,
+                                                  stop_token_ids=[2], include_stop_str_in_output=True, skip_special_tokens=True,
+                                                  spaces_between_special_tokens=True, bad_words=["x"], allowed_token_ids=[1, 2]))),
     ("reasoning and bias fields", line(body=chat(reasoning_effort="low", chat_template_kwargs={"enable_thinking": True},
                                                  logit_bias={"8": -100, "9": 50.5}, structured_outputs={"regex": "[a-z]+"}))),
     ("tools, tool_choice auto", line(body=chat(tools=[TOOL, {"type": "function", "function": {"name": "g"}}], tool_choice="auto"))),
@@ -86,8 +91,10 @@ VALID = [
 ]
 
 
-# Valid lines the C fast path leaves to the pydantic path (endpoints it has no schema for).
+# Valid lines the C fast path leaves to the pydantic path (endpoints it has no schema for, and the
+# fields whose value decides whether they are fine).
 VALID_SLOW = [
+    ("text modality", line(body=chat(modalities=["text"]))),
     ("score", line(url=contract.SCORE_URL, body={"model": "embed-model", "queries": "q", "documents": ["a", "b"]})),
     ("score, vLLM's older names", line(url=contract.SCORE_URL, body={"model": "embed-model", "text_1": ["q", "r"], "text_2": ["a", "b"]})),
     ("rerank", line(url=contract.RERANK_URL, body={"model": "embed-model", "query": "q", "documents": ["a"], "top_n": 1})),
@@ -193,6 +200,27 @@ INVALID = [
      contract.INVALID_REQUEST, "body.top_n"),
     ("score on the generation model", line(url=contract.SCORE_URL, body={"model": MODEL, "queries": "q", "documents": ["a"]}),
      contract.MODEL_NOT_FOUND, "/v1/score serves 'embed-model'"),
+    ("completions with tools", line(url=contract.COMPLETIONS_URL, body={"model": MODEL, "prompt": "x", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}), contract.INVALID_REQUEST,
+     "body.tools: tools are called on /v1/chat/completions lines only"),
+    ("embeddings with tool_choice", line(url=contract.EMBEDDINGS_URL, body={"model": "embed-model", "input": "x",
+                                                                            "tool_choice": "none"}),
+     contract.INVALID_REQUEST, "body.tool_choice: tools are called on /v1/chat/completions lines only"),
+    ("audio output", line(body=chat(audio={"voice": "alloy", "format": "wav"})), contract.INVALID_REQUEST,
+     "body.audio: audio output cannot be produced"),
+    ("audio modality", line(body=chat(modalities=["text", "audio"])), contract.INVALID_REQUEST, "body.modalities: only"),
+    ("predicted output", line(body=chat(prediction={"type": "content", "content": "x"})), contract.INVALID_REQUEST,
+     "body.prediction"),
+    ("web search", line(body=chat(web_search_options={})), contract.INVALID_REQUEST, "body.web_search_options: web search"),
+    ("legacy functions", line(body=chat(functions=[{"name": "f"}])), contract.INVALID_REQUEST, "body.functions"),
+    ("streamed", line(body=chat(stream=True)), contract.INVALID_REQUEST, "body.stream: a batch line cannot be streamed"),
+    ("old guided_json", line(body=chat(guided_json={})), contract.INVALID_REQUEST, "body.guided_json: vLLM's old guided_"),
+    ("a misspelt field", line(body=chat(temprature=0.5)), contract.INVALID_REQUEST,
+     "body.temprature: not a field of /v1/chat/completions this pipeline knows"),
+    ("completions with an unknown field", line(url=contract.COMPLETIONS_URL, body={"model": MODEL, "prompt": "x", "suffix": "y"}),
+     contract.INVALID_REQUEST, "body.suffix: not a field of /v1/completions"),
+    ("embeddings with an unknown field", line(url=contract.EMBEDDINGS_URL, body={"model": "embed-model", "input": "x", "normalize": True}),
+     contract.INVALID_REQUEST, "body.normalize: not a field of /v1/embeddings"),
     ("logit_bias over 100", line(body=chat(logit_bias={"8": 101})), contract.INVALID_REQUEST, "body.logit_bias.8"),
     ("logit_bias key not a token id", line(body=chat(logit_bias={"the": 5})), contract.INVALID_REQUEST, "body.logit_bias"),
     ("unknown reasoning_effort", line(body=chat(reasoning_effort="max")), contract.INVALID_REQUEST, "body.reasoning_effort"),
@@ -390,3 +418,13 @@ def test_fast_path_never_accepts_an_invalid_line(raw):
 @pytest.mark.parametrize("raw", [v[1] for v in VALID], ids=[v[0] for v in VALID])
 def test_fast_path_accepts_the_common_valid_lines(raw):
     assert fastpath.accept(raw) is not None
+
+
+def test_the_fast_path_declares_exactly_the_ignored_and_extension_fields():
+    """The fast schemas list contract's ignored fields and vLLM extensions by hand: kept in step."""
+    sampling = set(fastpath._Sampling.__struct_fields__)
+    assert contract.IGNORED_FIELDS <= sampling and set(contract.VLLM_SAMPLING_EXTRAS) <= sampling
+    assert contract.IGNORED_FIELDS <= set(fastpath._EmbeddingBody.__struct_fields__)
+    assert not set(contract.REFUSED_FIELDS) & sampling
+    # Chat declares the tool fields that completions and embeddings refuse; the fast chat body may too.
+    assert set(contract.REFUSED_FIELDS) & set(fastpath._ChatBody.__struct_fields__) <= set(contract.ChatBody.model_fields)

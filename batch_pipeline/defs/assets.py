@@ -186,14 +186,20 @@ def inference_results(
 def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocation], llm: LLMResource,
                    shard: Shard) -> dict[str, Any]:
     """Answer the valid requests of each batch on one engine (one model load); step metadata."""
-    pending = [loc for loc in batches if read_json(loc.work("validation.json"))["valid"] > 0]
+    validated = [(loc, read_json(loc.work("validation.json"))) for loc in batches]
+    pending = [loc for loc, validation in validated if validation["valid"] > 0]
     rows, load_seconds, infer_seconds = [], 0.0, 0.0
     if pending:
         settings = llm.settings()
         try:
             require_hardware(settings)
+            registry = list(settings.model_registry())
         except ConfigError as e:  # a setting, not a crash: retrying cannot help
             raise dg.Failure(description=str(e), allow_retries=False) from None
+        if registry:  # MODELS_FILE: the files of one model one after another, so each model loads once
+            order = {name: i + 1 for i, name in enumerate(registry)}
+            models = {loc.name: validation["model"] for loc, validation in validated}
+            pending.sort(key=lambda loc: order.get(models[loc.name], 0))
         at = 0  # the batch being answered when an interrupt lands
         try:
             with llm.open(log=context.log.info) as engines:

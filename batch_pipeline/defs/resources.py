@@ -91,6 +91,17 @@ class LLMResource(dg.ConfigurableResource):
     score_served_model_name: str = Field(
         default="", description="SCORE_SERVED_MODEL_NAME: what score and rerank lines' body.model must say; blank = folder name"
     )
+    lora_modules: str = Field(
+        default="",
+        description="LORA_MODULES: LoRA adapters on the generation model, 'name=path name2=path2'; a line names one "
+        "in body.model; blank = none",
+    )
+    max_lora_rank: Optional[int] = Field(default=None, description="MAX_LORA_RANK: blank = the adapters' largest rank")
+    models_file: str = Field(
+        default="",
+        description="MODELS_FILE: YAML of more generation models (served name -> path, preset, settings); each line "
+        "runs on the model its body.model names; blank = only MODEL_PATH",
+    )
     checkpoint_answers: Optional[int] = Field(
         default=None, description="CHECKPOINT_ANSWERS: answers per checkpoint part (default 256)"
     )
@@ -140,7 +151,9 @@ class LLMResource(dg.ConfigurableResource):
         _, embedding = self.embedding_model()
         score = self.settings().score_model()
         return ValidationSettings(served_model_name=served, embedding_model_name=embedding,
-                                  score_model_name=score[1] if score else None, **validation_limits_from_env())
+                                  score_model_name=score[1] if score else None,
+                                  adapter_names=tuple(self.settings().lora_adapters()),
+                                  other_models=tuple(self.settings().model_registry()), **validation_limits_from_env())
 
     def identity(self) -> dict[str, Any]:
         """What answers depend on: recorded in batch.json and used to key checkpoints."""
@@ -159,6 +172,13 @@ class LLMResource(dg.ConfigurableResource):
             "seed": s.seed,
             **({"reasoning_parser": s.reasoning_parser} if s.reasoning_parser else {}),
             **({"tool_call_parser": s.tool_call_parser} if s.tool_call_parser else {}),
+            **({"lora_modules": s.lora_modules} if s.lora_modules else {}),
+            **({"models_file": json.dumps({name: {"path": m.model_path, "max_model_len": m.max_model_len, "dtype": m.dtype,
+                                                  "seed": m.seed, "reasoning_parser": m.reasoning_parser,
+                                                  "tool_call_parser": m.tool_call_parser,
+                                                  "lora_modules": m.lora_modules}
+                                           for name, m in s.model_registry().items()}, sort_keys=True)}
+               if s.models_file else {}),
         }
 
     # -- engine lifetime ---------------------------------------------------------------------
@@ -185,7 +205,8 @@ class LLMResource(dg.ConfigurableResource):
             plans = plan_ranks(s, gpu_count())
             engines = RankedEngines(s, plans, path, served, emb_path, emb_name, log=log)
         else:
-            engines = Engines(s, path, served, emb_path, emb_name, log=log, builder=self.build_engine)
+            engines = Engines(s, path, served, emb_path, emb_name, log=log, builder=self.build_engine,
+                              owns=self.owns_engines())
         try:
             yield engines
         finally:

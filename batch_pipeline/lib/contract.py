@@ -7,7 +7,8 @@ and the Batch object are modelled so that what we write round-trips through thes
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import json
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -163,6 +164,64 @@ class ResponseFormat(_Strict):
 
 StopField = Union[str, Annotated[list[str], Field(max_length=4)], None]
 
+# ------------------------------------------------------------------ every body field, one fate
+#
+# A batch that quietly does something other than what a line asked for is worse than one that
+# refuses the line. So a chat, completions or embeddings body field is either honoured (a field of
+# the body model below, or one of vLLM's extensions), ignored because it changes nothing offline,
+# or refused per line naming it, with the reason; a field this pipeline does not know is refused
+# too (as OpenAI's own API refuses an unrecognized argument). docs/CONTRACT.md has the table.
+
+# Change nothing in an offline batch: accepted and ignored.
+IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                            "stream_options"})
+# vLLM's own sampling extensions (SamplingParams fields), honoured as its server honours them.
+VLLM_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids",
+                        "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                        "bad_words", "allowed_token_ids")
+_GUIDED = "vLLM's old guided_* fields are gone: use structured_outputs ({\"regex\": ...}, {\"json\": ...}, ...)"
+# Chat declares the tool fields (ChatBody); on other endpoints they could only be ignored.
+_TOOLS_CHAT_ONLY = "tools are called on /v1/chat/completions lines only"
+# Known, and impossible here: refused, with the reason.
+REFUSED_FIELDS = {
+    "audio": "audio output cannot be produced: the served models write text",
+    "prediction": "predicted outputs are not supported by vLLM's offline engine",
+    "web_search_options": "web search runs on OpenAI's servers and cannot run in an offline batch",
+    "functions": "the legacy functions API is not supported; declare tools instead",
+    "function_call": "the legacy functions API is not supported; use tool_choice instead",
+    "verbosity": "the served models have no verbosity setting; say how long to answer in the prompt",
+    "tools": _TOOLS_CHAT_ONLY,
+    "tool_choice": _TOOLS_CHAT_ONLY,
+    "parallel_tool_calls": _TOOLS_CHAT_ONLY,
+    "guided_json": _GUIDED,
+    "guided_regex": _GUIDED,
+    "guided_choice": _GUIDED,
+    "guided_grammar": _GUIDED,
+    "prompt_logprobs": "prompt logprobs have no place in OpenAI's response bodies",
+}
+
+
+def check_fields(data: Any, model: type[BaseModel], endpoint: str, extensions: tuple[str, ...] = ()) -> None:
+    """Refuse (ValueError naming the field) a body field that would otherwise be silently ignored."""
+    if not isinstance(data, dict):
+        return
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    for key, value in data.items():
+        if key in known or key in IGNORED_FIELDS or key in extensions:
+            continue
+        if key == "stream":
+            if value not in (None, False):
+                raise ValueError("stream: a batch line cannot be streamed: leave stream out or false")
+            continue
+        if key == "modalities":
+            if value not in (None, ["text"]):
+                raise ValueError(f"modalities: only [\"text\"] can be produced here (got {json.dumps(value)[:60]})")
+            continue
+        if key in REFUSED_FIELDS:
+            raise ValueError(f"{key}: {REFUSED_FIELDS[key]}")
+        raise ValueError(f"{key}: not a field of {endpoint} this pipeline knows; it would be ignored, so the line is "
+                         "refused (docs/CONTRACT.md lists every field)")
+
 
 class _SamplingBody(_Lenient):
     model: str = Field(min_length=1)
@@ -179,6 +238,15 @@ class _SamplingBody(_Lenient):
     # vLLM's own extension: constrain the output to a regex, a choice, a JSON schema or a grammar.
     structured_outputs: dict[str, Any] | None = None
 
+    # Subclasses say which endpoint they are, for the message of a refused field.
+    ENDPOINT: ClassVar[str] = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _every_field_honoured_or_refused(cls, data: Any) -> Any:
+        check_fields(data, cls, cls.ENDPOINT, VLLM_SAMPLING_EXTRAS)
+        return data
+
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
@@ -186,6 +254,7 @@ class _SamplingBody(_Lenient):
 
 
 class ChatBody(_SamplingBody):
+    ENDPOINT: ClassVar[str] = CHAT_URL
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
@@ -243,6 +312,7 @@ def tool_choice_problem(choice: Any, names: list[str], response_format: bool, st
 
 
 class CompletionBody(_SamplingBody):
+    ENDPOINT: ClassVar[str] = COMPLETIONS_URL
     prompt: Union[str, Annotated[list[str], Field(min_length=1)]]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
@@ -261,6 +331,12 @@ class EmbeddingBody(_Lenient):
     input: Union[str, Annotated[list[str], Field(min_length=1)]]
     dimensions: int | None = Field(default=None, ge=1)
     encoding_format: Literal["float", "base64"] = "float"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _every_field_honoured_or_refused(cls, data: Any) -> Any:
+        check_fields(data, cls, EMBEDDINGS_URL)
+        return data
 
     def inputs(self) -> list[str]:
         return [self.input] if isinstance(self.input, str) else list(self.input)

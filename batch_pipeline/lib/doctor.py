@@ -244,6 +244,36 @@ def check_scoring_model() -> CheckResult:
     return _pass("score and reasoning", f"/v1/score and /v1/rerank: {name} (SCORE_MODEL_PATH={folder}){parser}")
 
 
+def check_lora_adapters() -> CheckResult:
+    """LORA_MODULES: each adapter folder is a PEFT LoRA adapter; lists what lines may name."""
+    from batch_pipeline.lib.engine_args import adapter_rank
+
+    try:
+        adapters = engine_settings_from_env().lora_adapters()
+        ranks = {name: adapter_rank(name, path) for name, path in adapters.items()}
+    except ValueError as e:
+        return _fail("lora adapters", str(e))
+    if not adapters:
+        return _pass("lora adapters", "none (LORA_MODULES unset): lines name the served model")
+    listed = ", ".join(f"{name} (rank {rank}, {adapters[name]})" for name, rank in ranks.items())
+    return _pass("lora adapters", f"{len(adapters)} served on the generation model: {listed}")
+
+
+def check_models_file() -> CheckResult:
+    """MODELS_FILE: every model it lists has a folder with a config.json."""
+    try:
+        registry = engine_settings_from_env().model_registry()
+    except ValueError as e:
+        return _fail("models file", str(e))
+    if not registry:
+        return _pass("models file", "none (MODELS_FILE unset): one generation model")
+    missing = [f"{name} ({m.model_path})" for name, m in registry.items() if not (Path(m.model_path) / "config.json").is_file()]
+    if missing:
+        return _fail("models file", f"no config.json in the folder of {', '.join(missing)}")
+    listed = ", ".join(f"{name} ({m.model_path})" for name, m in registry.items())
+    return _pass("models file", f"{len(registry)} more generation model(s), loaded one at a time: {listed}")
+
+
 def check_storage_input() -> CheckResult:
     """STORAGE_INPUT_PATH can be listed."""
     storage.reset_clients()  # pick up the current AWS_* environment
@@ -390,6 +420,8 @@ CHECKS: dict[str, Callable[[], CheckResult]] = {
     "model": check_model,
     "embedding model": check_embedding_model,
     "score and reasoning": check_scoring_model,
+    "lora adapters": check_lora_adapters,
+    "models file": check_models_file,
     "storage input": check_storage_input,
     "storage output": check_storage_output,
     "upload sensor": check_upload_sensor,

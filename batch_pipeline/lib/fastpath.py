@@ -87,7 +87,9 @@ class _NamedToolChoice(msgspec.Struct):
     function: _NamedFunction
 
 
-class _Sampling(msgspec.Struct):
+class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
+    # Unknown fields go to the pydantic path, which refuses them or says why they are fine
+    # (contract.check_fields); `stream` and `modalities` always take that path.
     model: NonEmpty
     temperature: Union[Temperature, None] = None
     top_p: Union[TopP, None] = None
@@ -99,6 +101,27 @@ class _Sampling(msgspec.Struct):
     max_tokens: Union[Positive, None] = None
     logit_bias: Union[dict[int, Annotated[float, Meta(ge=-100, le=100)]], None] = None
     structured_outputs: Union[dict[str, Any], None] = None
+    # contract.IGNORED_FIELDS
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    stream_options: Any = None
+    stream: Union[bool, None] = None  # true is refused (the subclasses' __post_init__)
+    # contract.VLLM_SAMPLING_EXTRAS (checked by vLLM when the request is built)
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    ignore_eos: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
 
 
 class _ChatBody(_Sampling):
@@ -116,6 +139,8 @@ class _ChatBody(_Sampling):
     def __post_init__(self) -> None:
         if not self.messages:
             raise ValueError("messages are required")
+        if self.stream:
+            raise ValueError("stream")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs")
         fmt = self.response_format is not None and self.response_format.type != "text"
@@ -133,13 +158,22 @@ class _CompletionBody(_Sampling):
     def __post_init__(self) -> None:
         if self.prompt is None:
             raise ValueError("prompt is required")
+        if self.stream:
+            raise ValueError("stream")
 
 
-class _EmbeddingBody(msgspec.Struct):
+class _EmbeddingBody(msgspec.Struct, forbid_unknown_fields=True):
     model: NonEmpty
     input: Union[str, Annotated[list[str], Meta(min_length=1)]]
     dimensions: Union[Positive, None] = None
     encoding_format: Literal["float", "base64"] = "float"
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    stream_options: Any = None
 
 
 class _Line(msgspec.Struct):

@@ -24,8 +24,8 @@ from batch_pipeline.lib.responses import Answer
 # more from the run process): the engine goes on stepping what it holds and asks again.
 NOTHING_YET = object()
 
-# vLLM's own extensions to the OpenAI body, accepted as its online server accepts them.
-VLLM_SAMPLING_EXTRAS = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens")
+# vLLM's own extensions to the OpenAI body, honoured as its online server honours them.
+VLLM_SAMPLING_EXTRAS = contract.VLLM_SAMPLING_EXTRAS
 
 # Endpoints answered as a chat (LLM.enqueue_chat): /v1/responses lines run as the chat they amount to.
 CHAT_URLS = (contract.CHAT_URL, contract.RESPONSES_URL)
@@ -49,7 +49,8 @@ class GenerationEngine(vllm_adapter.ServedModel):
     """One vLLM `LLM` serving chat and completions for the duration of a run."""
 
     def __init__(self, llm: Any, served_model_name: str, model_path: str, queue_factor: int = 4, queue_floor: int = 64,
-                 reasoning_parser: str = "", tool_call_parser: str = ""):
+                 reasoning_parser: str = "", lora_modules: dict[str, str] | None = None,
+                 tool_call_parser: str = ""):
         super().__init__(llm, served_model_name, model_path)
         self._defaults = vllm_adapter.default_sampling_values(llm)
         self.queue_factor, self.queue_floor = queue_factor, queue_floor
@@ -59,6 +60,12 @@ class GenerationEngine(vllm_adapter.ServedModel):
             self._defaults.update(self.reasoning.sampling_overrides)
         # TOOL_CALL_PARSER: vLLM's parser reads tool calls from the answers of tool_choice auto lines.
         self.tool_parser = tool_calls.ToolParser(tool_call_parser, self.tokenizer, served_model_name) if tool_call_parser else None
+        # LORA_MODULES: a line naming an adapter in body.model runs with it (vLLM's LoRARequest).
+        self.adapters: dict[str, Any] = {}
+        if lora_modules:
+            from vllm.lora.request import LoRARequest
+
+            self.adapters = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(lora_modules.items())}
 
     # -- preparation ------------------------------------------------------------------------
 
@@ -89,13 +96,13 @@ class GenerationEngine(vllm_adapter.ServedModel):
             "logprobs": logprobs,
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if tools is not None:  # what the tool parser asks of decoding; the line's own extras still win
+            values.update(tools.sampling)
         extras = body.model_extra or {}
         values.update({k: extras[k] for k in VLLM_SAMPLING_EXTRAS if extras.get(k) is not None})
         if body.logit_bias:
             values["logit_bias"] = dict(body.logit_bias)
         fmt = getattr(body, "response_format", None)
-        if tools is not None:
-            values.update(tools.sampling)
         if tools is not None and tools.schema is not None:  # a forced call (named or required): its JSON
             values["structured_outputs"] = StructuredOutputsParams(json=tools.schema)
         elif body.structured_outputs:
@@ -165,11 +172,16 @@ class GenerationEngine(vllm_adapter.ServedModel):
     # -- execution --------------------------------------------------------------------------
 
     def _enqueue(self, item: Prepared) -> list[str]:
+        adapter = self.adapters.get(item.body.model)  # None: the base model
         if item.req.url in CHAT_URLS:
-            return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False,
+            return self.llm.enqueue_chat(item.prompts, item.params, use_tqdm=False, lora_request=adapter,
                                          chat_template_kwargs=item.template_kwargs,
                                          tools=item.tools.tools if item.tools is not None else None)
-        return self.llm.enqueue(item.prompts, item.params, use_tqdm=False)
+        return self.llm.enqueue(item.prompts, item.params, use_tqdm=False, lora_request=adapter)
+
+    def model_name(self, item: Prepared) -> str:
+        """The model an answer names: the adapter the line asked for, or the served model."""
+        return item.body.model if item.body.model in self.adapters else self.served_model_name
 
     def window(self) -> int:
         """Requests kept queued in the engine: enough that the scheduler always has a full batch."""
@@ -227,14 +239,14 @@ class GenerationEngine(vllm_adapter.ServedModel):
     def _answer(self, batch_id: str, item: Prepared, outputs: list[Any], created: int) -> Answer:
         if item.req.url == contract.RESPONSES_URL:
             return responses.responses_body(batch_id, item.req, item.source, item.body, outputs[0], item.params[0],
-                                            self.served_model_name, created, reasoning=self.reasoning,
+                                            self.model_name(item), created, reasoning=self.reasoning,
                                             template_kwargs=item.template_kwargs)
         if item.req.url == contract.CHAT_URL:
-            return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.served_model_name, created,
+            return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.model_name(item), created,
                                        reasoning=self.reasoning, template_kwargs=item.template_kwargs,
                                        tools=item.tools, tool_parser=self.tool_parser)
         return responses.completion_body(
-            batch_id, item.req, item.body, item.prompts, outputs, self.served_model_name, created
+            batch_id, item.req, item.body, item.prompts, outputs, self.model_name(item), created
         )
 
 

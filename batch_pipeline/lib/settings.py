@@ -34,6 +34,9 @@ ENGINE_ENV = {
     "TOOL_CALL_PARSER": "tool_call_parser",
     "SCORE_MODEL_PATH": "score_model_path",
     "SCORE_SERVED_MODEL_NAME": "score_served_model_name",
+    "LORA_MODULES": "lora_modules",
+    "MODELS_FILE": "models_file",
+    "MAX_LORA_RANK": "max_lora_rank",
     "CHECKPOINT_ANSWERS": "checkpoint_answers",
     "CHECKPOINT_SECONDS": "checkpoint_seconds",
 }
@@ -81,6 +84,13 @@ class EngineSettings:
     tool_call_parser: str = ""  # vLLM's tool parser name (hermes, llama3_json, ...) for tool_choice auto; empty: none
     score_model_path: str = ""  # /v1/score and /v1/rerank: a cross-encoder; empty: the embedding model
     score_served_model_name: str = ""
+    # LoRA adapters served on the generation model: "name=path name2=path2" (commas work too); a
+    # line selects one by naming it in body.model.
+    lora_modules: str = ""
+    max_lora_rank: int | None = None  # None: the largest rank among the adapters
+    # More generation models (YAML: served name -> folder, preset, engine settings): each line runs
+    # on the model its body.model names (lib/engines.py loads one at a time).
+    models_file: str = ""
     # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
     # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
     checkpoint_answers: int = 256
@@ -102,6 +112,62 @@ class EngineSettings:
             if not ok:
                 value = getattr(self, ENGINE_ENV[name])
                 raise ConfigError(f"{name}={value!r} is out of range{RANGES.get(name, '')}")
+        self.lora_adapters()  # a malformed LORA_MODULES fails here, naming the variable
+
+    def model_registry(self) -> dict[str, "EngineSettings"]:
+        """MODELS_FILE as {served name: that model's EngineSettings}, in file order (empty: unset).
+
+        Each entry is a folder (`path`) and optionally a `preset` (ENGINE_PRESET's names) and any
+        engine setting by its field name (max_model_len, batch_size, dtype, reasoning_parser, tool_call_parser,
+        lora_modules, engine_args, ...). An entry starts from this deployment's settings (BATCH_SIZE,
+        KV cache, ...), then its preset, then its own fields; the default model's MODEL_PATH,
+        LORA_MODULES, REASONING_PARSER and TOOL_CALL_PARSER are not carried over to it.
+        """
+        if not self.models_file:
+            return {}
+        from batch_pipeline.lib.presets import preset
+
+        where = f"MODELS_FILE={self.models_file}"
+        entries = _read_models_file(self.models_file)
+        base = {k: v for k, v in asdict(self).items() if k not in _NOT_INHERITED}
+        registry: dict[str, EngineSettings] = {}
+        for name, entry in entries.items():
+            if isinstance(entry, str):
+                entry = {"path": entry}
+            if not isinstance(entry, dict) or not str(entry.get("path") or "").strip():
+                raise ConfigError(f"{where}: model {name!r} needs a path (the model folder)")
+            if self.served_model_name and name == self.served_model_name:
+                raise ConfigError(f"{where}: {name!r} is already the served model (SERVED_MODEL_NAME)")
+            values = dict(base)
+            entry = dict(entry)
+            path = str(entry.pop("path"))
+            named = str(entry.pop("preset", "") or "")
+            if named:
+                values.update(preset(named), preset=named)
+            if "engine_args" in entry:
+                entry["extra_engine_args"] = entry.pop("engine_args")
+            unknown = set(entry) - _ENTRY_FIELDS
+            if unknown:
+                raise ConfigError(f"{where}: model {name!r} has unknown setting(s) {', '.join(sorted(unknown))}; "
+                                  f"known: path, preset, {', '.join(sorted(_ENTRY_FIELDS))}")
+            values.update(entry, model_path=path, served_model_name=str(name), models_file="")
+            try:
+                registry[str(name)] = EngineSettings(**values)
+            except (ConfigError, TypeError) as e:
+                raise ConfigError(f"{where}: model {name!r}: {e}") from None
+        return registry
+
+    def lora_adapters(self) -> dict[str, str]:
+        """LORA_MODULES as {served name: adapter folder}, in the order given."""
+        adapters: dict[str, str] = {}
+        for item in self.lora_modules.replace(",", " ").split():
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ConfigError(f"LORA_MODULES={self.lora_modules!r}: {item!r} is not name=path")
+            if name in adapters or name in (self.served_model_name,):
+                raise ConfigError(f"LORA_MODULES={self.lora_modules!r}: the name {name!r} is used twice")
+            adapters[name] = path
+        return adapters
 
     def score_model(self) -> tuple[str, str] | None:
         """(folder, served name) of SCORE_MODEL_PATH, or None: the embedding model scores."""
@@ -113,6 +179,33 @@ class EngineSettings:
         values = asdict(self)
         values.update({k: v for k, v in overrides.items() if v is not None and v != ""})
         return EngineSettings(**values)
+
+
+# What a MODELS_FILE entry may set, and what it does not take over from the default model.
+_NOT_INHERITED = {"model_path", "served_model_name", "lora_modules", "max_lora_rank", "reasoning_parser", "models_file",
+                  "preset", "tool_call_parser"}
+_ENTRY_FIELDS = {"tensor_parallel_size", "max_model_len", "batch_size", "dtype", "gpu_memory_utilization",
+                 "max_num_batched_tokens", "enable_prefix_caching", "seed", "kv_cache_memory_bytes", "enforce_eager",
+                 "extra_engine_args", "reasoning_parser", "lora_modules", "max_lora_rank", "tool_call_parser"}
+
+
+def _read_models_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    where = f"MODELS_FILE={path}"
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if isinstance(data, dict) and isinstance(data.get("models"), dict):
+        data = data["models"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of served model name -> {{path, preset, settings}}")
+    return data
 
 
 def _coerce(name: str, raw: str, target: Any) -> Any:

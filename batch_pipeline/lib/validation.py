@@ -36,6 +36,8 @@ class ValidationSettings:
     served_model_name: str
     embedding_model_name: str | None = None
     score_model_name: str | None = None  # /v1/score and /v1/rerank; None: the embedding model
+    adapter_names: tuple[str, ...] = ()  # LORA_MODULES: served on the generation model
+    other_models: tuple[str, ...] = ()  # MODELS_FILE: more generation models
     max_custom_id_length: int = contract.MAX_CUSTOM_ID_LENGTH
     max_line_bytes: int = 10 * 2**20
 
@@ -45,7 +47,7 @@ class ValidationSettings:
         if url in contract.SCORING_URLS:
             name = self.score_model_name or self.embedding_model_name
             return (name,) if name else ()
-        return (self.served_model_name,)
+        return (self.served_model_name, *self.adapter_names, *self.other_models)
 
 
 @dataclass
@@ -302,7 +304,7 @@ class LineValidator:
             return bad(contract.INVALID_REQUEST, _describe_pydantic(e, "body"), custom_id)
         served = self.settings.models_for(url)
         if parsed.model not in served:  # type: ignore[attr-defined]
-            serving = f"{served[0]!r}" if served else "no model"
+            serving = ", ".join(repr(name) for name in served) if served else "no model"
             return bad(
                 contract.MODEL_NOT_FOUND,
                 f"body.model: {parsed.model!r} is not served here; {url} serves {serving}",  # type: ignore[attr-defined]
