@@ -105,6 +105,13 @@ def test_thinking_is_split_from_the_answer_and_counted(thinking_llm, thinking_mo
     assert errors["effort"]["error"]["code"] == contract.INVALID_REQUEST
     assert "reasoning_effort" in errors["bad-effort"]["error"]["message"]
 
+    import pandas as pd
+
+    table = pd.read_parquet(f"{folder}/results.parquet").set_index("custom_id")
+    assert table.loc["tags", "reasoning"] == tags.choices[0].message.model_extra["reasoning_content"]
+    assert table.loc["tags", "content"] == tags.choices[0].message.content
+    assert pd.isna(table.loc["json", "reasoning"]) and pd.isna(table.loc["effort", "reasoning"])
+
     batch = json.loads(storage.read_text(f"{folder}/batch.json"))
     bodies = [ChatCompletion.model_validate(b) for b in outputs.values()]
     assert batch["usage"]["output_tokens_details"]["reasoning_tokens"] == sum(

@@ -43,7 +43,7 @@ def test_rows_of_every_kind_of_result_line():
     cancelled = {"custom_id": "x", "response": None, "error": {"code": "batch_cancelled", "message": "cancelled"}}
     rows = {r["custom_id"]: r for r in (tables.result_row(i, rec) for i, rec in
                                          enumerate([chat, text, emb, invalid, refused, cancelled], 1))}
-    assert rows["c"] | {} == {"line": 1, "custom_id": "c", "status": "completed", "content": "hi", "finish_reason": "stop",
+    assert rows["c"] | {} == {"line": 1, "custom_id": "c", "status": "completed", "content": "hi", "reasoning": None, "finish_reason": "stop",
                              "prompt_tokens": 7, "completion_tokens": 2, "error_code": None, "error_message": None,
                              "tool_calls": None}
     calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]

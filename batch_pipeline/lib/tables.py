@@ -34,6 +34,7 @@ RESULTS_SCHEMA = pa.schema([
     pa.field("custom_id", pa.string()),
     pa.field("status", pa.string(), nullable=False),
     pa.field("content", pa.string()),
+    pa.field("reasoning", pa.string()),
     pa.field("finish_reason", pa.string()),
     pa.field("prompt_tokens", pa.int64(), nullable=False),
     pa.field("completion_tokens", pa.int64(), nullable=False),
@@ -46,7 +47,7 @@ RESULTS_SCHEMA = pa.schema([
 def result_row(line: int, record: dict[str, Any]) -> dict[str, Any]:
     """The table row of one output.jsonl / errors.jsonl line."""
     row: dict[str, Any] = {"line": line, "custom_id": record.get("custom_id"), "status": "completed", "content": None,
-                           "finish_reason": None, "prompt_tokens": 0, "completion_tokens": 0,
+                           "reasoning": None, "finish_reason": None, "prompt_tokens": 0, "completion_tokens": 0,
                            "error_code": None, "error_message": None, "tool_calls": None}
     error = record.get("error")
     if error:  # refused before it ran: validation, the engine's checks, cancellation
@@ -68,6 +69,9 @@ def result_row(line: int, record: dict[str, Any]) -> dict[str, Any]:
         row["content"] = "".join(part.get("text", "") for item in body.get("output") or [] if item.get("type") == "message"
                                  for part in item.get("content") or [] if part.get("type") == "output_text")
         row["finish_reason"] = "length" if body.get("status") == "incomplete" else "stop"
+        thinking = "".join(part.get("text", "") for item in body.get("output") or [] if item.get("type") == "reasoning"
+                           for part in item.get("content") or [])
+        row["reasoning"] = thinking or None
         return row
     row["prompt_tokens"] = int(usage.get("prompt_tokens") or 0)
     row["completion_tokens"] = int(usage.get("completion_tokens") or 0)
@@ -76,6 +80,7 @@ def result_row(line: int, record: dict[str, Any]) -> dict[str, Any]:
         first = choices[0]
         message = first.get("message")
         row["content"] = message.get("content") if isinstance(message, dict) else first.get("text")
+        row["reasoning"] = message.get("reasoning_content") if isinstance(message, dict) else None
         row["finish_reason"] = first.get("finish_reason")
         if isinstance(message, dict) and message.get("tool_calls"):
             row["tool_calls"] = json.dumps(message["tool_calls"], ensure_ascii=False)
