@@ -159,8 +159,10 @@ REFUSED = [
     ("body.tools[0].type", {"tools": [{"type": "web_search"}]}, "cannot run in an offline batch"),
     ("body.tools[1].type", {"tools": [{"type": "function", "name": "f", "parameters": {}}, {"type": "file_search"}]},
      "'file_search' tools"),
-    ("body.tools", {"tools": [{"type": "function", "name": "f", "parameters": {}}]}, contract.TOOLS_NOT_YET),
-    ("body.tool_choice", {"tool_choice": "required"}, contract.TOOLS_NOT_YET),
+    ("body.tool_choice", {"tool_choice": "required"}, "'required' needs tools"),
+    ("body.tool_choice", {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
+     "'g' is not one of the tools ('f')"),
+    ("body.tool_choice", {"tool_choice": {"type": "file_search"}}, "only function tools"),
     ("body.input[0].content[0].type", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input_text"),
     ("body.text.format", {"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema is required"),
@@ -253,3 +255,46 @@ def test_thinking_is_a_reasoning_item_before_the_message(thinking_llm, thinking_
         r.usage.output_tokens_details.reasoning_tokens for r in outputs.values()) > 0
     assert batch["usage"]["input_tokens_details"]["cached_tokens"] == sum(
         r.usage.input_tokens_details.cached_tokens for r in outputs.values())
+
+
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                               "required": ["city"], "additionalProperties": False}}
+TIME_TOOL = {"type": "function", "name": "get_time", "description": "The local time in a city",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                            "required": ["city"], "additionalProperties": False}}
+
+
+def test_function_tools_give_function_call_items_and_calls_in_the_input_are_history(smollm2_llm):
+    """Responses function tools run as the chat's: a named or required choice is constrained to the
+    schema and comes back as function_call items; function_call / function_call_output items in the
+    input are the conversation's history (an assistant turn with tool_calls, a tool turn)."""
+    weather = "What is the weather in Paris?"
+    history = [
+        {"role": "user", "content": weather},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "Sunny, 24 degrees"},
+    ]
+    with smollm2_llm.open(log=lambda _m: None) as engines:
+        name = engines.generation.served_model_name
+        answers = run(
+            engines,
+            responses_req(1, name, input=weather, tools=[WEATHER_TOOL], tool_choice={"type": "function", "name": "get_weather"},
+                          temperature=0, max_output_tokens=40),
+            responses_req(2, name, input=weather, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required",
+                          parallel_tool_calls=False, temperature=0, max_output_tokens=60),
+            responses_req(3, name, input=history, tools=[WEATHER_TOOL], tool_choice="none", temperature=0, max_output_tokens=20),
+            responses_req(4, name, input=history[:1], tools=[WEATHER_TOOL], tool_choice="none", temperature=0, max_output_tokens=20),
+        )
+    named, required, answered, unanswered = (response_of(answers[i]) for i in (1, 2, 3, 4))
+    for response, names in ((named, {"get_weather"}), (required, {"get_weather", "get_time"})):
+        calls = [item for item in response.output if item.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name in names, response.output
+        assert json.loads(calls[0].arguments).keys() == {"city"}
+        assert calls[0].call_id.startswith("call_") and calls[0].id.startswith("fc_") and calls[0].status == "completed"
+        assert not messages_of(response) and response.output_text == ""
+        assert [t.name for t in response.tools] == sorted(names, key=["get_weather", "get_time"].index)
+    assert required.parallel_tool_calls is False
+    # The call and its output are in the prompt: more input tokens than the question alone, and an answer.
+    assert answered.usage.input_tokens > unanswered.usage.input_tokens + 5
+    assert answered.output_text and not [item for item in answered.output if item.type == "function_call"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -411,7 +411,7 @@ class RerankBody(_Lenient):
 # What only exists on a server that keeps state (stored responses, conversations, background
 # runs) or calls out (hosted tools) is refused, naming the field.
 
-TOOLS_NOT_YET = "tool calling on /v1/responses is not supported yet"
+HOSTED_TOOL_CHOICE = "only function tools can run in an offline batch"
 # Passed through to the chat the line runs as (vLLM's extensions, as on chat lines).
 _RESPONSES_TO_CHAT = ("seed", "logit_bias", "structured_outputs", "chat_template_kwargs",
                       "top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens")
@@ -433,6 +433,41 @@ class ResponsesMessage(_Lenient):
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content
+
+
+class ResponsesFunctionCall(_Lenient):
+    """An input item: a call the model made earlier in the conversation."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class ResponsesFunctionCallOutput(_Lenient):
+    """An input item: the result of a call, as the caller ran it."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str
+
+
+def _input_item_kind(value: Any) -> str:
+    # Tags with a "-", which error locations leave out (validation._clean_loc): an error in an item
+    # names body.input[i].<field>. Other item types are taken for messages, whose `type` then says
+    # what is expected.
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
+    return f"item-{kind}" if kind in ("function_call", "function_call_output") else "item-message"
+
+
+ResponsesInputItem = Annotated[
+    Union[
+        Annotated[ResponsesMessage, Tag("item-message")],
+        Annotated[ResponsesFunctionCall, Tag("item-function_call")],
+        Annotated[ResponsesFunctionCallOutput, Tag("item-function_call_output")],
+    ],
+    Discriminator(_input_item_kind),
+]
 
 
 class ResponsesTextFormat(_Lenient):
@@ -470,7 +505,13 @@ class ResponsesReasoning(_Lenient):
 
 
 class ResponsesTool(_Lenient):
+    """A Responses function tool (flat: name, description, parameters, strict at the top)."""
+
     type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
     @field_validator("type")
     @classmethod
@@ -479,10 +520,26 @@ class ResponsesTool(_Lenient):
             raise ValueError(f"{value!r} tools run on OpenAI's servers and cannot run in an offline batch")
         return value
 
+    @model_validator(mode="after")
+    def _named(self) -> "ResponsesTool":
+        if not self.name:
+            raise ValueError("name: a function tool needs a name")
+        return self
+
+    def as_chat_tool(self) -> dict[str, Any]:
+        function = {"name": self.name, "description": self.description, "parameters": self.parameters,
+                    "strict": self.strict}
+        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+
+    def echo(self) -> dict[str, Any]:
+        """As a Response echoes it in `tools`."""
+        return {"type": "function", "name": self.name, "description": self.description,
+                "parameters": self.parameters or {}, "strict": self.strict if self.strict is not None else False}
+
 
 class ResponsesBody(_Lenient):
     model: str = Field(min_length=1)
-    input: Union[str, Annotated[list[ResponsesMessage], Field(min_length=1)]]
+    input: Union[str, Annotated[list[ResponsesInputItem], Field(min_length=1)]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -503,7 +560,8 @@ class ResponsesBody(_Lenient):
     conversation: Any = None
     prompt: Any = None
     tools: list[ResponsesTool] | None = None
-    tool_choice: Any = None
+    tool_choice: Any = None  # none | auto | required | {"type": "function", "name"}
+    parallel_tool_calls: bool | None = None
 
     @field_validator("stream")
     @classmethod
@@ -528,29 +586,56 @@ class ResponsesBody(_Lenient):
                              "give the whole conversation in input")
         return value
 
-    @field_validator("tools")
-    @classmethod
-    def _no_function_tools_yet(cls, value: list[ResponsesTool] | None) -> list[ResponsesTool] | None:
-        if value:  # function tools (any other type was refused above)
-            raise ValueError(TOOLS_NOT_YET)
-        return value
-
     @field_validator("tool_choice")
     @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "none", "auto"):
-            raise ValueError(TOOLS_NOT_YET)
-        return value
+    def _function_choice(cls, value: Any) -> Any:
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if isinstance(value, dict) and value.get("type") == "function":
+            if not isinstance(value.get("name"), str) or not value["name"]:
+                raise ValueError("a function tool_choice names the function: {\"type\": \"function\", \"name\": ...}")
+            return value
+        kind = value.get("type") if isinstance(value, dict) else value
+        raise ValueError(f"{json.dumps(kind)[:40]}: {HOSTED_TOOL_CHOICE} (none, auto, required or "
+                         "{\"type\": \"function\", \"name\": ...})")
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> "ResponsesBody":
+        names = [t.name for t in self.tools or []]
+        if self.tool_choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        if isinstance(self.tool_choice, dict) and self.tool_choice["name"] not in names:
+            raise ValueError(f"tool_choice: {self.tool_choice['name']!r} is not one of the tools"
+                             + (f" ({', '.join(map(repr, names))})" if names else " (none given)"))
+        return self
+
+    def chat_tool_choice(self) -> Any:
+        if isinstance(self.tool_choice, dict):
+            return {"type": "function", "function": {"name": self.tool_choice["name"]}}
+        return self.tool_choice
 
     def text_format(self) -> ResponsesTextFormat | None:
         return self.text.format if self.text is not None else None
 
-    def conversation_messages(self) -> list[dict[str, str]]:
-        """The chat the line runs as: the instructions as a system message, then the input."""
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
+    def conversation_messages(self) -> list[dict[str, Any]]:
+        """The chat the line runs as: the instructions as a system message, then the input; function
+        calls become an assistant turn's tool_calls (consecutive calls: one turn), their outputs
+        tool messages."""
+        messages: list[dict[str, Any]] = [{"role": "system", "content": self.instructions}] if self.instructions is not None else []
         if isinstance(self.input, str):
             return messages + [{"role": "user", "content": self.input}]
-        return messages + [{"role": m.role, "content": m.text()} for m in self.input]
+        for item in self.input:
+            if isinstance(item, ResponsesFunctionCall):
+                call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+                if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
+                    messages[-1]["tool_calls"].append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif isinstance(item, ResponsesFunctionCallOutput):
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            else:
+                messages.append({"role": item.role, "content": item.text()})
+        return messages
 
     def as_chat(self) -> ChatBody:
         """The chat completions body this line runs as (same sampling, constraint and thinking)."""
@@ -564,6 +649,9 @@ class ResponsesBody(_Lenient):
             "top_p": self.top_p,
             "response_format": fmt.as_response_format() if fmt is not None else None,
             "reasoning_effort": self.reasoning.effort if self.reasoning is not None else None,
+            **({"tools": [t.as_chat_tool() for t in self.tools]} if self.tools else {}),
+            **({"tool_choice": self.chat_tool_choice()} if self.tool_choice is not None and self.tools else {}),
+            **({"parallel_tool_calls": self.parallel_tool_calls} if self.parallel_tool_calls is not None else {}),
             **{k: v for k, v in extras.items() if k in _RESPONSES_TO_CHAT},
         }
         return ChatBody.model_validate(chat)

@@ -240,7 +240,8 @@ class GenerationEngine(vllm_adapter.ServedModel):
         if item.req.url == contract.RESPONSES_URL:
             return responses.responses_body(batch_id, item.req, item.source, item.body, outputs[0], item.params[0],
                                             self.model_name(item), created, reasoning=self.reasoning,
-                                            template_kwargs=item.template_kwargs)
+                                            template_kwargs=item.template_kwargs, tools=item.tools,
+                                            tool_parser=self.tool_parser)
         if item.req.url == contract.CHAT_URL:
             return responses.chat_body(batch_id, item.req, item.body, outputs[0], self.model_name(item), created,
                                        reasoning=self.reasoning, template_kwargs=item.template_kwargs,

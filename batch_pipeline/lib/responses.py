@@ -122,7 +122,7 @@ def chat_body(batch_id: str, req: contract.BatchRequest, body: Any, out: Any, mo
 
 def responses_body(batch_id: str, req: contract.BatchRequest, body: Any, chat: Any, out: Any, params: Any,
                    model: str, created: int, reasoning: Any = None,
-                   template_kwargs: dict[str, Any] | None = None) -> Answer:
+                   template_kwargs: dict[str, Any] | None = None, tools: Any = None, tool_parser: Any = None) -> Answer:
     """An OpenAI `response` (/v1/responses) from the RequestOutput of the chat the line ran as
     (`chat`, ResponsesBody.as_chat). With a reasoning parser, the thinking is a `reasoning` item
     before the message; an answer cut by the token limit is `incomplete` (max_output_tokens)."""
@@ -133,6 +133,11 @@ def responses_body(batch_id: str, req: contract.BatchRequest, body: Any, chat: A
         split = reasoning.split(comp.text, comp.token_ids, template_kwargs, constrained=constrained(chat))
         text, thinking, reasoning_tokens = split.content, split.reasoning, split.reasoning_tokens
     item_status = "incomplete" if cut else "completed"
+    calls: list[dict[str, Any]] = []
+    if tools is not None and tools.mode != "none" and not cut:  # the chat's tool calls, as function_call items
+        found = tool_calls.extract(tools, tool_parser, chat, text, batch_id, req.line, 0)
+        if found is not None:
+            text, calls = found.content or "", found.calls
     output: list[dict[str, Any]] = []
     if thinking is not None:
         output.append({
@@ -142,7 +147,7 @@ def responses_body(batch_id: str, req: contract.BatchRequest, body: Any, chat: A
             "content": [{"type": "reasoning_text", "text": thinking}],
             "status": "incomplete" if cut and not text else "completed",
         })
-    if text or thinking is None or not cut:  # cut while thinking: no message, as OpenAI answers
+    if text or (not calls and (thinking is None or not cut)):  # cut while thinking: no message, as OpenAI answers
         output.append({
             "type": "message",
             "id": ids.response_item_id("msg", batch_id, req.line),
@@ -150,6 +155,10 @@ def responses_body(batch_id: str, req: contract.BatchRequest, body: Any, chat: A
             "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": []}],
         })
+    for call in calls:
+        output.append({"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                       "status": "completed"})
     prompt_tokens = len(out.prompt_token_ids or [])
     completion_tokens = len(comp.token_ids)
     cached = cached_tokens(out)
@@ -166,7 +175,7 @@ def responses_body(batch_id: str, req: contract.BatchRequest, body: Any, chat: A
         "max_output_tokens": body.max_output_tokens,
         "model": model,
         "output": output,
-        "parallel_tool_calls": bool((body.model_extra or {}).get("parallel_tool_calls", True)),
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
         "previous_response_id": None,
         "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
         "background": False,
@@ -174,7 +183,7 @@ def responses_body(batch_id: str, req: contract.BatchRequest, body: Any, chat: A
         "top_p": params.top_p,
         "text": {"format": fmt.echo() if fmt is not None else {"type": "text"}},
         "tool_choice": body.tool_choice or "auto",
-        "tools": [],
+        "tools": [t.echo() for t in body.tools or []],
         "truncation": "disabled",
         "usage": {
             "input_tokens": prompt_tokens,
