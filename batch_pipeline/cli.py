@@ -1,7 +1,8 @@
-"""`batch-pipeline`: validate a batch file, run one through the Dagster assets, prepare the model.
+"""`batch-pipeline`: validate a batch file, run one through the Dagster assets, serve the Batch API.
 
     batch-pipeline validate INPUT
     batch-pipeline run INPUT --output-dir DIR [--date YYYY-MM-DD]
+    batch-pipeline serve [--host 127.0.0.1] [--port 8000]
     batch-pipeline model prepare
     batch-pipeline doctor
 
@@ -203,6 +204,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_OK if doctor.all_ok(results) else EXIT_INVALID_LINES
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from batch_pipeline.service.app import create_app, service_from_env
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service = service_from_env()  # a bad BATCH_API_KEYS fails here, naming the variable
+    print(f"Batch API on http{'s' if args.ssl_certfile else ''}://{args.host}:{args.port}/v1 "
+          f"({len(set(service.keys.values()))} tenant(s)); runs go to the Dagster web server at {service.dagster_url}",
+          flush=True)
+    uvicorn.run(create_app(service), host=args.host, port=args.port, ssl_certfile=args.ssl_certfile,
+                ssl_keyfile=args.ssl_keyfile, log_level="info", access_log=False)
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batch-pipeline", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -232,6 +250,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check engine, model, storage, Dagster instance and GPUs; exit 1 on a failure")
     p.add_argument("--only", action="append", default=[], help="run only this check (repeatable)")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("serve", help="OpenAI's Files and Batches API over Dagster runs (the openai SDK unchanged)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM); or run behind a TLS proxy")
+    p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("model", help="manage the bundled model")
     model_sub = p.add_subparsers(dest="model_command", required=True)

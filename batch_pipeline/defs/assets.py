@@ -191,17 +191,20 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
     rows, load_seconds, infer_seconds = [], 0.0, 0.0
     if pending:
         settings = llm.settings()
-        try:
-            require_hardware(settings)
-            registry = list(settings.model_registry())
-        except ConfigError as e:  # a setting, not a crash: retrying cannot help
-            raise dg.Failure(description=str(e), allow_retries=False) from None
-        if registry:  # MODELS_FILE: the files of one model one after another, so each model loads once
-            order = {name: i + 1 for i, name in enumerate(registry)}
-            models = {loc.name: validation["model"] for loc, validation in validated}
-            pending.sort(key=lambda loc: order.get(models[loc.name], 0))
         at = 0  # the batch being answered when an interrupt lands
         try:
+            # Inside the interrupt handling: a terminate that lands here (the hardware check imports
+            # torch, seconds on a loaded machine) cancels like one that lands while answering,
+            # instead of being turned into a retry by the step's RetryPolicy.
+            try:
+                require_hardware(settings)
+                registry = list(settings.model_registry())
+            except ConfigError as e:  # a setting, not a crash: retrying cannot help
+                raise dg.Failure(description=str(e), allow_retries=False) from None
+            if registry:  # MODELS_FILE: the files of one model one after another, so each model loads once
+                order = {name: i + 1 for i, name in enumerate(registry)}
+                models = {loc.name: validation["model"] for loc, validation in validated}
+                pending.sort(key=lambda loc: order.get(models[loc.name], 0))
             with llm.open(log=context.log.info) as engines:
                 identity = llm.identity()
                 for at, loc in enumerate(pending):

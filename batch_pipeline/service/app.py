@@ -1,0 +1,381 @@
+"""OpenAI's Files and Batches API over this pipeline (`batch-pipeline serve`): the openai SDK unchanged.
+
+`client.files.create(purpose="batch")` stores the file; `client.batches.create(...)` submits one
+`batch_job` run for it to the Dagster instance through its web server (queued; the daemon launches
+it, the `gpu` pool gates it; tagged with the batch id and tenant, so the UI shows API batches beside
+scheduled and sensor runs); `client.batches.retrieve` reads the run's status and, once written, the
+pipeline's own Batch object; `client.files.content(batch.output_file_id)` is the output.jsonl.
+
+Every /v1 path needs `Authorization: Bearer <key>`; keys are BATCH_API_KEYS (`tenant:key` pairs,
+comma-separated) or the lines of BATCH_API_KEYS_FILE. A tenant sees only its own files and batches.
+Errors are OpenAI's error bodies, so the SDK raises its own typed errors. Logs carry ids and counts,
+never file contents.
+"""
+
+
+import datetime as dt
+import hmac
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+from batch_pipeline.lib import contract, storage
+from batch_pipeline.lib.settings import ConfigError, storage_settings_from_env
+from batch_pipeline.service.store import RESULT_FILES, Store, new_id
+
+log = logging.getLogger("batch_pipeline.service")
+
+LOCATION, REPOSITORY, JOB = "batch_pipeline", "__repository__", "batch_job"
+COMPLETION_WINDOWS = ("24h",)
+# OpenAI's limits for a batch input file.
+MAX_FILE_BYTES = 200 * 2**20
+MAX_FILE_REQUESTS = 50_000
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+BATCH_ENDPOINTS = (contract.CHAT_URL, contract.COMPLETIONS_URL, contract.EMBEDDINGS_URL, contract.RESPONSES_URL)
+# Dagster run status -> Batch status, while the pipeline has not written its Batch object.
+RUN_STATUS = {"QUEUED": "validating", "NOT_STARTED": "validating", "STARTING": "validating", "STARTED": "in_progress",
+              "CANCELING": "cancelling", "CANCELED": "cancelled", "FAILURE": "failed", "SUCCESS": "finalizing"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def load_keys(env: dict[str, str] | None = None) -> dict[str, str]:
+    """{key: tenant} from BATCH_API_KEYS and BATCH_API_KEYS_FILE; ConfigError naming the variable."""
+    env = dict(os.environ if env is None else env)
+    entries: list[tuple[str, str]] = []
+    for item in env.get("BATCH_API_KEYS", "").split(","):
+        if item.strip():
+            entries.append(("BATCH_API_KEYS", item.strip()))
+    path = env.get("BATCH_API_KEYS_FILE", "").strip()
+    if path:
+        try:
+            lines = open(path, encoding="utf-8").read().splitlines()
+        except OSError as e:
+            raise ConfigError(f"BATCH_API_KEYS_FILE={path} cannot be read: {e}") from None
+        entries += [("BATCH_API_KEYS_FILE", line.strip()) for line in lines if line.strip() and not line.startswith("#")]
+    keys: dict[str, str] = {}
+    for source, item in entries:
+        tenant, sep, key = item.partition(":")
+        if not sep or not tenant.strip() or len(key.strip()) < 8:
+            raise ConfigError(f"{source}: an entry is not tenant:key with a key of 8 characters or more")
+        keys[key.strip()] = tenant.strip()
+    if not keys:
+        raise ConfigError("no API keys: set BATCH_API_KEYS (tenant:key pairs, comma-separated) or BATCH_API_KEYS_FILE")
+    return keys
+
+
+@dataclass
+class Service:
+    store: Store
+    keys: dict[str, str]
+    dagster_url: str
+    max_file_bytes: int = MAX_FILE_BYTES
+    max_file_requests: int = MAX_FILE_REQUESTS
+    _client: Any = field(default=None, repr=False)
+
+    # -- identity ----------------------------------------------------------------------------
+
+    def tenant(self, authorization: str | None) -> str:
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise ApiError(401, "missing API key: send Authorization: Bearer <key>", code="invalid_api_key")
+        found = None
+        for known, tenant in self.keys.items():  # every key compared, in constant time each
+            if hmac.compare_digest(known.encode(), key.strip().encode()):
+                found = tenant
+        if found is None:
+            raise ApiError(401, "incorrect API key", code="invalid_api_key")
+        return found
+
+    # -- Dagster -----------------------------------------------------------------------------
+
+    def dagster(self) -> Any:
+        if self._client is None:
+            from dagster_graphql import DagsterGraphQLClient
+
+            url = urlparse(self.dagster_url)
+            self._client = DagsterGraphQLClient(url.hostname or "127.0.0.1", port_number=url.port,
+                                                use_https=url.scheme == "https", timeout=30)
+        return self._client
+
+    def submit(self, record: dict[str, Any]) -> str:
+        from batch_pipeline.defs.jobs import batch_run_config
+
+        config = batch_run_config(input_uri=record["input_uri"], output_uri=record["output_uri"])
+        tags = {"dagster/partition": record["date"], "batch_pipeline/api_batch_id": record["id"],
+                "batch_pipeline/tenant": record["tenant"], "batch_pipeline/trigger": "batch api",
+                "batch_pipeline/batch_name": record["id"]}
+        return self.dagster().submit_job_execution(JOB, repository_location_name=LOCATION, repository_name=REPOSITORY,
+                                                    run_config=config, tags=tags)
+
+    def run_status(self, run_id: str) -> str | None:
+        try:
+            return self.dagster().get_run_status(run_id).value
+        except Exception as e:  # noqa: BLE001 - the web server unreachable: say what is known
+            log.warning("run %s: status unknown (%s)", run_id, type(e).__name__)
+            return None
+
+    # -- files -------------------------------------------------------------------------------
+
+    def create_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
+        if purpose != "batch":
+            raise ApiError(400, f"purpose {purpose!r} is not served here: only 'batch'", param="purpose")
+        if len(data) > self.max_file_bytes:
+            raise ApiError(400, f"the file is {len(data)} bytes, over the limit of {self.max_file_bytes}", param="file")
+        lines = [line for line in data.splitlines() if line.strip()]
+        if len(lines) > self.max_file_requests:
+            raise ApiError(400, f"the file has {len(lines)} requests, over the limit of {self.max_file_requests}",
+                           param="file")
+        if not lines or not any(_json_object(line) for line in lines[:100]):
+            raise ApiError(400, "the file is not JSONL: none of its first lines is a JSON object (one request per line)",
+                           param="file")
+        record = self.store.add_file(tenant, filename, purpose, data)
+        log.info("file %s: %d bytes, %d lines, tenant %s", record["id"], len(data), len(lines), tenant)
+        return record
+
+    def get_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+        record = self.store.file(tenant, file_id)
+        if record is None:
+            raise ApiError(404, f"no file {file_id!r}", param="file_id", code="not_found")
+        return record
+
+    # -- batches -----------------------------------------------------------------------------
+
+    def create_batch(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        source = self.get_file(tenant, str(body.get("input_file_id") or ""))
+        endpoint = body.get("endpoint")
+        if endpoint not in BATCH_ENDPOINTS:
+            raise ApiError(400, f"endpoint {endpoint!r} is not one of {', '.join(BATCH_ENDPOINTS)}", param="endpoint")
+        window = body.get("completion_window", "24h")
+        if window not in COMPLETION_WINDOWS:
+            raise ApiError(400, f"completion_window {window!r}: only '24h'", param="completion_window")
+        metadata = body.get("metadata") or {}
+        if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS or any(
+                not isinstance(k, str) or not isinstance(v, str) or len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
+                for k, v in metadata.items()):
+            raise ApiError(400, f"metadata: at most {MAX_METADATA_PAIRS} string pairs, keys up to {MAX_METADATA_KEY} "
+                                f"and values up to {MAX_METADATA_VALUE} characters", param="metadata")
+        now = time.time()
+        date = dt.datetime.fromtimestamp(now, dt.timezone.utc).date().isoformat()
+        batch_id = new_id("batch_")
+        record = {"id": batch_id, "tenant": tenant, "input_file_id": source["id"], "input_uri": source["uri"],
+                  "endpoint": endpoint, "completion_window": window, "metadata": metadata, "created_at": int(now),
+                  "date": date, "output_uri": storage.join(self.store.output_root, date, batch_id), "run_id": None}
+        self.store.save_batch(record)  # first: a crash before the run is submitted leaves a failed batch, not none
+        try:
+            record["run_id"] = self.submit(record)
+        except Exception as e:  # noqa: BLE001
+            record["submit_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            self.store.save_batch(record)
+            log.error("batch %s: the run could not be submitted (%s)", batch_id, type(e).__name__)
+            raise ApiError(503, "the batch could not be queued: the Dagster instance is not reachable; try again",
+                           type_="server_error") from None
+        self.store.save_batch(record)
+        log.info("batch %s: run %s for file %s, tenant %s", batch_id, record["run_id"], source["id"], tenant)
+        return self.batch_object(record)
+
+    def get_batch(self, tenant: str, batch_id: str) -> dict[str, Any]:
+        record = self.store.batch(tenant, batch_id)
+        if record is None:
+            raise ApiError(404, f"no batch {batch_id!r}", param="batch_id", code="not_found")
+        return record
+
+    def cancel_batch(self, tenant: str, batch_id: str) -> dict[str, Any]:
+        record = self.get_batch(tenant, batch_id)
+        current = self.batch_object(record)
+        if current["status"] in ("completed", "failed", "cancelled", "expired"):
+            raise ApiError(400, f"batch {batch_id} is {current['status']}: it cannot be cancelled")
+        record["cancelling_at"] = int(time.time())
+        self.store.save_batch(record)
+        if record.get("run_id"):
+            self.dagster().terminate_run(record["run_id"])  # the run keeps its answers, reports the rest cancelled
+        log.info("batch %s: cancel requested", batch_id)
+        return self.batch_object(record)
+
+    def batch_object(self, record: dict[str, Any]) -> dict[str, Any]:
+        """The OpenAI Batch object: the pipeline's batch.json once written, else the run's status."""
+        pipeline = _read_json(storage.join(record["output_uri"], "batch.json"))
+        base: dict[str, Any] = {
+            "id": record["id"], "object": "batch", "endpoint": record["endpoint"], "input_file_id": record["input_file_id"],
+            "completion_window": record["completion_window"], "created_at": record["created_at"],
+            "expires_at": record["created_at"] + 24 * 3600, "metadata": record["metadata"], "errors": None,
+            "output_file_id": None, "error_file_id": None,
+            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        }
+        if pipeline is not None:
+            status = pipeline["status"]
+            base.update({k: pipeline.get(k) for k in ("model", "usage", "errors", "in_progress_at", "finalizing_at",
+                                                      "completed_at", "failed_at", "cancelling_at", "cancelled_at")})
+            base.update(status=status, request_counts=pipeline["request_counts"],
+                        output_file_id=f"file-{record['id']}-output", error_file_id=f"file-{record['id']}-errors")
+            base["cancelling_at"] = base.get("cancelling_at") or record.get("cancelling_at")
+            return base
+        if record.get("submit_error"):
+            return {**base, "status": "failed", "failed_at": record["created_at"],
+                    "errors": {"object": "list", "data": [{"code": "not_queued", "message": "the run could not be submitted"}]}}
+        status = RUN_STATUS.get(self.run_status(record["run_id"]) or "", "validating")
+        counts = live_counts(record["output_uri"])
+        if counts is not None:  # validated: the lines so far (answers as their checkpoints are written)
+            base["request_counts"] = counts
+            if status == "validating":
+                status = "in_progress"
+        if record.get("cancelling_at") and status not in ("cancelled", "failed"):
+            status = "cancelling"
+        base["status"] = status
+        if status == "cancelling":
+            base["cancelling_at"] = record.get("cancelling_at")
+        if status == "failed":
+            base["failed_at"] = int(time.time())
+            base["errors"] = {"object": "list", "data": [{"code": "run_failed", "message":
+                              f"Dagster run {record['run_id']} failed before writing results; see it in the UI"}]}
+        return base
+
+
+def live_counts(output_uri: str) -> dict[str, int] | None:
+    """request_counts of a batch still running: its lines, the bad ones, the answers checkpointed."""
+    validation = _read_json(storage.join(output_uri, "_work", "validation.json"))
+    if validation is None:
+        return None
+    counts = {"total": validation["lines"], "completed": 0, "failed": validation["lines"] - validation["valid"]}
+    inference = _read_json(storage.join(output_uri, "_work", "inference.json"))
+    if inference and inference.get("checkpoint_key"):
+        seen: set[int] = set()
+        folder = storage.join(output_uri, "_work", "answers", inference["checkpoint_key"])
+        for part in storage.list_objects(folder, recursive=False):
+            for answer in storage.iter_jsonl(part.uri):
+                if answer["line"] not in seen:
+                    seen.add(answer["line"])
+                    counts["completed" if answer["kind"] == "output" else "failed"] += 1
+    return counts
+
+
+def _json_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _read_json(uri: str) -> dict[str, Any] | None:
+    try:
+        return storage.read_json(uri)
+    except FileNotFoundError:
+        return None
+
+
+def _public(record: dict[str, Any]) -> dict[str, Any]:
+    """A file record as OpenAI's FileObject (without where it is stored or whose it is)."""
+    return {k: v for k, v in record.items() if k not in ("tenant", "uri", "deleted")}
+
+
+def create_app(service: Service) -> Any:
+    from fastapi import FastAPI, File, Form, Header, Request, UploadFile
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+
+    app = FastAPI(title="batch_pipeline Batch API", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "form"))
+        return JSONResponse(ApiError(400, f"{where}: {first.get('msg', 'invalid request')}", param=where or None).body(),
+                            status_code=400)
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/v1/files")
+    async def create_file(file: UploadFile = File(...), purpose: str = Form(...),
+                          authorization: str | None = Header(default=None)) -> dict[str, Any]:
+        tenant = service.tenant(authorization)
+        data = await file.read(service.max_file_bytes + 1)
+        return _public(service.create_file(tenant, file.filename or "batch.jsonl", purpose, data))
+
+    @app.get("/v1/files")
+    def list_files(authorization: str | None = Header(default=None)) -> dict[str, Any]:
+        tenant = service.tenant(authorization)
+        data = [_public(r) for r in service.store.files(tenant)]
+        return {"object": "list", "data": data, "has_more": False}
+
+    @app.get("/v1/files/{file_id}")
+    def retrieve_file(file_id: str, authorization: str | None = Header(default=None)) -> dict[str, Any]:
+        return _public(service.get_file(service.tenant(authorization), file_id))
+
+    @app.get("/v1/files/{file_id}/content")
+    def file_content(file_id: str, authorization: str | None = Header(default=None)) -> Response:
+        record = service.get_file(service.tenant(authorization), file_id)
+        return Response(storage.read_bytes(record["uri"]), media_type="application/jsonl")
+
+    @app.delete("/v1/files/{file_id}")
+    def delete_file(file_id: str, authorization: str | None = Header(default=None)) -> dict[str, Any]:
+        record = service.get_file(service.tenant(authorization), file_id)
+        if record["purpose"] == "batch_output":
+            raise ApiError(400, "a batch's output and error files stay as long as the batch", param="file_id")
+        service.store.delete_file(record)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    @app.post("/v1/batches")
+    async def create_batch(request: Request, authorization: str | None = Header(default=None)) -> dict[str, Any]:
+        tenant = service.tenant(authorization)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise ApiError(400, "the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body is not a JSON object")
+        return service.create_batch(tenant, body)
+
+    @app.get("/v1/batches")
+    def list_batches(after: str | None = None, limit: int = 20,
+                     authorization: str | None = Header(default=None)) -> dict[str, Any]:
+        tenant = service.tenant(authorization)
+        if not 1 <= limit <= 100:
+            raise ApiError(400, "limit: from 1 to 100", param="limit")
+        records = service.store.batches(tenant)
+        if after:
+            ids = [r["id"] for r in records]
+            records = records[ids.index(after) + 1:] if after in ids else []
+        page = records[:limit]
+        data = [service.batch_object(r) for r in page]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}
+
+    @app.get("/v1/batches/{batch_id}")
+    def retrieve_batch(batch_id: str, authorization: str | None = Header(default=None)) -> dict[str, Any]:
+        return service.batch_object(service.get_batch(service.tenant(authorization), batch_id))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    def cancel_batch(batch_id: str, authorization: str | None = Header(default=None)) -> dict[str, Any]:
+        return service.cancel_batch(service.tenant(authorization), batch_id)
+
+    return app
+
+
+def service_from_env() -> Service:
+    env = os.environ
+    return Service(
+        store=Store(storage_settings_from_env().output_path),
+        keys=load_keys(),
+        dagster_url=env.get("DAGSTER_WEBSERVER_URL", "http://127.0.0.1:3000"),
+    )
+
+
+__all__ = ["RESULT_FILES", "Service", "create_app", "service_from_env", "load_keys"]
