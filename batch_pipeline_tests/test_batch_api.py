@@ -194,3 +194,33 @@ def test_cancel_mid_run_keeps_the_answers_and_reports_the_rest_cancelled(service
     assert sorted(r["custom_id"] for r in outputs + errors) == sorted(ids)  # every line once: nothing lost
     assert errors and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     assert done.request_counts.completed == len(outputs) and done.request_counts.failed == len(errors)
+
+
+def test_ready_and_metrics(service):
+    import re
+    import urllib.error
+    import urllib.request
+
+    base = service["url"].removesuffix("/v1")
+    with urllib.request.urlopen(f"{base}/ready", timeout=10) as response:
+        assert json.loads(response.read()) == {"status": "ready"}
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{base}/metrics", timeout=10)
+    assert refused.value.code == 401
+    request = urllib.request.Request(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY_B}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        text = response.read().decode()
+    gauges = {m[0]: int(m[1]) for m in re.findall(r'^batch_pipeline_api_batches\{status="(\w+)"\} (\d+)$', text, re.M)}
+    batches = sum(len(client(service, key).batches.list(limit=100).data) for key in (KEY_A, KEY_B))
+    assert sum(gauges.values()) == batches  # every tenant's batches, each counted once by its status
+    assert re.search(r"^batch_pipeline_api_files \d+$", text, re.M) and "say req" not in text
+
+    # Not ready: the Dagster web server is not there (the service's own check, in-process).
+    from fastapi.testclient import TestClient
+
+    from batch_pipeline.service.app import Service, create_app
+    from batch_pipeline.service.store import Store
+
+    down = TestClient(create_app(Service(Store(str(service["out"])), {KEY_A: "team-a"}, "http://127.0.0.1:9")))
+    response = down.get("/ready")
+    assert response.status_code == 503 and "Dagster web server http://127.0.0.1:9" in response.json()["problems"][0]

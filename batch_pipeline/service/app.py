@@ -261,6 +261,52 @@ def live_counts(output_uri: str) -> dict[str, int] | None:
     return counts
 
 
+def readiness(service: "Service") -> list[str]:
+    """What keeps the service from serving: the storage and the Dagster web server, each checked."""
+    problems = []
+    try:
+        storage.list_objects(storage.join(service.store.output_root, "_batch_api", "batches") + "/")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"storage {service.store.output_root}: {type(e).__name__}: {str(e)[:200]}")
+    try:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{service.dagster_url.rstrip('/')}/server_info", timeout=5) as response:
+            if response.status != 200:
+                problems.append(f"Dagster web server {service.dagster_url}: HTTP {response.status}")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"Dagster web server {service.dagster_url}: {type(e).__name__}: {str(e)[:200]}")
+    return problems
+
+
+def prometheus(service: "Service") -> str:
+    """The service's figures in Prometheus' text format: batches by status, files, lines and tokens
+    of finished batches, over every tenant (no ids, no text)."""
+    by_status: dict[str, int] = {}
+    lines = {"completed": 0, "failed": 0}
+    tokens = {"input": 0, "output": 0}
+    for record in service.store.all_batches():
+        batch = service.batch_object(record)
+        by_status[batch["status"]] = by_status.get(batch["status"], 0) + 1
+        if batch["status"] in ("completed", "cancelled", "expired", "failed") and batch.get("usage"):
+            lines["completed"] += batch["request_counts"]["completed"]
+            lines["failed"] += batch["request_counts"]["failed"]
+            tokens["input"] += batch["usage"].get("input_tokens", 0)
+            tokens["output"] += batch["usage"].get("output_tokens", 0)
+    out = ["# HELP batch_pipeline_api_batches Batches of the Batch API by status.",
+           "# TYPE batch_pipeline_api_batches gauge"]
+    for status in sorted(set(by_status) | {"validating", "in_progress", "completed", "failed", "cancelled"}):
+        out.append(f'batch_pipeline_api_batches{{status="{status}"}} {by_status.get(status, 0)}')
+    out += ["# HELP batch_pipeline_api_lines Lines of finished batches, answered or failed.",
+            "# TYPE batch_pipeline_api_lines gauge"]
+    out += [f'batch_pipeline_api_lines{{result="{k}"}} {v}' for k, v in lines.items()]
+    out += ["# HELP batch_pipeline_api_tokens Tokens of finished batches.", "# TYPE batch_pipeline_api_tokens gauge"]
+    out += [f'batch_pipeline_api_tokens{{kind="{k}"}} {v}' for k, v in tokens.items()]
+    out += ["# HELP batch_pipeline_api_files Uploaded files kept.", "# TYPE batch_pipeline_api_files gauge",
+            f"batch_pipeline_api_files {service.store.count_files()}"]
+    return "\n".join(out) + "\n"
+
+
 def _json_object(line: bytes) -> bool:
     try:
         return isinstance(json.loads(line), dict)
@@ -301,6 +347,17 @@ def create_app(service: Service) -> Any:
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/ready")
+    def ready() -> JSONResponse:
+        problems = readiness(service)
+        return JSONResponse({"status": "not ready", "problems": problems} if problems else {"status": "ready"},
+                            status_code=503 if problems else 200)
+
+    @app.get("/metrics")
+    def metrics(authorization: str | None = Header(default=None)) -> Response:
+        service.tenant(authorization)  # any tenant's key (Prometheus: bearer_token)
+        return Response(prometheus(service), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/files")
     async def create_file(file: UploadFile = File(...), purpose: str = Form(...),

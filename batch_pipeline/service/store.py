@@ -86,6 +86,15 @@ class Store:
                       reverse=True)
 
 
+    def all_batches(self) -> list[dict[str, Any]]:
+        """Every tenant's batch records (for the service's own figures)."""
+        return [storage.read_json(o.uri) for o in storage.list_objects(self._uri("batches") + "/", suffix=".json")]
+
+    def count_files(self) -> int:
+        return sum(1 for o in storage.list_objects(self._uri("files") + "/", suffix=".json")
+                   if not storage.read_json(o.uri).get("deleted"))
+
+
 def _safe_id(value: str) -> bool:
     return bool(value) and all(c.isalnum() or c in "-_" for c in value)
 
