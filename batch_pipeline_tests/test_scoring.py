@@ -103,7 +103,8 @@ def test_scoring_lines_alone_load_no_generation_model(tiny_llm):
 
 def build_tiny_cross_encoder(dest) -> str:
     """A random 2-layer BERT reranker (BertForSequenceClassification, one label) with MiniLM's
-    tokenizer: the shape of cross-encoder/ms-marco-MiniLM, built in a second."""
+    tokenizer: the shape of cross-encoder/ms-marco-MiniLM, built once per folder (models.build_once,
+    as the tiny Llama)."""
     import shutil
 
     import torch
@@ -111,22 +112,22 @@ def build_tiny_cross_encoder(dest) -> str:
 
     from batch_pipeline.lib import models
 
-    if (dest / "config.json").exists():
-        return str(dest)
-    source = models.embedding_model_dir()
-    tmp = dest.with_name(dest.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.manual_seed(0)
-    # head_dim 32, MiniLM's: vLLM's CPU attention has no kernel for 16.
-    config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128, max_position_embeddings=512, num_labels=1)
-    BertForSequenceClassification(config).save_pretrained(tmp, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
-        if (source / name).exists():
-            shutil.copy2(source / name, tmp / name)
-    tmp.rename(dest)
-    return str(dest)
+    def build(tmp) -> dict:
+        source = models.embedding_model_dir()
+        torch.manual_seed(0)
+        # head_dim 32, MiniLM's: vLLM's CPU attention has no kernel for 16.
+        config = BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=128, max_position_embeddings=512, num_labels=1)
+        BertForSequenceClassification(config).save_pretrained(tmp, safe_serialization=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+            if (source / name).exists():
+                shutil.copy2(source / name, tmp / name)
+        return {"kind": "tiny-cross-encoder", "format": 1}
+
+    def is_current(marker: dict) -> bool:
+        return marker.get("kind") == "tiny-cross-encoder" and marker.get("format") == 1
+
+    return str(models.build_once(dest, is_current, build, log=lambda _m: None, what="tiny cross-encoder"))
 
 
 def test_a_cross_encoder_set_by_score_model_path_reads_each_pair(tiny_llm, tmp_path):

@@ -7,6 +7,7 @@ and the Batch object are modelled so that what we write round-trips through thes
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, ClassVar, Literal, Union
 
@@ -163,6 +164,8 @@ class ResponseFormat(_Strict):
 
 
 StopField = Union[str, Annotated[list[str], Field(max_length=4)], None]
+# OpenAI's `reasoning_effort` values (chat) and `reasoning.effort` (Responses).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 
 # ------------------------------------------------------------------ every body field, one fate
 #
@@ -201,11 +204,17 @@ REFUSED_FIELDS = {
 }
 
 
+@functools.cache
+def _declared(model: type[BaseModel]) -> frozenset[str]:
+    """A body model's field names and aliases (once per model, not once per line)."""
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+
+
 def check_fields(data: Any, model: type[BaseModel], endpoint: str, extensions: tuple[str, ...] = ()) -> None:
     """Refuse (ValueError naming the field) a body field that would otherwise be silently ignored."""
     if not isinstance(data, dict):
         return
-    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    known = _declared(model)
     for key, value in data.items():
         if key in known or key in IGNORED_FIELDS or key in extensions:
             continue
@@ -262,7 +271,7 @@ class ChatBody(_SamplingBody):
     response_format: ResponseFormat | None = None
     # Reasoning models: how hard to think (passed to the chat template, which must take it), and
     # vLLM's extension for any other chat template variable (e.g. Qwen3's enable_thinking).
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # Tool calling (docs/CONTRACT.md, "Tool calling"). The legacy functions/function_call are not taken.
     tools: list[ChatTool] | None = None
@@ -501,7 +510,7 @@ class ResponsesText(_Lenient):
 
 class ResponsesReasoning(_Lenient):
     # `summary` is accepted and ignored: the thinking is given whole, as reasoning_text.
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: ReasoningEffort | None = None
 
 
 class ResponsesTool(_Lenient):

@@ -87,9 +87,21 @@ class _NamedToolChoice(msgspec.Struct):
     function: _NamedFunction
 
 
-class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
-    # Unknown fields go to the pydantic path, which refuses them or says why they are fine
-    # (contract.check_fields); `stream` and `modalities` always take that path.
+class _Ignored(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The fields every body may carry that change nothing offline (contract.IGNORED_FIELDS).
+    Unknown fields go to the pydantic path, which refuses them or says why they are fine
+    (contract.check_fields); `modalities` always takes that path."""
+
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    stream_options: Any = None
+
+
+class _Sampling(_Ignored):
     model: NonEmpty
     temperature: Union[Temperature, None] = None
     top_p: Union[TopP, None] = None
@@ -101,14 +113,6 @@ class _Sampling(msgspec.Struct, forbid_unknown_fields=True):
     max_tokens: Union[Positive, None] = None
     logit_bias: Union[dict[int, Annotated[float, Meta(ge=-100, le=100)]], None] = None
     structured_outputs: Union[dict[str, Any], None] = None
-    # contract.IGNORED_FIELDS
-    user: Any = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
-    stream_options: Any = None
     stream: Union[bool, None] = None  # true is refused (the subclasses' __post_init__)
     # contract.VLLM_SAMPLING_EXTRAS (checked by vLLM when the request is built)
     top_k: Any = None
@@ -130,7 +134,7 @@ class _ChatBody(_Sampling):
     logprobs: bool = False
     top_logprobs: Union[Annotated[int, Meta(ge=0, le=20)], None] = None
     response_format: Union[_ResponseFormat, None] = None
-    reasoning_effort: Union[Literal["none", "minimal", "low", "medium", "high", "xhigh"], None] = None
+    reasoning_effort: Union[contract.ReasoningEffort, None] = None
     chat_template_kwargs: Union[dict[str, Any], None] = None
     tools: Union[list[_Tool], None] = None
     tool_choice: Union[Literal["none", "auto", "required"], _NamedToolChoice, None] = None
@@ -162,18 +166,11 @@ class _CompletionBody(_Sampling):
             raise ValueError("stream")
 
 
-class _EmbeddingBody(msgspec.Struct, forbid_unknown_fields=True):
+class _EmbeddingBody(_Ignored):
     model: NonEmpty
     input: Union[str, Annotated[list[str], Meta(min_length=1)]]
     dimensions: Union[Positive, None] = None
     encoding_format: Literal["float", "base64"] = "float"
-    user: Any = None
-    metadata: Any = None
-    store: Any = None
-    service_tier: Any = None
-    prompt_cache_key: Any = None
-    safety_identifier: Any = None
-    stream_options: Any = None
 
 
 class _Line(msgspec.Struct):

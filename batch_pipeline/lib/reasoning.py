@@ -15,9 +15,6 @@ from typing import Any
 
 from batch_pipeline.lib.settings import ConfigError
 
-# OpenAI's `reasoning_effort` values (chat) and `reasoning.effort` (Responses).
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-
 
 class ReasoningConfigError(ConfigError):
     """REASONING_PARSER cannot be used with this model; the message names the variable."""

@@ -24,8 +24,10 @@ from typing import Any
 from urllib.parse import urlparse
 
 from batch_pipeline.lib import contract, storage
+from batch_pipeline.lib.checkpoints import LineSet, iter_answers
+from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.settings import ConfigError, storage_settings_from_env
-from batch_pipeline.service.store import RESULT_FILES, Store, new_id
+from batch_pipeline.service.store import Store, new_id
 
 log = logging.getLogger("batch_pipeline.service")
 
@@ -226,7 +228,7 @@ class Service:
             return {**base, "status": "failed", "failed_at": record["created_at"],
                     "errors": {"object": "list", "data": [{"code": "not_queued", "message": "the run could not be submitted"}]}}
         status = RUN_STATUS.get(self.run_status(record["run_id"]) or "", "validating")
-        counts = live_counts(record["output_uri"])
+        counts = live_counts(record)
         if counts is not None:  # validated: the lines so far (answers as their checkpoints are written)
             base["request_counts"] = counts
             if status == "validating":
@@ -243,21 +245,19 @@ class Service:
         return base
 
 
-def live_counts(output_uri: str) -> dict[str, int] | None:
+def live_counts(record: dict[str, Any]) -> dict[str, int] | None:
     """request_counts of a batch still running: its lines, the bad ones, the answers checkpointed."""
-    validation = _read_json(storage.join(output_uri, "_work", "validation.json"))
+    loc = BatchLocation(record["id"], record["input_uri"], record["output_uri"], record["date"])
+    validation = _read_json(loc.work("validation.json"))
     if validation is None:
         return None
     counts = {"total": validation["lines"], "completed": 0, "failed": validation["lines"] - validation["valid"]}
-    inference = _read_json(storage.join(output_uri, "_work", "inference.json"))
+    inference = _read_json(loc.work("inference.json"))
     if inference and inference.get("checkpoint_key"):
-        seen: set[int] = set()
-        folder = storage.join(output_uri, "_work", "answers", inference["checkpoint_key"])
-        for part in storage.list_objects(folder, recursive=False):
-            for answer in storage.iter_jsonl(part.uri):
-                if answer["line"] not in seen:
-                    seen.add(answer["line"])
-                    counts["completed" if answer["kind"] == "output" else "failed"] += 1
+        seen = LineSet()
+        for answer in iter_answers(loc, inference["checkpoint_key"]):
+            if seen.add(answer["line"]):  # a line two overlapping attempts both wrote counts once
+                counts["completed" if answer["kind"] == "output" else "failed"] += 1
     return counts
 
 
@@ -435,4 +435,4 @@ def service_from_env() -> Service:
     )
 
 
-__all__ = ["RESULT_FILES", "Service", "create_app", "service_from_env", "load_keys"]
+__all__ = ["Service", "create_app", "service_from_env", "load_keys"]

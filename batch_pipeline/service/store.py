@@ -48,10 +48,14 @@ class Store:
             suffix = f"-{kind}"
             if file_id.startswith("file-batch_") and file_id.endswith(suffix):
                 batch = self.batch(tenant, file_id[len("file-"):-len(suffix)])
-                if batch is None or not storage.exists(storage.join(batch["output_uri"], name)):
+                if batch is None:
                     return None
                 uri = storage.join(batch["output_uri"], name)
-                return {"id": file_id, "object": "file", "bytes": _size(uri), "created_at": batch["created_at"],
+                try:
+                    size = storage.describe(uri).size
+                except FileNotFoundError:  # the batch has not written its results yet
+                    return None
+                return {"id": file_id, "object": "file", "bytes": size, "created_at": batch["created_at"],
                         "filename": name, "purpose": "batch_output", "status": "processed", "tenant": tenant, "uri": uri}
         path = self._uri("files", f"{file_id}.json")
         if not _safe_id(file_id) or not storage.exists(path):
@@ -97,7 +101,3 @@ class Store:
 
 def _safe_id(value: str) -> bool:
     return bool(value) and all(c.isalnum() or c in "-_" for c in value)
-
-
-def _size(uri: str) -> int:
-    return len(storage.read_bytes(uri))
