@@ -9,15 +9,21 @@ Definitions object. Does not start a Dagster daemon or web server (test_dagster_
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import dagster as dg
+import pyarrow.parquet as pq
 import pytest
 
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
 from batch_pipeline.lib import storage
+from batch_pipeline.lib.inference import infer_batch
+from batch_pipeline.lib.ingest import validate_batch
+from batch_pipeline.lib.locations import BatchLocation
+from batch_pipeline.lib.results import finalize_batch
 from batch_pipeline_tests.conftest import REPO, TINY_NAME, SessionLLM
 
 DATE = "2026-11-29"
@@ -384,3 +390,71 @@ def test_a_run_of_several_files_of_a_date_answers_those_alone(tiny_llm, tmp_path
     assert not clash.success
     [failure] = [e for e in clash.all_events if e.is_step_failure]
     assert "leave input_uri and output_uri blank" in failure.step_failure_data.error.message
+
+
+def test_a_passed_deadline_expires_the_unanswered_lines_without_loading_a_model(tiny_llm, tmp_path, monkeypatch):
+    """The Batch API's completion window in the pipeline (batch.expires_at), with its endpoint
+    (batch.endpoint): a run that starts past its deadline still validates (bad lines and lines of
+    another url keep their own errors), loads no model, reports every valid line batch_expired and
+    the batch expired; a later run without the deadline answers them."""
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    embedding = json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
+                            "body": {"model": TINY_NAME, "input": "x"}})
+    write_batch(inbox / DATE, "late.jsonl", [chat_line("c1"), "{not json", embedding, chat_line("c2"), chat_line("c3")])
+    deadline = int(time.time()) - 1
+    engine_built = []
+    build = type(tiny_llm).build_engine
+    monkeypatch.setattr(type(tiny_llm), "build_engine", lambda self, kwargs: engine_built.append(kwargs))
+    late = batch_run_config(endpoint="/v1/chat/completions", expires_at=deadline)
+    result = materialize(tiny_llm, str(inbox), str(out), run_config=late)
+    assert result.success and engine_built == []
+
+    folder = out / DATE / "late"
+    batch = json.loads((folder / "batch.json").read_text())
+    assert batch["status"] == "expired" and batch["expired_at"] >= deadline and batch["expires_at"] == deadline
+    assert batch["completed_at"] is None
+    assert batch["request_counts"] == {"total": 5, "completed": 0, "failed": 5}
+    errors = {e["custom_id"]: e["error"] for e in read_jsonl(str(folder / "errors.jsonl"))}
+    assert errors["e"]["code"] == "url_mismatch" and errors["e"]["line"] == 3
+    assert [errors[c]["code"] for c in ("c1", "c2", "c3")] == ["batch_expired"] * 3
+    assert errors["c2"]["message"] == "line 4: the batch's completion window ended before this request ran"
+    assert read_jsonl(str(folder / "output.jsonl")) == []
+    table = pq.read_table(folder / "results.parquet").to_pydict()
+    assert table["status"] == ["expired", "failed", "failed", "expired", "expired"]
+
+    monkeypatch.setattr(type(tiny_llm), "build_engine", build)
+    again = materialize(tiny_llm, str(inbox), str(out))  # no deadline: an expired batch is not completed
+    assert again.success
+    batch = json.loads((folder / "batch.json").read_text())
+    assert batch["status"] == "completed" and batch["expired_at"] is None
+    assert sorted(o["custom_id"] for o in read_jsonl(str(folder / "output.jsonl"))) == ["c1", "c2", "c3"]
+
+
+def test_a_deadline_mid_batch_keeps_the_answers_so_far_and_expires_the_rest(tiny_llm, tmp_path):
+    """Answering stops at the deadline: what was answered stays (output.jsonl, checkpoints), the
+    rest is batch_expired, the batch expired; the next attempt resumes from those answers."""
+    source = write_batch(tmp_path / "in", "b.jsonl", [chat_line("quick", max_tokens=1)]
+                         + [chat_line(f"long-{i}", max_tokens=100, ignore_eos=True) for i in range(3)])
+    loc = BatchLocation("b", str(source), str(tmp_path / "out"), DATE)
+    validate_batch(loc, tiny_llm.validation_settings())
+    identity = tiny_llm.identity()
+    with tiny_llm.open(log=lambda _m: None) as engines:
+        # 100 decoding steps of the long lines take well over 0.15 s; the quick line answers after one.
+        first = infer_batch(loc, engines, identity, 256, 10.0, deadline=time.time() + 0.15)
+        assert first["expired_at"] and first.get("finished_at") is None
+        kept = first["computed_requests"]
+        assert 1 <= kept < 4
+        batch = finalize_batch(loc)
+        assert batch["status"] == "expired"
+        assert batch["request_counts"] == {"total": 4, "completed": kept, "failed": 4 - kept}
+        outputs = read_jsonl(loc.out("output.jsonl"))
+        assert "quick" in {o["custom_id"] for o in outputs}
+        expired = [e for e in read_jsonl(loc.out("errors.jsonl")) if e["error"]["code"] == "batch_expired"]
+        assert len(expired) == 4 - kept
+
+        second = infer_batch(loc, engines, identity, 256, 10.0)
+    assert second["resumed_requests"] == kept and second["computed_requests"] == 4 - kept
+    batch = finalize_batch(loc)
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 4
+    again = {o["custom_id"]: o for o in read_jsonl(loc.out("output.jsonl"))}
+    assert all(again[o["custom_id"]] == o for o in outputs)  # the answers kept are the ones served

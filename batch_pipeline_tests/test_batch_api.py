@@ -133,7 +133,7 @@ def test_bad_uploads_are_refused_with_the_reason(service):
         sdk.files.create(file=("x.jsonl", request_line("a").encode()), purpose="fine-tune")
     with pytest.raises(openai.BadRequestError, match="not JSONL"):
         sdk.files.create(file=("x.pdf", b"%PDF-1.7 binary stuff\n"), purpose="batch")
-    with pytest.raises(openai.BadRequestError, match="completion_window '1h': only '24h'"):
+    with pytest.raises(openai.BadRequestError, match="completion_window '1h' is not allowed here: '24h'"):
         uploaded = sdk.files.create(file=("x.jsonl", request_line("a").encode()), purpose="batch")
         sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="1h")
     with pytest.raises(openai.BadRequestError, match="endpoint '/v1/images' is not one of"):

@@ -432,3 +432,23 @@ def test_the_fast_path_declares_exactly_the_ignored_and_extension_fields():
     assert not set(contract.REFUSED_FIELDS) & sampling
     # Chat declares the tool fields that completions and embeddings refuse; the fast chat body may too.
     assert set(contract.REFUSED_FIELDS) & set(fastpath._ChatBody.__struct_fields__) <= set(contract.ChatBody.model_fields)
+
+
+def test_a_batch_endpoint_makes_lines_of_another_url_url_mismatch_errors():
+    """The Batch API's `endpoint`: a line with another (supported) url is a url_mismatch error line
+    naming the line, the url and the endpoint, on the fast path's input as on the slow path's; a
+    line of the endpoint stays valid, and without an endpoint every supported url is."""
+    settings = ValidationSettings(served_model_name=MODEL, embedding_model_name="embed-model", endpoint=contract.CHAT_URL)
+    validator = LineValidator(settings)
+    embedding = line("e1", url=contract.EMBEDDINGS_URL, body={"model": "embed-model", "input": "hi"})
+    assert fastpath.decoder.decode(embedding) is not None  # the fast path decodes it: it must not wave it through
+    result = validator.validate(3, embedding)
+    assert isinstance(result, InvalidLine)
+    assert result.code == contract.URL_MISMATCH == "url_mismatch"
+    assert result.custom_id == "e1"
+    assert result.message.startswith("line 3: url: /v1/embeddings")
+    assert "endpoint /v1/chat/completions" in result.message
+    assert isinstance(validator.validate(4, line("c1")), ValidLine)
+    unsupported = validator.validate(5, line("u1", url="/v1/images"))
+    assert isinstance(unsupported, InvalidLine) and unsupported.code == contract.UNSUPPORTED_URL
+    assert isinstance(LineValidator(SETTINGS).validate(3, embedding), ValidLine)

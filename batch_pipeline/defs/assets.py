@@ -1,6 +1,7 @@
 """The batch assets: validate the day's batch files, answer them with vLLM, write the results, measure."""
 
 
+import dataclasses
 import functools
 import os
 import warnings
@@ -12,7 +13,7 @@ import dagster as dg
 from batch_pipeline.defs import file_status
 from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-from batch_pipeline.lib import checkpoints, locations, metrics, progress, tables
+from batch_pipeline.lib import checkpoints, contract, locations, metrics, progress, tables
 from batch_pipeline.lib.engine_args import require_hardware
 from batch_pipeline.lib.ingest import validate_batch
 from batch_pipeline.lib.inference import infer_batch
@@ -28,9 +29,20 @@ DEFAULT_MAX_FAILED_RATE = 0.10
 
 def _shard(batch: BatchSelection) -> Shard:
     try:
-        return Shard.parse(batch.shard)
+        shard = Shard.parse(batch.shard)
     except ConfigError as e:
         raise dg.Failure(description=str(e), allow_retries=False) from None
+    if batch.expires_at and not shard.whole:
+        raise dg.Failure(description="batch.expires_at applies to whole batches; leave batch.shard blank with it",
+                         allow_retries=False)
+    return shard
+
+
+def _endpoint(batch: BatchSelection) -> str | None:
+    if batch.endpoint and batch.endpoint not in contract.SUPPORTED_URLS:
+        raise dg.Failure(description=f"batch.endpoint {batch.endpoint!r} is not one of {', '.join(contract.SUPPORTED_URLS)}",
+                         allow_retries=False)
+    return batch.endpoint or None
 
 
 def _assembled(loc: BatchLocation, shard: Shard, merge: bool = False) -> bool:
@@ -136,7 +148,7 @@ def validated_requests(
     taken = take_batches(context, batch, storage, llm)
     output_root = storage.settings().output_path
     file_status.plan(context, taken, output_root)  # each file shows in progress in batch_files
-    rows = validate_batches(context, taken, llm, _shard(batch))
+    rows = validate_batches(context, taken, llm, _shard(batch), _endpoint(batch))
     if not taken:  # nothing to do: no figures, so the plots keep the date's real ones (no zeros)
         return dg.MaterializeResult(metadata={"batches": 0})
     if _in_date_layout(taken, output_root):
@@ -152,9 +164,10 @@ def validated_requests(
 
 
 def validate_batches(context: dg.AssetExecutionContext, taken: list[BatchLocation], llm: LLMResource,
-                     shard: Shard) -> list[dict[str, Any]]:
-    """Validate each batch (a shard reuses another shard's validation of the same file version)."""
-    settings = llm.validation_settings()
+                     shard: Shard, endpoint: str | None = None) -> list[dict[str, Any]]:
+    """Validate each batch (a shard reuses another shard's validation of the same file version);
+    with `endpoint`, lines of another url are url_mismatch errors."""
+    settings = dataclasses.replace(llm.validation_settings(), endpoint=endpoint)
     rows = []
     for loc in taken:
         info = None if shard.whole else reusable_validation(loc)
@@ -180,12 +193,14 @@ def validate_batches(context: dg.AssetExecutionContext, taken: list[BatchLocatio
 def inference_results(
     context: dg.AssetExecutionContext, batch: BatchSelection, llm: LLMResource, storage: StorageResource
 ) -> dg.MaterializeResult:
-    return dg.MaterializeResult(metadata=answer_batches(context, run_batches(context, batch, storage), llm, _shard(batch)))
+    return dg.MaterializeResult(metadata=answer_batches(context, run_batches(context, batch, storage), llm, _shard(batch),
+                                                        deadline=batch.expires_at or None))
 
 
 def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocation], llm: LLMResource,
-                   shard: Shard) -> dict[str, Any]:
-    """Answer the valid requests of each batch on one engine (one model load); step metadata."""
+                   shard: Shard, deadline: float | None = None) -> dict[str, Any]:
+    """Answer the valid requests of each batch on one engine (one model load); step metadata.
+    Past `deadline` (Unix time), what is left of each batch expires (see infer_batch)."""
     validated = [(loc, read_json(loc.work("validation.json"))) for loc in batches]
     pending = [loc for loc, validation in validated if validation["valid"] > 0]
     rows, load_seconds, infer_seconds = [], 0.0, 0.0
@@ -210,7 +225,7 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
                 for at, loc in enumerate(pending):
                     info = infer_batch(
                         loc, engines, identity, settings.checkpoint_answers, settings.checkpoint_seconds,
-                        log=context.log.info, shard=shard,
+                        log=context.log.info, shard=shard, deadline=deadline,
                     )
                     if info["computed_requests"]:
                         load_seconds += info["model_load_seconds"]

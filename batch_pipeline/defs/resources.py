@@ -240,6 +240,20 @@ class BatchSelection(dg.ConfigurableResource):
             "from the upload sensor)"
         ),
     )
+    endpoint: str = Field(
+        default="",
+        description=(
+            "Only lines of this url (e.g. /v1/chat/completions; the Batch API's `endpoint`); a line with another "
+            "url is a url_mismatch error line. Blank = every supported url"
+        ),
+    )
+    expires_at: int = Field(
+        default=0,
+        description=(
+            "A deadline (Unix time; the Batch API's completion window): requests not answered by then are reported "
+            "batch_expired, the answers so far kept, and the batch is expired. 0 = none"
+        ),
+    )
     skip_completed: bool = Field(
         default=True,
         description=(

@@ -36,6 +36,7 @@ INVALID_JSON = "invalid_json"
 INVALID_REQUEST = "invalid_request"
 DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
 UNSUPPORTED_URL = "unsupported_url"
+URL_MISMATCH = "url_mismatch"  # a line whose url is not its batch's endpoint (the Batch API's, as OpenAI names it)
 INVALID_METHOD = "invalid_method"
 MODEL_NOT_FOUND = "model_not_found"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

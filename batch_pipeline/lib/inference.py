@@ -46,6 +46,7 @@ def infer_batch(
     checkpoint_seconds: float,
     log: Log = quiet,
     shard: Shard = Shard(),
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """Answer the requests in _work/requests.jsonl (of `shard` only, when given) that no earlier
     attempt answered; returns what the shard's record (_work/inference.json for a whole batch)
@@ -54,6 +55,10 @@ def infer_batch(
     When every request is answered already, no engine is built and the record is left as the
     attempt that did the work wrote it, so its figures survive a run that had nothing to do. The
     shard that completes a sharded batch merges the shards' records into inference.json.
+
+    With a `deadline` (Unix time; the Batch API's completion window), answering stops once it has
+    passed: the record gets `expired_at` instead of `finished_at`, and the results step reports the
+    requests still unanswered as batch_expired (their answers so far are kept, in the checkpoints).
     """
     validation = storage.read_json(loc.work("validation.json"))
     key = checkpoint_key(validation["sha256"], identity)
@@ -77,6 +82,13 @@ def infer_batch(
     }
     if not shard.whole:
         info["shard"] = str(shard)
+    if deadline is not None:
+        info["expires_at"] = int(deadline)
+        if time.time() >= deadline:  # e.g. queued past its window: no model is loaded for it
+            info["expired_at"] = int(time.time())
+            storage.write_json(record, info)
+            log(f"{label}: its deadline passed before it ran; {total - answered} of {total} requests expire")
+            return {**info, "computed_requests": 0}
     storage.write_json(record, info)
     if answered:
         log(f"{label}: {answered} of {total} requests already answered; resuming")
@@ -88,6 +100,7 @@ def infer_batch(
     ranks = engines.data_parallel_size
     per_rank = [0] * ranks
     started, started_at = time.monotonic(), time.time()
+    expired = False
     with Checkpoint(answers_folder(loc, key), checkpoint_answers, checkpoint_seconds) as checkpoint, GpuSampler() as gpu:
         stream = engines.stream(validation["batch_id"], remaining, created=int(time.time()), expected=total - answered)
         for answer in stream:
@@ -98,11 +111,18 @@ def infer_batch(
             answered += 1
             progress.excluded = engines.load_seconds - load_before
             progress.advance(answer.completion_tokens)
-    if answered != total:
+            if deadline is not None and answered < total and time.time() >= deadline:
+                expired = True
+                stream.close()  # the engine drops the requests still running
+                break
+    if expired:
+        log(f"{label}: its deadline passed; {answered} of {total} requests answered, {total - answered} expire")
+    elif answered != total:
         raise RuntimeError(f"{label}: {total} valid requests but {answered} answers")
     load_seconds = engines.load_seconds - load_before
+    now = int(time.time())
     info.update(
-        finished_at=int(time.time()),
+        **({"expired_at": now} if expired else {"finished_at": now}),
         computed_requests=answered - info["resumed_requests"],
         model_load_seconds=round(load_seconds, 3),
         inference_seconds=round(max(time.monotonic() - started - load_seconds, 0.0), 3),

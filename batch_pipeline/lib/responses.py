@@ -53,6 +53,11 @@ def cancelled_line(batch_id: str, line: int, custom_id: str) -> dict[str, Any]:
     return error_line(batch_id, line, custom_id, contract.BATCH_CANCELLED, message)
 
 
+def expired_line(batch_id: str, line: int, custom_id: str) -> dict[str, Any]:
+    message = f"line {line}: the batch's completion window ended before this request ran"
+    return error_line(batch_id, line, custom_id, contract.BATCH_EXPIRED, message)
+
+
 def engine_error(batch_id: str, req: contract.BatchRequest, exc: BaseException, status: int = 400) -> Answer:
     """vLLM refused the request: an error response in OpenAI's shape, as its server would send."""
     message = str(exc).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__

@@ -8,7 +8,7 @@ from typing import Any
 from batch_pipeline.lib import contract, storage
 from batch_pipeline.lib.checkpoints import LineSet, iter_answers
 from batch_pipeline.lib.locations import BatchLocation
-from batch_pipeline.lib.responses import cancelled_line
+from batch_pipeline.lib.responses import cancelled_line, expired_line
 from batch_pipeline.lib.table_inputs import PASSTHROUGH_NAME
 from batch_pipeline.lib.tables import RESULTS_NAME, ResultsTable
 from batch_pipeline.lib.validation import InvalidLine
@@ -21,13 +21,16 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
 
     Every input line is written exactly once: an answer that a concurrent or repeated attempt also
     wrote is skipped. When `cancelled`, requests without an answer are reported as batch_cancelled
-    (the next run of the batch computes them and rewrites these files).
+    (the next run of the batch computes them and rewrites these files); when the inference step
+    stopped at the run's deadline (`expired_at` in its record), as batch_expired, and the batch is
+    expired.
     """
     started = time.perf_counter()
     validation = storage.read_json(loc.work("validation.json"))
     batch_id = validation["batch_id"]
     has_inference = validation["valid"] and storage.exists(loc.work("inference.json"))
     inference = storage.read_json(loc.work("inference.json")) if has_inference else None
+    expired_at = (inference or {}).get("expired_at") if not (inference or {}).get("finished_at") else None
     counts = {"output": 0, "error": 0, "input_tokens": 0, "output_tokens": 0, "cached_tokens": 0, "reasoning_tokens": 0}
     seen = LineSet()
     table = ResultsTable()
@@ -48,10 +51,11 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
             counts["output_tokens"] += answer.get("completion_tokens", 0)
             counts["cached_tokens"] += answer.get("cached_tokens", 0)
             counts["reasoning_tokens"] += answer.get("reasoning_tokens", 0)
-        if cancelled:
+        if cancelled or expired_at:
+            not_run = cancelled_line if cancelled else expired_line
             for req in storage.iter_jsonl(loc.work("requests.jsonl")):
                 if seen.add(req["line"]):
-                    record = cancelled_line(batch_id, req["line"], req["request"]["custom_id"])
+                    record = not_run(batch_id, req["line"], req["request"]["custom_id"])
                     err.write(storage.json_line(record))
                     table.add(req["line"], record)
                     counts["error"] += 1
@@ -66,7 +70,7 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
     table.write(loc.out(RESULTS_NAME), passthrough if storage.exists(passthrough) else None)
     finished = int(time.time())
     file_error = validation["file_error"]
-    status = "failed" if file_error else "cancelled" if cancelled else "completed"
+    status = "failed" if file_error else "cancelled" if cancelled else "expired" if expired_at else "completed"
     batch = contract.Batch(
         id=batch_id,
         endpoint=validation["endpoint"],
@@ -83,7 +87,8 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
         failed_at=finished if status == "failed" else None,
         cancelling_at=finished if status == "cancelled" else None,
         cancelled_at=finished if status == "cancelled" else None,
-        expires_at=validation["created_at"] + EXPIRY_SECONDS,
+        expired_at=expired_at if status == "expired" else None,
+        expires_at=(inference or {}).get("expires_at") or validation["created_at"] + EXPIRY_SECONDS,
         request_counts=contract.RequestCounts(total=validation["lines"], completed=counts["output"], failed=counts["error"]),
         usage=contract.Usage(
             input_tokens=counts["input_tokens"],

@@ -5,7 +5,8 @@ go to a Parquet file with an explicit schema (below), written by row groups. Row
 memory until the file is written, a few hundred bytes each plus the answer text (a 50,000-line
 batch, OpenAI's limit per file, is tens of MB).
 
-Columns: `line` (1-based input line), `custom_id`, `status` (`completed`, `failed`, `cancelled`),
+Columns: `line` (1-based input line), `custom_id`, `status` (`completed`, `failed`, `cancelled`,
+`expired`),
 `content` (the assistant message, a Response's output text, or the completion text; null for
 embeddings and errors), `finish_reason`, `prompt_tokens`, `completion_tokens` (0 for lines that
 never ran; a Response's input and output tokens), `error_code`, `error_message` (null when
@@ -44,14 +45,18 @@ RESULTS_SCHEMA = pa.schema([
 ])
 
 
+# Lines that never ran because the batch stopped: their own status, not "failed".
+_NOT_RUN = {contract.BATCH_CANCELLED: "cancelled", contract.BATCH_EXPIRED: "expired"}
+
+
 def result_row(line: int, record: dict[str, Any]) -> dict[str, Any]:
     """The table row of one output.jsonl / errors.jsonl line."""
     row: dict[str, Any] = {"line": line, "custom_id": record.get("custom_id"), "status": "completed", "content": None,
                            "reasoning": None, "finish_reason": None, "prompt_tokens": 0, "completion_tokens": 0,
                            "error_code": None, "error_message": None, "tool_calls": None}
     error = record.get("error")
-    if error:  # refused before it ran: validation, the engine's checks, cancellation
-        row["status"] = "cancelled" if error.get("code") == contract.BATCH_CANCELLED else "failed"
+    if error:  # refused before it ran: validation, the engine's checks, cancellation, expiry
+        row["status"] = _NOT_RUN.get(error.get("code"), "failed")
         row["error_code"], row["error_message"] = error.get("code"), error.get("message")
         return row
     response = record.get("response") or {}

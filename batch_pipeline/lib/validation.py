@@ -40,6 +40,9 @@ class ValidationSettings:
     other_models: tuple[str, ...] = ()  # MODELS_FILE: more generation models
     max_custom_id_length: int = contract.MAX_CUSTOM_ID_LENGTH
     max_line_bytes: int = 10 * 2**20
+    # The batch's endpoint (the Batch API's `endpoint`): lines with another url are url_mismatch
+    # errors, as OpenAI reports them. None: every supported url.
+    endpoint: str | None = None
 
     def models_for(self, url: str) -> tuple[str, ...]:
         if url == contract.EMBEDDINGS_URL:
@@ -213,7 +216,10 @@ class LineValidator:
     def __init__(self, settings: ValidationSettings):
         self.settings = settings
         self._seen = IdSet()
-        self._models = {url: settings.models_for(url) for url in contract.SUPPORTED_URLS}
+        # No model for a url other than the batch's endpoint: the fast path leaves such lines to the
+        # slow path, which names the mismatch.
+        self._models = {url: settings.models_for(url) if settings.endpoint in (None, url) else ()
+                        for url in contract.SUPPORTED_URLS}
         self._max_line_bytes = settings.max_line_bytes
         self._max_id = settings.max_custom_id_length
 
@@ -291,6 +297,12 @@ class LineValidator:
             return bad(
                 contract.UNSUPPORTED_URL,
                 f"url: {_short(url)} is not supported; supported endpoints are {', '.join(contract.SUPPORTED_URLS)}",
+                custom_id,
+            )
+        if self.settings.endpoint is not None and url != self.settings.endpoint:
+            return bad(
+                contract.URL_MISMATCH,
+                f"url: {url} is not this batch's endpoint {self.settings.endpoint} (every line of a batch uses its endpoint)",
                 custom_id,
             )
         body = obj.get("body")

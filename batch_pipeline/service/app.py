@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,9 @@ from batch_pipeline.service.store import Store, new_id
 log = logging.getLogger("batch_pipeline.service")
 
 LOCATION, REPOSITORY, JOB = "batch_pipeline", "__repository__", "batch_job"
-COMPLETION_WINDOWS = ("24h",)
+# OpenAI's only completion window; an operator may allow others (BATCH_API_COMPLETION_WINDOWS).
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 # OpenAI's limits for a batch input file.
 MAX_FILE_BYTES = 200 * 2**20
 MAX_FILE_REQUESTS = 50_000
@@ -78,6 +81,21 @@ def load_keys(env: dict[str, str] | None = None) -> dict[str, str]:
     return keys
 
 
+def completion_windows(env: dict[str, str] | None = None) -> dict[str, int]:
+    """{window: seconds} a batch may ask for: OpenAI's "24h", plus the durations an operator allows
+    in BATCH_API_COMPLETION_WINDOWS (comma-separated, e.g. "1h,48h,7d"; an extension of OpenAI's API)."""
+    env = dict(os.environ if env is None else env)
+    windows = dict(COMPLETION_WINDOWS)
+    for name in (w.strip() for w in env.get("BATCH_API_COMPLETION_WINDOWS", "").split(",")):
+        if not name:
+            continue
+        match = re.fullmatch(r"([1-9][0-9]*)([smhd])", name)
+        if match is None:
+            raise ConfigError(f"BATCH_API_COMPLETION_WINDOWS: {name!r} is not a duration such as 90s, 30m, 48h or 7d")
+        windows[name] = int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+    return windows
+
+
 @dataclass
 class Service:
     store: Store
@@ -85,6 +103,7 @@ class Service:
     dagster_url: str
     max_file_bytes: int = MAX_FILE_BYTES
     max_file_requests: int = MAX_FILE_REQUESTS
+    windows: dict[str, int] = field(default_factory=lambda: dict(COMPLETION_WINDOWS))
     _client: Any = field(default=None, repr=False)
 
     # -- identity ----------------------------------------------------------------------------
@@ -115,7 +134,10 @@ class Service:
     def submit(self, record: dict[str, Any]) -> str:
         from batch_pipeline.defs.jobs import batch_run_config
 
-        config = batch_run_config(input_uri=record["input_uri"], output_uri=record["output_uri"])
+        # The pipeline itself refuses lines of another url and stops at the deadline, so both hold
+        # whether or not this service is up while the run goes.
+        config = batch_run_config(input_uri=record["input_uri"], output_uri=record["output_uri"],
+                                  endpoint=record["endpoint"], expires_at=record["expires_at"])
         tags = {"dagster/partition": record["date"], "batch_pipeline/api_batch_id": record["id"],
                 "batch_pipeline/tenant": record["tenant"], "batch_pipeline/trigger": "batch api",
                 "batch_pipeline/batch_name": record["id"]}
@@ -161,8 +183,9 @@ class Service:
         if endpoint not in BATCH_ENDPOINTS:
             raise ApiError(400, f"endpoint {endpoint!r} is not one of {', '.join(BATCH_ENDPOINTS)}", param="endpoint")
         window = body.get("completion_window", "24h")
-        if window not in COMPLETION_WINDOWS:
-            raise ApiError(400, f"completion_window {window!r}: only '24h'", param="completion_window")
+        if window not in self.windows:
+            raise ApiError(400, f"completion_window {window!r} is not allowed here: {', '.join(map(repr, self.windows))} "
+                                "(an operator may allow more with BATCH_API_COMPLETION_WINDOWS)", param="completion_window")
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS or any(
                 not isinstance(k, str) or not isinstance(v, str) or len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
@@ -174,6 +197,7 @@ class Service:
         batch_id = new_id("batch_")
         record = {"id": batch_id, "tenant": tenant, "input_file_id": source["id"], "input_uri": source["uri"],
                   "endpoint": endpoint, "completion_window": window, "metadata": metadata, "created_at": int(now),
+                  "expires_at": int(now) + self.windows[window],
                   "date": date, "output_uri": storage.join(self.store.output_root, date, batch_id), "run_id": None}
         self.store.save_batch(record)  # first: a crash before the run is submitted leaves a failed batch, not none
         try:
@@ -212,14 +236,16 @@ class Service:
         base: dict[str, Any] = {
             "id": record["id"], "object": "batch", "endpoint": record["endpoint"], "input_file_id": record["input_file_id"],
             "completion_window": record["completion_window"], "created_at": record["created_at"],
-            "expires_at": record["created_at"] + 24 * 3600, "metadata": record["metadata"], "errors": None,
+            "expires_at": record.get("expires_at", record["created_at"] + COMPLETION_WINDOWS["24h"]),
+            "metadata": record["metadata"], "errors": None,
             "output_file_id": None, "error_file_id": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
         }
         if pipeline is not None:
             status = pipeline["status"]
             base.update({k: pipeline.get(k) for k in ("model", "usage", "errors", "in_progress_at", "finalizing_at",
-                                                      "completed_at", "failed_at", "cancelling_at", "cancelled_at")})
+                                                      "completed_at", "failed_at", "cancelling_at", "cancelled_at",
+                                                      "expired_at")})
             base.update(status=status, request_counts=pipeline["request_counts"],
                         output_file_id=f"file-{record['id']}-output", error_file_id=f"file-{record['id']}-errors")
             base["cancelling_at"] = base.get("cancelling_at") or record.get("cancelling_at")
@@ -432,6 +458,7 @@ def service_from_env() -> Service:
         store=Store(storage_settings_from_env().output_path),
         keys=load_keys(),
         dagster_url=env.get("DAGSTER_WEBSERVER_URL", "http://127.0.0.1:3000"),
+        windows=completion_windows(),
     )
 
 
