@@ -107,3 +107,22 @@ def test_answered_lines_reads_every_part(tmp_path):
     done = checkpoints.answered_lines(loc, "k")
     assert done.count == 3 and all(n in done for n in (2, 4, 9))
     assert checkpoints.answered_lines(loc, "other").count == 0
+
+
+def test_a_wave_of_answers_is_written_once_the_engine_goes_quiet(tmp_path):
+    """Answers leave the engine in waves (sequences of one length finish together): a wave is
+    written once no answer has come for QUIET_SECONDS, not CHECKPOINT_SECONDS later, so a kill -9
+    between waves loses none of it; answers that keep coming are not written one by one."""
+    assert checkpoints.QUIET_SECONDS == 1.0
+    with Checkpoint(str(tmp_path), answers=1000, seconds=3600) as checkpoint:
+        for line in range(1, 11):  # a wave
+            checkpoint.add(answer(line))
+        started = time.monotonic()
+        assert wait_for(lambda: lines_in(tmp_path) == list(range(1, 11)), timeout=5.0)
+        assert time.monotonic() - started < 3.0  # 1 s quiet + the timer's tick, on a busy machine
+        assert checkpoint.parts == 1
+        for line in range(11, 19):  # a steady stream, an answer every 0.2 s: no quiet moment
+            checkpoint.add(answer(line))
+            time.sleep(0.2)
+        assert checkpoint.parts == 1 and lines_in(tmp_path) == list(range(1, 11))
+    assert checkpoint.parts == 2 and lines_in(tmp_path) == list(range(1, 19))  # the rest on close

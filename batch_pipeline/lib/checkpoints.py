@@ -71,12 +71,19 @@ def answered_lines(loc: BatchLocation, key: str) -> LineSet:
     return lines
 
 
-class Checkpoint:
-    """Buffers answers and writes them as a part every `answers` answers or `seconds` seconds.
+# No answer for this long: the engine is between waves (on these CPUs up to BATCH_SIZE sequences
+# of one length finish together, then none for many seconds), so what is buffered is written now
+# instead of waiting out `seconds`. At most one such part per QUIET_SECONDS.
+QUIET_SECONDS = 1.0
 
-    The time limit holds also while no answer arrives (long generations): a timer thread flushes
-    the buffer once it is `seconds` old. A failed write in that thread is raised by the next
-    `add` or by `close`, so storage errors are never swallowed.
+
+class Checkpoint:
+    """Buffers answers and writes them as a part every `answers` answers or `seconds` seconds, and
+    as soon as no answer has come for QUIET_SECONDS (a wave of answers is over).
+
+    The time limits hold also while no answer arrives (long generations): a timer thread flushes
+    the buffer once it is `seconds` old, or quiet. A failed write in that thread is raised by the
+    next `add` or by `close`, so storage errors are never swallowed.
     """
 
     def __init__(self, directory: str, answers: int, seconds: float):
@@ -84,6 +91,9 @@ class Checkpoint:
         self._writer = f"{time.time_ns():x}-{os.getpid()}"
         self._buffer: list[bytes] = []
         self._oldest: float | None = None  # when the oldest buffered answer arrived
+        self._newest = 0.0  # when the newest one did
+        self._written = time.monotonic()  # when the last part was written
+        self.quiet = min(QUIET_SECONDS, seconds)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -102,8 +112,9 @@ class Checkpoint:
     def add(self, answer: Answer) -> None:
         with self._lock:
             self._buffer.append(storage.json_line(asdict(answer)))
+            self._newest = time.monotonic()
             if self._oldest is None:
-                self._oldest = time.monotonic()
+                self._oldest = self._newest
             if len(self._buffer) >= self.answers:
                 self._write_locked()
         self._raise_failure()  # after buffering: the answer is kept for close() to write
@@ -132,12 +143,17 @@ class Checkpoint:
         self.write_seconds += time.perf_counter() - started
         self._buffer.clear()
         self._oldest = None
+        self._written = time.monotonic()
 
     def _flush_when_due(self) -> None:
-        tick = min(1.0, self.seconds / 4)
+        tick = min(0.25, self.seconds / 4)
         while not self._stop.wait(tick):
             with self._lock:
-                due = self._oldest is not None and time.monotonic() - self._oldest >= self.seconds
+                now = time.monotonic()
+                due = self._oldest is not None and (
+                    now - self._oldest >= self.seconds
+                    or (now - self._newest >= self.quiet and now - self._written >= self.quiet)
+                )
                 if not due:
                     continue
                 try:
