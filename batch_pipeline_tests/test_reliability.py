@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.cli import run_batch
+from batch_pipeline.defs.assets import RETRY_DELAY_SECONDS
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline_tests.cli_runs import answered_once, read_results
 from batch_pipeline_tests.conftest import TINY_NAME, SessionLLM, tiny_env
@@ -287,3 +289,37 @@ def test_a_50_mb_line_is_rejected_and_its_neighbours_run(tiny_llm, tmp_path):
     [error] = errors
     assert error["custom_id"] == "huge" and error["error"]["code"] == "invalid_request"
     assert "over the limit of 10485760 (MAX_LINE_BYTES)" in error["error"]["message"]
+
+
+def test_ctrl_c_while_a_retry_waits_cancels_instead_of_retrying(tiny_llm, tmp_path):
+    """Defect: Ctrl-C (or a terminate) during the 5 s wait before a retry was only seen as the retry
+    began, outside the step's own code: the batch was neither cancelled nor reported cancelled. The
+    wait is now inside the step: the interrupt cancels it there, with no further attempt."""
+    ids = [f"w-{i:02d}" for i in range(40)]
+    batch = tmp_path / "waits.jsonl"
+    batch.write_text("\n".join(chat_line(i, max_tokens=2 if n % 2 else 40, ignore_eos=True) for n, i in enumerate(ids)))
+    out = tmp_path / "out"
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
+    _DyingEngine.died = False
+
+    def ctrl_c_during_the_wait() -> None:
+        while not _DyingEngine.died:
+            time.sleep(0.05)
+        time.sleep(2.0)  # the failed attempt has ended; the retry waits RETRY_DELAY_SECONDS (5 s)
+        os.kill(os.getpid(), signal.SIGINT)  # Dagster holds SIGINT while it runs the job
+
+    assert RETRY_DELAY_SECONDS >= 5
+    threading.Thread(target=ctrl_c_during_the_wait, daemon=True).start()
+    result = run_batch(str(batch), str(out), "2026-11-30",
+                       resources={"llm": tiny_llm.rebuilt(DyingLLM, checkpoint_answers=2), "storage": storage})
+    assert _DyingEngine.died and not result.success
+    assert len([e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]) == 1  # no second retry
+    failure = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"][-1]
+    assert "cancelled" in failure.step_failure_data.user_failure_data.description
+    outputs, errors, batch_obj = read_results(out)
+    assert batch_obj["status"] == "cancelled"
+    answered_once(outputs, errors, ids)
+    cancelled = [e for e in errors if e["error"]["code"] == "batch_cancelled"]
+    assert outputs and cancelled and len(outputs) + len(cancelled) == 40
+    # Nothing was answered after the crash: the retry was cancelled while it waited.
+    assert json.loads((out / "_work" / "inference.json").read_text())["finished_at"] is None

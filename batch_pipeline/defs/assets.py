@@ -4,6 +4,7 @@
 import dataclasses
 import functools
 import os
+import time
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,12 @@ from batch_pipeline.lib.storage import join as storage_join
 from batch_pipeline.lib.storage import read_json
 
 DEFAULT_MAX_FAILED_RATE = 0.10
+# A crashed engine fails the answering step; it is retried twice, RETRY_DELAY_SECONDS after the
+# failure. The wait is in the step (answer_batches), not Dagster's RetryPolicy delay: an interrupt
+# (Ctrl-C, a terminate from the UI) during Dagster's wait was only seen as the retry began, before
+# any of the step's own code, so the batch was neither cancelled nor reported as such.
+INFERENCE_RETRIES = dg.RetryPolicy(max_retries=2)
+RETRY_DELAY_SECONDS = 5.0
 
 
 def _shard(batch: BatchSelection) -> Shard:
@@ -187,7 +194,7 @@ def validate_batches(context: dg.AssetExecutionContext, taken: list[BatchLocatio
     deps=[validated_requests],
     pool="gpu",
     # A crashed engine fails the step; the retry resumes from the checkpoints instead of from zero.
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    retry_policy=INFERENCE_RETRIES,
     description="One answer per valid request from vLLM offline inference, checkpointed as it goes.",
 )
 def inference_results(
@@ -200,7 +207,8 @@ def inference_results(
 def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocation], llm: LLMResource,
                    shard: Shard, deadline: float | None = None) -> dict[str, Any]:
     """Answer the valid requests of each batch on one engine (one model load); step metadata.
-    Past `deadline` (Unix time), what is left of each batch expires (see infer_batch)."""
+    Past `deadline` (Unix time), what is left of each batch expires (see infer_batch). A retry
+    (context.retry_number) first waits RETRY_DELAY_SECONDS, inside the interrupt handling."""
     validated = [(loc, read_json(loc.work("validation.json"))) for loc in batches]
     pending = [loc for loc, validation in validated if validation["valid"] > 0]
     rows, load_seconds, infer_seconds = [], 0.0, 0.0
@@ -208,9 +216,13 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
         settings = llm.settings()
         at = 0  # the batch being answered when an interrupt lands
         try:
-            # Inside the interrupt handling: a terminate that lands here (the hardware check imports
-            # torch, seconds on a loaded machine) cancels like one that lands while answering,
-            # instead of being turned into a retry by the step's RetryPolicy.
+            # Inside the interrupt handling: a terminate that lands here (the retry's wait; the
+            # hardware check imports torch, seconds on a loaded machine) cancels like one that lands
+            # while answering, instead of being turned into a retry by the step's RetryPolicy.
+            if context.retry_number:
+                context.log.info(f"attempt {context.retry_number + 1} of {INFERENCE_RETRIES.max_retries + 1}: "
+                                 f"resuming in {RETRY_DELAY_SECONDS:g} s (terminate or Ctrl-C cancels)")
+                time.sleep(RETRY_DELAY_SECONDS)
             try:
                 require_hardware(settings)
                 registry = list(settings.model_registry())

@@ -13,6 +13,7 @@ import dagster as dg
 
 from batch_pipeline.defs import file_status
 from batch_pipeline.defs.assets import (
+    INFERENCE_RETRIES,
     FAILED_LINE_RATE,
     already_done,
     date_line_counts,
@@ -34,7 +35,7 @@ from batch_pipeline.lib.storage import read_json
     group_name="batch_files",
     kinds={"vllm"},
     pool="gpu",
-    retry_policy=dg.RetryPolicy(max_retries=2, delay=5),
+    retry_policy=INFERENCE_RETRIES,
     description=(
         "Each batch file on its own, keyed <date>/<batch name>: green once its results are written (by its date's "
         "run, an upload sensor run or a re-run here), red when the run that took it failed it. Materialize a "
