@@ -42,7 +42,8 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     port = free_port()
     api_env = {**os.environ, **{k: v for k, v in env.items() if v is not None},
                "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": server.url,
-               "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B}"}
+               "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B}",
+               "BATCH_API_COMPLETION_WINDOWS": "2s"}  # an operator's extra window: the expiry test's
     for name, value in env.items():
         if value is None:
             api_env.pop(name, None)
@@ -95,6 +96,8 @@ def test_the_whole_lifecycle_with_the_openai_sdk(service):
     good = [f"req-{i}" for i in range(1, 5)]
     lines = [request_line(i) for i in good]
     lines.insert(2, '{"custom_id": "broken", "method": "POST", ')  # line 3 is not JSON
+    lines.append(json.dumps({"custom_id": "other-url", "method": "POST", "url": "/v1/embeddings",  # line 6
+                             "body": {"model": TINY_NAME, "input": "x"}}))
     uploaded = sdk.files.create(file=("nightly.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
     assert uploaded.purpose == "batch" and uploaded.filename == "nightly.jsonl" and uploaded.id.startswith("file-")
     assert sdk.files.retrieve(uploaded.id).bytes == uploaded.bytes
@@ -111,13 +114,14 @@ def test_the_whole_lifecycle_with_the_openai_sdk(service):
 
     done = finished(sdk, batch.id, service["server"])
     assert done.status == "completed", (done, service["server"].log_tail())
-    assert done.request_counts.total == 5 and done.request_counts.completed == 4 and done.request_counts.failed == 1
+    assert done.request_counts.total == 6 and done.request_counts.completed == 4 and done.request_counts.failed == 2
     assert done.input_file_id == uploaded.id and done.usage.output_tokens > 0
     outputs = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.split("\n") if x]
     errors = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.split("\n") if x]
     assert sorted(o["custom_id"] for o in outputs) == good
     assert all(o["response"]["status_code"] == 200 for o in outputs)
-    assert [(e["error"]["code"], e["error"]["line"]) for e in errors] == [("invalid_json", 3)]
+    # A line whose url is not the batch's endpoint is an error line (OpenAI's code), not run.
+    assert [(e["error"]["code"], e["error"]["line"]) for e in errors] == [("invalid_json", 3), ("url_mismatch", 6)]
     assert [b.id for b in sdk.batches.list().data] == [batch.id]
     # The results are where the pipeline puts a date's batches.
     assert len(list(service["out"].glob(f"????-??-??/{batch.id}/batch.json"))) == 1
@@ -194,6 +198,23 @@ def test_cancel_mid_run_keeps_the_answers_and_reports_the_rest_cancelled(service
     assert sorted(r["custom_id"] for r in outputs + errors) == sorted(ids)  # every line once: nothing lost
     assert errors and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     assert done.request_counts.completed == len(outputs) and done.request_counts.failed == len(errors)
+
+
+def test_a_batch_not_done_in_its_window_expires(service):
+    """A window the operator allowed (BATCH_API_COMPLETION_WINDOWS=2s, shorter than a run takes to
+    start): the run keeps the deadline itself, loads no model and reports every line batch_expired."""
+    sdk = client(service)
+    ids = [f"late-{i}" for i in range(3)]
+    uploaded = sdk.files.create(file=("late.jsonl", ("\n".join(request_line(i) for i in ids) + "\n").encode()),
+                                purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="2s")
+    assert batch.completion_window == "2s" and batch.expires_at == batch.created_at + 2
+    done = finished(sdk, batch.id, service["server"])
+    assert done.status == "expired" and done.expired_at >= done.expires_at, done
+    assert done.request_counts.total == 3 and done.request_counts.completed == 0 and done.request_counts.failed == 3
+    errors = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.split("\n") if x]
+    assert sorted(e["custom_id"] for e in errors) == ids and {e["error"]["code"] for e in errors} == {"batch_expired"}
+    assert sdk.files.content(done.output_file_id).text == ""
 
 
 def test_ready_and_metrics(service):
