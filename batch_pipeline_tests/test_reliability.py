@@ -257,13 +257,18 @@ class DyingLLM(SessionLLM):
         return _DyingEngine(super().build_engine(kwargs), after_steps=10)
 
 
-def test_engine_death_is_retried_by_dagster_and_resumes_from_checkpoints(tiny_llm, tmp_path):
-    ids = [f"d-{i:02d}" for i in range(40)]
-    batch = tmp_path / "dies.jsonl"
+def dying_engine_batch(tmp_path: Path, prefix: str) -> tuple[list[str], Path, Path, StorageResource]:
+    """40 lines (short and long ones) for an engine that dies once mid-batch: ids, file, output folder."""
+    ids = [f"{prefix}-{i:02d}" for i in range(40)]
+    batch = tmp_path / f"{prefix}.jsonl"
     batch.write_text("\n".join(chat_line(i, max_tokens=2 if n % 2 else 40, ignore_eos=True) for n, i in enumerate(ids)))
     out = tmp_path / "out"
-    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
     _DyingEngine.died = False
+    return ids, batch, out, StorageResource(input_path=str(tmp_path), output_path=str(out))
+
+
+def test_engine_death_is_retried_by_dagster_and_resumes_from_checkpoints(tiny_llm, tmp_path):
+    ids, batch, out, storage = dying_engine_batch(tmp_path, "d")
     result = run_batch(str(batch), str(out), "2026-11-30",
                        resources={"llm": tiny_llm.rebuilt(DyingLLM, checkpoint_answers=2), "storage": storage})
     assert _DyingEngine.died
@@ -295,12 +300,7 @@ def test_ctrl_c_while_a_retry_waits_cancels_instead_of_retrying(tiny_llm, tmp_pa
     """Defect: Ctrl-C (or a terminate) during the 5 s wait before a retry was only seen as the retry
     began, outside the step's own code: the batch was neither cancelled nor reported cancelled. The
     wait is now inside the step: the interrupt cancels it there, with no further attempt."""
-    ids = [f"w-{i:02d}" for i in range(40)]
-    batch = tmp_path / "waits.jsonl"
-    batch.write_text("\n".join(chat_line(i, max_tokens=2 if n % 2 else 40, ignore_eos=True) for n, i in enumerate(ids)))
-    out = tmp_path / "out"
-    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
-    _DyingEngine.died = False
+    ids, batch, out, storage = dying_engine_batch(tmp_path, "w")
 
     def ctrl_c_during_the_wait() -> None:
         while not _DyingEngine.died:
