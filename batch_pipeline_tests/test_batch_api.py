@@ -235,6 +235,8 @@ def test_ready_and_metrics(service):
     batches = sum(len(client(service, key).batches.list(limit=100).data) for key in (KEY_A, KEY_B))
     assert sum(gauges.values()) == batches  # every tenant's batches, each counted once by its status
     assert re.search(r"^batch_pipeline_api_files \d+$", text, re.M) and "say req" not in text
+    queued = service["server"].graphql("{ runsOrError(filter: {statuses: [QUEUED]}) { ... on Runs { count } } }")
+    assert f"\nbatch_pipeline_api_queued_runs {queued['runsOrError']['count']}\n" in text
 
     # Not ready: the Dagster web server is not there (the service's own check, in-process).
     from fastapi.testclient import TestClient
