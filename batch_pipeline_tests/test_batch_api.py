@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +35,57 @@ def request_line(custom_id: str) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
 
 
+class Serve:
+    """One `batch-pipeline serve` at a time on a fixed port: `kill()` (SIGKILL, no shutdown code runs)
+    and `start()` again give a new process over the same storage and Dagster instance."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, *args: str, scheme: str = "http",
+                 context: ssl.SSLContext | None = None) -> None:
+        self.env, self.log_path, self.args, self.scheme, self.context = env, log_path, args, scheme, context
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    def start(self) -> "Serve":
+        with open(self.log_path, "ab") as log:  # appended: a restarted service's lines follow the first's
+            self.process = subprocess.Popen(
+                [str(Path(sys.executable).with_name("batch-pipeline")), "serve", "--port", str(self.port), *self.args],
+                cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for("batch-pipeline serve healthy", self._healthy, 60, interval=0.5)
+        return self
+
+    def _healthy(self) -> bool | None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"batch-pipeline serve exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{self.base}/health", timeout=2, context=self.context) as r:
+                return r.status == 200 or None
+        except OSError:
+            return None
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=20)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def serve_env(extra: dict[str, str | None]) -> dict[str, str]:
+    """This process's environment with `extra` added (None: unset)."""
+    merged = {**os.environ, **extra}
+    return {k: v for k, v in merged.items() if v is not None}
+
+
 @pytest.fixture(scope="module")
 def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("batch_api")
@@ -39,38 +94,13 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     # Checkpoint parts every second: the cancel test sees answers coming in well before the end.
     env = pipeline_env(tiny_model_dir, str(inbox), str(out), CHECKPOINT_SECONDS="1")
     server = start_dagster_dev(root / "home", env, root / "dagster-dev.log")
-    port = free_port()
-    api_env = {**os.environ, **{k: v for k, v in env.items() if v is not None},
-               "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": server.url,
-               "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B}"}
-    for name, value in env.items():
-        if value is None:
-            api_env.pop(name, None)
-    log_path = root / "serve.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([str(Path(sys.executable).with_name("batch-pipeline")), "serve", "--port", str(port)],
-                                   cwd=REPO, env=api_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def healthy() -> bool | None:
-        if process.poll() is not None:
-            raise RuntimeError(f"batch-pipeline serve exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            import urllib.request
-
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return r.status == 200 or None
-        except OSError:
-            return None
-
+    api = Serve(serve_env({**env, "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": server.url,
+                           "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B}"}), root / "serve.log")
     try:
-        wait_for("batch-pipeline serve healthy", healthy, 60, interval=0.5)
-        yield {"url": f"http://127.0.0.1:{port}/v1", "server": server, "out": out, "log": log_path}
+        api.start()
+        yield {"url": f"{api.base}/v1", "server": server, "out": out, "log": api.log_path, "serve": api}
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        api.stop()
         server.stop()
 
 
@@ -88,6 +118,61 @@ def finished(sdk: openai.OpenAI, batch_id: str, server: Any) -> Any:
         return batch if batch.status in TERMINAL else None
 
     return wait_for(f"batch {batch_id} finished", done, RUN_TIMEOUT, interval=2.0, on_timeout=server.log_tail)
+
+
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, signed by its own key: (cert.pem, key.pem)."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_serve_speaks_tls_with_the_given_certificate(tmp_path):
+    # No Dagster here: /health and the Files paths need only the storage.
+    cert, key = self_signed_cert(tmp_path)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    api = Serve(serve_env({"BATCH_API_KEYS": f"team-a:{KEY_A}", "STORAGE_OUTPUT_PATH": str(tmp_path / "out"),
+                           "DAGSTER_WEBSERVER_URL": "http://127.0.0.1:9"}),
+                tmp_path / "serve.log", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                scheme="https", context=trusted)
+    try:
+        api.start()  # healthy: GET https://127.0.0.1:<port>/health answered 200, verified against the certificate
+        with urllib.request.urlopen(f"{api.base}/health", timeout=10, context=trusted) as response:
+            assert json.loads(response.read()) == {"status": "ok"}
+        # The SDK over TLS, trusting only that certificate.
+        import httpx
+
+        sdk = openai.OpenAI(base_url=f"{api.base}/v1", api_key=KEY_A, max_retries=0,
+                            http_client=httpx.Client(verify=trusted))
+        uploaded = sdk.files.create(file=("t.jsonl", request_line("tls").encode()), purpose="batch")
+        assert [f.id for f in sdk.files.list().data] == [uploaded.id]
+        sdk.close()
+        # A client that does not trust the certificate is refused by its own TLS check.
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(f"{api.base}/health", timeout=10, context=ssl.create_default_context())
+        assert "Batch API on https://" in api.log_path.read_text()
+    finally:
+        api.stop()
 
 
 def test_the_whole_lifecycle_with_the_openai_sdk(service):
