@@ -25,7 +25,7 @@ import pytest
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.dagster_server import REPO, free_port, pipeline_env, start_dagster_dev, wait_for
 
-KEY_A, KEY_B = "key-team-a-0123456789", "key-team-b-0123456789"
+KEY_A, KEY_B, KEY_C = "key-team-a-0123456789", "key-team-b-0123456789", "key-team-c-0123456789"
 RUN_TIMEOUT = 300.0  # create to completed: the daemon's queue, a model load and a few answers on 2 loaded cores
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -95,7 +95,10 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     env = pipeline_env(tiny_model_dir, str(inbox), str(out), CHECKPOINT_SECONDS="1")
     server = start_dagster_dev(root / "home", env, root / "dagster-dev.log")
     api = Serve(serve_env({**env, "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": server.url,
-                           "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B}"}), root / "serve.log")
+                           "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B},team-c:{KEY_C}",
+                           # team-c may have one batch in flight; expiries down to 1 s (tests only).
+                           "BATCH_API_TENANT_LIMITS": "team-c:1", "BATCH_API_MIN_EXPIRY_SECONDS": "1"}),
+                root / "serve.log")
     try:
         api.start()
         yield {"url": f"{api.base}/v1", "server": server, "out": out, "log": api.log_path, "serve": api}
@@ -296,7 +299,7 @@ def test_ready_and_metrics(service):
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
     gauges = {m[0]: int(m[1]) for m in re.findall(r'^batch_pipeline_api_batches\{status="(\w+)"\} (\d+)$', text, re.M)}
-    batches = sum(len(client(service, key).batches.list(limit=100).data) for key in (KEY_A, KEY_B))
+    batches = sum(len(client(service, key).batches.list(limit=100).data) for key in (KEY_A, KEY_B, KEY_C))
     assert sum(gauges.values()) == batches  # every tenant's batches, each counted once by its status
     assert re.search(r"^batch_pipeline_api_files \d+$", text, re.M) and "say req" not in text
 
@@ -309,3 +312,94 @@ def test_ready_and_metrics(service):
     down = TestClient(create_app(Service(Store(str(service["out"])), {KEY_A: "team-a"}, "http://127.0.0.1:9")))
     response = down.get("/ready")
     assert response.status_code == 503 and "Dagster web server http://127.0.0.1:9" in response.json()["problems"][0]
+
+
+def test_limit_settings_are_checked_naming_the_variable(tmp_path):
+    import re
+
+    from batch_pipeline.lib.settings import ConfigError
+    from batch_pipeline.service.app import load_limits, min_expiry_seconds
+
+    tenants = {"team-a", "team-b"}
+    assert load_limits(tenants, {}) == (None, {})
+    assert load_limits(tenants, {"BATCH_API_MAX_IN_FLIGHT": "4", "BATCH_API_TENANT_LIMITS": "team-a:2, team-b:none"}) \
+        == (4, {"team-a": 2, "team-b": None})
+    for env, message in [({"BATCH_API_MAX_IN_FLIGHT": "0"}, "BATCH_API_MAX_IN_FLIGHT='0': a whole number of 1 or more"),
+                         ({"BATCH_API_TENANT_LIMITS": "team-a"}, "BATCH_API_TENANT_LIMITS: 'team-a' is not tenant:limit"),
+                         ({"BATCH_API_TENANT_LIMITS": "team-x:2"}, "BATCH_API_TENANT_LIMITS: tenant 'team-x' has no API key"),
+                         ({"BATCH_API_TENANT_LIMITS": "team-a:many"}, "BATCH_API_TENANT_LIMITS (team-a)='many'")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_limits(tenants, env)
+    assert min_expiry_seconds({}) == 3600 and min_expiry_seconds({"BATCH_API_MIN_EXPIRY_SECONDS": "5"}) == 5
+    with pytest.raises(ConfigError, match="BATCH_API_MIN_EXPIRY_SECONDS='-1'"):
+        min_expiry_seconds({"BATCH_API_MIN_EXPIRY_SECONDS": "-1"})
+    # The command refuses to start, naming the variable.
+    proc = subprocess.run([str(Path(sys.executable).with_name("batch-pipeline")), "serve"], capture_output=True, text=True,
+                          env=serve_env({"BATCH_API_KEYS": f"team-a:{KEY_A}", "BATCH_API_MAX_IN_FLIGHT": "lots",
+                                         "STORAGE_OUTPUT_PATH": str(tmp_path)}), timeout=120)
+    assert proc.returncode == 2 and "BATCH_API_MAX_IN_FLIGHT='lots'" in proc.stderr, proc.stderr
+
+
+def test_a_tenant_at_its_limit_of_batches_in_flight_gets_429(service):
+    sdk = client(service, KEY_C)  # BATCH_API_TENANT_LIMITS=team-c:1
+    uploaded = sdk.files.create(file=("one.jsonl", request_line("lim").encode()), purpose="batch")
+    create = lambda: sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",  # noqa: E731
+                                        completion_window="24h")
+    first = create()
+    with pytest.raises(openai.RateLimitError, match="too many batches in flight: this tenant may have 1 unfinished") as refused:
+        create()
+    assert refused.value.status_code == 429 and refused.value.code == "rate_limit_exceeded"
+    assert refused.value.type == "requests"  # OpenAI's type for a request-count limit
+    assert [b.id for b in sdk.batches.list().data] == [first.id]  # the refused one left no record and no run
+    # Once the first is finished (cancelled here: cheaper than answering), the next one is taken.
+    sdk.batches.cancel(first.id)
+    assert finished(sdk, first.id, service["server"]).status == "cancelled"
+    second = create()
+    assert second.status in ("validating", "in_progress")
+    sdk.batches.cancel(second.id)
+
+
+def test_files_and_batch_outputs_expire_and_are_deleted(service):
+    import time
+
+    sdk = client(service, KEY_B)
+    data = request_line("exp").encode()
+    short = sdk.files.create(file=("short.jsonl", data), purpose="batch", expires_after={"anchor": "created_at", "seconds": 2})
+    kept = sdk.files.create(file=("kept.jsonl", data), purpose="batch")
+    assert short.expires_at == short.created_at + 2 and kept.expires_at is None
+    with pytest.raises(openai.BadRequestError, match="from 1 to 2592000") as refused:
+        sdk.files.create(file=("x.jsonl", data), purpose="batch", expires_after={"anchor": "created_at", "seconds": 2592001})
+    assert refused.value.param == "expires_after.seconds"
+    with pytest.raises(openai.BadRequestError, match="only 'created_at'") as refused:
+        sdk.files.create(file=("x.jsonl", data), purpose="batch", expires_after={"anchor": "last_active_at", "seconds": 60})
+    assert refused.value.param == "expires_after.anchor"
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.batches.create(input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h",
+                           output_expires_after={"anchor": "created_at", "seconds": 0})
+    assert refused.value.param == "output_expires_after.seconds"
+    batch = sdk.batches.create(input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               output_expires_after={"anchor": "created_at", "seconds": 30})
+
+    stored = service["out"] / "_batch_api" / "files" / f"{short.id}.jsonl"
+    assert stored.exists()
+    time.sleep(max(0.0, short.expires_at + 1 - time.time()))
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(short.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.content(short.id)
+    assert short.id not in [f.id for f in sdk.files.list().data] and kept.id in [f.id for f in sdk.files.list().data]
+    assert not stored.exists()  # the content is gone from storage, not only hidden
+
+    done = finished(sdk, batch.id, service["server"])
+    assert done.status == "completed", done
+    output = sdk.files.retrieve(done.output_file_id)
+    assert output.expires_at == output.created_at + 30 and output.created_at >= batch.created_at
+    assert json.loads(sdk.files.content(done.output_file_id).text.split("\n")[0])["custom_id"] == "exp"
+    (written,) = service["out"].glob(f"????-??-??/{batch.id}/output.jsonl")
+    time.sleep(max(0.0, output.expires_at + 1 - time.time()))
+    for file_id in (done.output_file_id, done.error_file_id):
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.content(file_id)
+    assert not written.exists() and not written.with_name("errors.jsonl").exists()
+    assert sdk.batches.retrieve(batch.id).output_file_id == done.output_file_id  # the batch keeps its record
+
