@@ -178,6 +178,52 @@ def test_serve_speaks_tls_with_the_given_certificate(tmp_path):
         api.stop()
 
 
+def test_the_lifecycle_against_a_postgresql_instance(tiny_model_dir, tmp_path):
+    """The production instance settings (deploy/dagster.yaml: PostgreSQL, queued runs): a batch created
+    through the service is a run recorded in PostgreSQL and completes; its output is read back."""
+    from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _connect, _reachable, fresh_database
+
+    if _reachable() is not None:
+        pytest.skip(_reachable())
+    with fresh_database("batch_pipeline_api") as database:
+        env: dict[str, str | None] = {
+            "DAGSTER_POSTGRES_USER": PG_USER, "DAGSTER_POSTGRES_PASSWORD": PG_PASSWORD, "DAGSTER_POSTGRES_HOSTNAME": PG_HOST,
+            "DAGSTER_POSTGRES_DB": database, "DAGSTER_POSTGRES_PORT": str(PG_PORT),
+            **pipeline_env(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"))}
+        server = start_dagster_dev(tmp_path / "home", env, tmp_path / "dagster-dev.log",
+                                   instance_yaml=REPO / "deploy" / "dagster.yaml")
+        api = Serve(serve_env({**env, "DAGSTER_HOME": str(tmp_path / "home"), "DAGSTER_WEBSERVER_URL": server.url,
+                               "BATCH_API_KEYS": f"team-a:{KEY_A}"}), tmp_path / "serve.log")
+        try:
+            api.start()
+            sdk = openai.OpenAI(base_url=f"{api.base}/v1", api_key=KEY_A, max_retries=0)
+            uploaded = sdk.files.create(file=("pg.jsonl", (request_line("pg-1") + "\n" + request_line("pg-2")).encode()),
+                                        purpose="batch")
+            batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+            done = finished(sdk, batch.id, server)
+            assert done.status == "completed" and done.request_counts.completed == 2, (done, server.log_tail())
+            outputs = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.split("\n") if x]
+            assert sorted(o["custom_id"] for o in outputs) == ["pg-1", "pg-2"]
+            # The run, with the batch's tag, is in PostgreSQL's runs table (SUCCESS once the run worker
+            # has finished its last step, shortly after the pipeline wrote the completed Batch object).
+            conn = _connect(database)
+
+            def run_statuses() -> list[tuple[str]] | None:
+                with conn.cursor() as cur:
+                    cur.execute("SELECT r.status FROM runs r JOIN run_tags t ON t.run_id = r.run_id "
+                                "WHERE t.key = 'batch_pipeline/api_batch_id' AND t.value = %s", (batch.id,))
+                    rows = cur.fetchall()
+                return rows if rows != [("STARTED",)] else None
+
+            try:
+                assert wait_for("the run finished", run_statuses, 120, interval=1.0) == [("SUCCESS",)]
+            finally:
+                conn.close()
+        finally:
+            api.stop()
+            server.stop()
+
+
 def test_the_whole_lifecycle_with_the_openai_sdk(service):
     sdk = client(service)
     good = [f"req-{i}" for i in range(1, 5)]
@@ -403,3 +449,30 @@ def test_files_and_batch_outputs_expire_and_are_deleted(service):
     assert not written.exists() and not written.with_name("errors.jsonl").exists()
     assert sdk.batches.retrieve(batch.id).output_file_id == done.output_file_id  # the batch keeps its record
 
+
+def test_the_service_killed_mid_batch_keeps_every_record(service):
+    sdk = client(service)
+    ids = [f"k-{i}" for i in range(300)]
+    body = lambda i: {"model": TINY_NAME, "messages": [{"role": "user", "content": f"go {i}"}],  # noqa: E731
+                      "max_tokens": 64, "ignore_eos": True}
+    lines = [json.dumps({"custom_id": i, "method": "POST", "url": "/v1/chat/completions", "body": body(i)}) for i in ids]
+    uploaded = sdk.files.create(file=("restart.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               metadata={"case": "restart"})
+    wait_for("batch in progress", lambda: sdk.batches.retrieve(batch.id).status == "in_progress", RUN_TIMEOUT,
+             interval=0.5, on_timeout=service["server"].log_tail)
+    api = service["serve"]
+    api.kill()  # SIGKILL: no shutdown code of the service runs
+    with pytest.raises(openai.APIConnectionError):
+        sdk.batches.retrieve(batch.id)
+    api.start()  # a new process on the same storage and instance
+    assert service["log"].read_text().count("Batch API on http://") >= 2
+    again = sdk.files.retrieve(uploaded.id)
+    assert (again.bytes, again.filename) == (uploaded.bytes, "restart.jsonl")
+    assert sdk.batches.retrieve(batch.id).metadata == {"case": "restart"}
+    assert batch.id in [b.id for b in sdk.batches.list(limit=100).data]
+    done = finished(sdk, batch.id, service["server"])
+    assert done.status == "completed", done
+    assert done.request_counts.total == len(ids) and done.request_counts.completed == len(ids)
+    outputs = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.split("\n") if x]
+    assert sorted(o["custom_id"] for o in outputs) == sorted(ids)  # every line answered once
