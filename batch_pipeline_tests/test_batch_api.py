@@ -3,7 +3,10 @@ against a real `dagster dev` (web server, daemon) and real vLLM on the tiny mode
 
 The whole lifecycle (upload, create, poll, read the output and error files, list), a bad line in an
 otherwise good file, a file that is not JSONL, a wrong purpose, a file over the request limit, two
-tenants kept apart, a wrong key.
+tenants kept apart, a wrong key, cancel mid-run, /ready and /metrics, a tenant's limit of batches in
+flight (429), files and batch outputs expiring, the service SIGKILLed mid-batch and started again.
+Without the module's Dagster: TLS with a self-signed certificate, the limit settings; with a Dagster
+of its own: the lifecycle against a PostgreSQL instance (deploy/dagster.yaml).
 """
 
 from __future__ import annotations
