@@ -217,7 +217,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"({len(set(service.keys.values()))} tenant(s)); runs go to the Dagster web server at {service.dagster_url}",
           flush=True)
     uvicorn.run(create_app(service), host=args.host, port=args.port, ssl_certfile=args.ssl_certfile,
-                ssl_keyfile=args.ssl_keyfile, log_level="info", access_log=False)
+                ssl_keyfile=args.ssl_keyfile, log_level="info", access_log=False,
+                # On SIGTERM, open (keep-alive) connections get this long; then the process exits.
+                timeout_graceful_shutdown=10)
     return EXIT_OK
 
 

@@ -3,15 +3,22 @@ against a real `dagster dev` (web server, daemon) and real vLLM on the tiny mode
 
 The whole lifecycle (upload, create, poll, read the output and error files, list), a bad line in an
 otherwise good file, a file that is not JSONL, a wrong purpose, a file over the request limit, two
-tenants kept apart, a wrong key.
+tenants kept apart, a wrong key, cancel mid-run, /ready and /metrics, a tenant's limit of batches in
+flight (429), files and batch outputs expiring, the service SIGKILLed mid-batch and started again.
+Without the module's Dagster: TLS with a self-signed certificate, the limit settings; with a Dagster
+of its own: the lifecycle against a PostgreSQL instance (deploy/dagster.yaml).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +28,7 @@ import pytest
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.dagster_server import REPO, free_port, pipeline_env, start_dagster_dev, wait_for
 
-KEY_A, KEY_B = "key-team-a-0123456789", "key-team-b-0123456789"
+KEY_A, KEY_B, KEY_C = "key-team-a-0123456789", "key-team-b-0123456789", "key-team-c-0123456789"
 RUN_TIMEOUT = 300.0  # create to completed: the daemon's queue, a model load and a few answers on 2 loaded cores
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -29,6 +36,57 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 def request_line(custom_id: str) -> str:
     body = {"model": TINY_NAME, "messages": [{"role": "user", "content": f"say {custom_id}"}], "max_tokens": 4}
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+class Serve:
+    """One `batch-pipeline serve` at a time on a fixed port: `kill()` (SIGKILL, no shutdown code runs)
+    and `start()` again give a new process over the same storage and Dagster instance."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, *args: str, scheme: str = "http",
+                 context: ssl.SSLContext | None = None) -> None:
+        self.env, self.log_path, self.args, self.scheme, self.context = env, log_path, args, scheme, context
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    def start(self) -> "Serve":
+        with open(self.log_path, "ab") as log:  # appended: a restarted service's lines follow the first's
+            self.process = subprocess.Popen(
+                [str(Path(sys.executable).with_name("batch-pipeline")), "serve", "--port", str(self.port), *self.args],
+                cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for("batch-pipeline serve healthy", self._healthy, 60, interval=0.5)
+        return self
+
+    def _healthy(self) -> bool | None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"batch-pipeline serve exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+        try:
+            with urllib.request.urlopen(f"{self.base}/health", timeout=2, context=self.context) as r:
+                return r.status == 200 or None
+        except OSError:
+            return None
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=20)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def serve_env(extra: dict[str, str | None]) -> dict[str, str]:
+    """This process's environment with `extra` added (None: unset)."""
+    merged = {**os.environ, **extra}
+    return {k: v for k, v in merged.items() if v is not None}
 
 
 @pytest.fixture(scope="module")
@@ -39,39 +97,18 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     # Checkpoint parts every second: the cancel test sees answers coming in well before the end.
     env = pipeline_env(tiny_model_dir, str(inbox), str(out), CHECKPOINT_SECONDS="1")
     server = start_dagster_dev(root / "home", env, root / "dagster-dev.log")
-    port = free_port()
-    api_env = {**os.environ, **{k: v for k, v in env.items() if v is not None},
-               "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": server.url,
-               "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B}",
-               "BATCH_API_COMPLETION_WINDOWS": "2s"}  # an operator's extra window: the expiry test's
-    for name, value in env.items():
-        if value is None:
-            api_env.pop(name, None)
-    log_path = root / "serve.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([str(Path(sys.executable).with_name("batch-pipeline")), "serve", "--port", str(port)],
-                                   cwd=REPO, env=api_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def healthy() -> bool | None:
-        if process.poll() is not None:
-            raise RuntimeError(f"batch-pipeline serve exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            import urllib.request
-
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return r.status == 200 or None
-        except OSError:
-            return None
-
+    api = Serve(serve_env({**env, "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": server.url,
+                           "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B},team-c:{KEY_C}",
+                           # team-c may have one batch in flight; expiries down to 1 s (tests only);
+                           # a 2 s completion window an operator allowed (the expiry test's).
+                           "BATCH_API_TENANT_LIMITS": "team-c:1", "BATCH_API_MIN_EXPIRY_SECONDS": "1",
+                           "BATCH_API_COMPLETION_WINDOWS": "2s"}),
+                root / "serve.log")
     try:
-        wait_for("batch-pipeline serve healthy", healthy, 60, interval=0.5)
-        yield {"url": f"http://127.0.0.1:{port}/v1", "server": server, "out": out, "log": log_path}
+        api.start()
+        yield {"url": f"{api.base}/v1", "server": server, "out": out, "log": api.log_path, "serve": api}
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        api.stop()
         server.stop()
 
 
@@ -89,6 +126,107 @@ def finished(sdk: openai.OpenAI, batch_id: str, server: Any) -> Any:
         return batch if batch.status in TERMINAL else None
 
     return wait_for(f"batch {batch_id} finished", done, RUN_TIMEOUT, interval=2.0, on_timeout=server.log_tail)
+
+
+def self_signed_cert(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and localhost, signed by its own key: (cert.pem, key.pem)."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = dt.datetime.now(dt.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_serve_speaks_tls_with_the_given_certificate(tmp_path):
+    # No Dagster here: /health and the Files paths need only the storage.
+    cert, key = self_signed_cert(tmp_path)
+    trusted = ssl.create_default_context(cafile=str(cert))
+    api = Serve(serve_env({"BATCH_API_KEYS": f"team-a:{KEY_A}", "STORAGE_OUTPUT_PATH": str(tmp_path / "out"),
+                           "DAGSTER_WEBSERVER_URL": "http://127.0.0.1:9"}),
+                tmp_path / "serve.log", "--ssl-certfile", str(cert), "--ssl-keyfile", str(key),
+                scheme="https", context=trusted)
+    try:
+        api.start()  # healthy: GET https://127.0.0.1:<port>/health answered 200, verified against the certificate
+        with urllib.request.urlopen(f"{api.base}/health", timeout=10, context=trusted) as response:
+            assert json.loads(response.read()) == {"status": "ok"}
+        # The SDK over TLS, trusting only that certificate.
+        import httpx
+
+        sdk = openai.OpenAI(base_url=f"{api.base}/v1", api_key=KEY_A, max_retries=0,
+                            http_client=httpx.Client(verify=trusted))
+        uploaded = sdk.files.create(file=("t.jsonl", request_line("tls").encode()), purpose="batch")
+        assert [f.id for f in sdk.files.list().data] == [uploaded.id]
+        sdk.close()
+        # A client that does not trust the certificate is refused by its own TLS check.
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(f"{api.base}/health", timeout=10, context=ssl.create_default_context())
+        assert "Batch API on https://" in api.log_path.read_text()
+    finally:
+        api.stop()
+
+
+def test_the_lifecycle_against_a_postgresql_instance(tiny_model_dir, tmp_path):
+    """The production instance settings (deploy/dagster.yaml: PostgreSQL, queued runs): a batch created
+    through the service is a run recorded in PostgreSQL and completes; its output is read back."""
+    from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _connect, _reachable, fresh_database
+
+    if _reachable() is not None:
+        pytest.skip(_reachable())
+    with fresh_database("batch_pipeline_api") as database:
+        env: dict[str, str | None] = {
+            "DAGSTER_POSTGRES_USER": PG_USER, "DAGSTER_POSTGRES_PASSWORD": PG_PASSWORD, "DAGSTER_POSTGRES_HOSTNAME": PG_HOST,
+            "DAGSTER_POSTGRES_DB": database, "DAGSTER_POSTGRES_PORT": str(PG_PORT),
+            **pipeline_env(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"))}
+        server = start_dagster_dev(tmp_path / "home", env, tmp_path / "dagster-dev.log",
+                                   instance_yaml=REPO / "deploy" / "dagster.yaml")
+        api = Serve(serve_env({**env, "DAGSTER_HOME": str(tmp_path / "home"), "DAGSTER_WEBSERVER_URL": server.url,
+                               "BATCH_API_KEYS": f"team-a:{KEY_A}"}), tmp_path / "serve.log")
+        try:
+            api.start()
+            sdk = openai.OpenAI(base_url=f"{api.base}/v1", api_key=KEY_A, max_retries=0)
+            uploaded = sdk.files.create(file=("pg.jsonl", (request_line("pg-1") + "\n" + request_line("pg-2")).encode()),
+                                        purpose="batch")
+            batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+            done = finished(sdk, batch.id, server)
+            assert done.status == "completed" and done.request_counts.completed == 2, (done, server.log_tail())
+            outputs = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.split("\n") if x]
+            assert sorted(o["custom_id"] for o in outputs) == ["pg-1", "pg-2"]
+            # The run, with the batch's tag, is in PostgreSQL's runs table (SUCCESS once the run worker
+            # has finished its last step, shortly after the pipeline wrote the completed Batch object).
+            conn = _connect(database)
+
+            def run_statuses() -> list[tuple[str]] | None:
+                with conn.cursor() as cur:
+                    cur.execute("SELECT r.status FROM runs r JOIN run_tags t ON t.run_id = r.run_id "
+                                "WHERE t.key = 'batch_pipeline/api_batch_id' AND t.value = %s", (batch.id,))
+                    rows = cur.fetchall()
+                return rows if rows != [("STARTED",)] else None
+
+            try:
+                assert wait_for("the run finished", run_statuses, 120, interval=1.0) == [("SUCCESS",)]
+            finally:
+                conn.close()
+        finally:
+            api.stop()
+            server.stop()
 
 
 def test_the_whole_lifecycle_with_the_openai_sdk(service):
@@ -232,7 +370,7 @@ def test_ready_and_metrics(service):
     with urllib.request.urlopen(request, timeout=30) as response:
         text = response.read().decode()
     gauges = {m[0]: int(m[1]) for m in re.findall(r'^batch_pipeline_api_batches\{status="(\w+)"\} (\d+)$', text, re.M)}
-    batches = sum(len(client(service, key).batches.list(limit=100).data) for key in (KEY_A, KEY_B))
+    batches = sum(len(client(service, key).batches.list(limit=100).data) for key in (KEY_A, KEY_B, KEY_C))
     assert sum(gauges.values()) == batches  # every tenant's batches, each counted once by its status
     assert re.search(r"^batch_pipeline_api_files \d+$", text, re.M) and "say req" not in text
     queued = service["server"].graphql("{ runsOrError(filter: {statuses: [QUEUED]}) { ... on Runs { count } } }")
@@ -247,3 +385,123 @@ def test_ready_and_metrics(service):
     down = TestClient(create_app(Service(Store(str(service["out"])), {KEY_A: "team-a"}, "http://127.0.0.1:9")))
     response = down.get("/ready")
     assert response.status_code == 503 and "Dagster web server http://127.0.0.1:9" in response.json()["problems"][0]
+
+
+def test_limit_settings_are_checked_naming_the_variable(tmp_path):
+    import re
+
+    from batch_pipeline.lib.settings import ConfigError
+    from batch_pipeline.service.app import load_limits, min_expiry_seconds
+
+    tenants = {"team-a", "team-b"}
+    assert load_limits(tenants, {}) == (None, {})
+    assert load_limits(tenants, {"BATCH_API_MAX_IN_FLIGHT": "4", "BATCH_API_TENANT_LIMITS": "team-a:2, team-b:none"}) \
+        == (4, {"team-a": 2, "team-b": None})
+    for env, message in [({"BATCH_API_MAX_IN_FLIGHT": "0"}, "BATCH_API_MAX_IN_FLIGHT='0': a whole number of 1 or more"),
+                         ({"BATCH_API_TENANT_LIMITS": "team-a"}, "BATCH_API_TENANT_LIMITS: 'team-a' is not tenant:limit"),
+                         ({"BATCH_API_TENANT_LIMITS": "team-x:2"}, "BATCH_API_TENANT_LIMITS: tenant 'team-x' has no API key"),
+                         ({"BATCH_API_TENANT_LIMITS": "team-a:many"}, "BATCH_API_TENANT_LIMITS (team-a)='many'")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_limits(tenants, env)
+    assert min_expiry_seconds({}) == 3600 and min_expiry_seconds({"BATCH_API_MIN_EXPIRY_SECONDS": "5"}) == 5
+    with pytest.raises(ConfigError, match="BATCH_API_MIN_EXPIRY_SECONDS='-1'"):
+        min_expiry_seconds({"BATCH_API_MIN_EXPIRY_SECONDS": "-1"})
+    # The command refuses to start, naming the variable.
+    proc = subprocess.run([str(Path(sys.executable).with_name("batch-pipeline")), "serve"], capture_output=True, text=True,
+                          env=serve_env({"BATCH_API_KEYS": f"team-a:{KEY_A}", "BATCH_API_MAX_IN_FLIGHT": "lots",
+                                         "STORAGE_OUTPUT_PATH": str(tmp_path)}), timeout=120)
+    assert proc.returncode == 2 and "BATCH_API_MAX_IN_FLIGHT='lots'" in proc.stderr, proc.stderr
+
+
+def test_a_tenant_at_its_limit_of_batches_in_flight_gets_429(service):
+    sdk = client(service, KEY_C)  # BATCH_API_TENANT_LIMITS=team-c:1
+    uploaded = sdk.files.create(file=("one.jsonl", request_line("lim").encode()), purpose="batch")
+    create = lambda: sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",  # noqa: E731
+                                        completion_window="24h")
+    first = create()
+    with pytest.raises(openai.RateLimitError, match="too many batches in flight: this tenant may have 1 unfinished") as refused:
+        create()
+    assert refused.value.status_code == 429 and refused.value.code == "rate_limit_exceeded"
+    assert refused.value.type == "requests"  # OpenAI's type for a request-count limit
+    assert [b.id for b in sdk.batches.list().data] == [first.id]  # the refused one left no record and no run
+    # Once the first is finished (cancelled here: cheaper than answering), the next one is taken.
+    sdk.batches.cancel(first.id)
+    assert finished(sdk, first.id, service["server"]).status == "cancelled"
+    second = create()
+    assert second.status in ("validating", "in_progress")
+    sdk.batches.cancel(second.id)
+
+
+def test_files_and_batch_outputs_expire_and_are_deleted(service):
+    import time
+
+    sdk = client(service, KEY_B)
+    data = request_line("exp").encode()
+    short = sdk.files.create(file=("short.jsonl", data), purpose="batch", expires_after={"anchor": "created_at", "seconds": 2})
+    kept = sdk.files.create(file=("kept.jsonl", data), purpose="batch")
+    assert short.expires_at == short.created_at + 2 and kept.expires_at is None
+    with pytest.raises(openai.BadRequestError, match="from 1 to 2592000") as refused:
+        sdk.files.create(file=("x.jsonl", data), purpose="batch", expires_after={"anchor": "created_at", "seconds": 2592001})
+    assert refused.value.param == "expires_after.seconds"
+    with pytest.raises(openai.BadRequestError, match="only 'created_at'") as refused:
+        sdk.files.create(file=("x.jsonl", data), purpose="batch", expires_after={"anchor": "last_active_at", "seconds": 60})
+    assert refused.value.param == "expires_after.anchor"
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.batches.create(input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h",
+                           output_expires_after={"anchor": "created_at", "seconds": 0})
+    assert refused.value.param == "output_expires_after.seconds"
+    batch = sdk.batches.create(input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               output_expires_after={"anchor": "created_at", "seconds": 30})
+
+    stored = service["out"] / "_batch_api" / "files" / f"{short.id}.jsonl"
+    assert stored.exists()
+    time.sleep(max(0.0, short.expires_at + 1 - time.time()))
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.retrieve(short.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.content(short.id)
+    assert short.id not in [f.id for f in sdk.files.list().data] and kept.id in [f.id for f in sdk.files.list().data]
+    assert not stored.exists()  # the content is gone from storage, not only hidden
+
+    done = finished(sdk, batch.id, service["server"])
+    assert done.status == "completed", done
+    output = sdk.files.retrieve(done.output_file_id)
+    assert output.expires_at == output.created_at + 30 and output.created_at >= batch.created_at
+    assert json.loads(sdk.files.content(done.output_file_id).text.split("\n")[0])["custom_id"] == "exp"
+    (written,) = service["out"].glob(f"????-??-??/{batch.id}/output.jsonl")
+    time.sleep(max(0.0, output.expires_at + 1 - time.time()))
+    for file_id in (done.output_file_id, done.error_file_id):
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.content(file_id)
+    assert not written.exists() and not written.with_name("errors.jsonl").exists()
+    assert sdk.batches.retrieve(batch.id).output_file_id == done.output_file_id  # the batch keeps its record
+
+
+def test_the_service_killed_mid_batch_keeps_every_record(service):
+    sdk = client(service)
+    ids = [f"k-{i}" for i in range(100)]  # killed once validated: the run then loads the model, answers, writes
+    body = lambda i: {"model": TINY_NAME, "messages": [{"role": "user", "content": f"go {i}"}],  # noqa: E731
+                      "max_tokens": 32, "ignore_eos": True}
+    lines = [json.dumps({"custom_id": i, "method": "POST", "url": "/v1/chat/completions", "body": body(i)}) for i in ids]
+    uploaded = sdk.files.create(file=("restart.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               metadata={"case": "restart"})
+    wait_for("batch in progress", lambda: sdk.batches.retrieve(batch.id).status == "in_progress", RUN_TIMEOUT,
+             interval=0.5, on_timeout=service["server"].log_tail)
+    api = service["serve"]
+    api.kill()  # SIGKILL: no shutdown code of the service runs
+    with pytest.raises(openai.APIConnectionError):
+        sdk.batches.retrieve(batch.id)
+    api.start()  # a new process on the same storage and instance
+    assert service["log"].read_text().count("Batch API on http://") >= 2
+    again = sdk.files.retrieve(uploaded.id)
+    assert (again.bytes, again.filename) == (uploaded.bytes, "restart.jsonl")
+    resumed = sdk.batches.retrieve(batch.id)
+    assert resumed.metadata == {"case": "restart"}
+    assert resumed.status == "in_progress", resumed  # the run went on without the service (its model load alone is longer)
+    assert batch.id in [b.id for b in sdk.batches.list(limit=100).data]
+    done = finished(sdk, batch.id, service["server"])
+    assert done.status == "completed", done
+    assert done.request_counts.total == len(ids) and done.request_counts.completed == len(ids)
+    outputs = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.split("\n") if x]
+    assert sorted(o["custom_id"] for o in outputs) == sorted(ids)  # every line answered once

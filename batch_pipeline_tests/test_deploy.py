@@ -7,8 +7,10 @@ gRPC command), docker-compose.yaml and .env.example (GPU
 reservation, read-only model mount, health-gated start order, credentials only by reference),
 deploy/workspace.yaml and the Helm values (entry module, the `batch_pipeline` location name, run pods
 asking for `nvidia.com/gpu` = TENSOR_PARALLEL_SIZE on tolerated GPU nodes, the model PVC read-only,
-S3 credentials from a Secret) and that every environment variable the manifests set is one the
-code reads or a documented platform variable.
+S3 credentials from a Secret), the Batch API in both (the compose service `batch-api` and the
+`batchApi` values with the deploy/helm/batch-api chart that renders them: the command the CLI takes,
+probes on paths the service answers, keys from a secret file, the same storage as the runs) and that
+every environment variable the manifests set is one the code reads or a documented platform variable.
 
 Does not build images, start containers, render the Helm chart or touch any service: YAML is read
 with PyYAML, Dockerfiles with a small line parser. Loading deploy/dagster.yaml into a real instance
@@ -59,7 +61,10 @@ PLATFORM_ENV = {
     "DO_NOT_TRACK",
 }
 # docker compose's own knobs (interpolated into docker-compose.yaml, never read by the code).
-COMPOSE_ONLY = {"MODEL_HOST_DIR", "BATCH_PIPELINE_TAG", "DAGSTER_WEBSERVER_PORT", "GPUS"}
+COMPOSE_ONLY = {"MODEL_HOST_DIR", "BATCH_PIPELINE_TAG", "DAGSTER_WEBSERVER_PORT", "GPUS", "BATCH_API_PORT"}
+# The Batch API's settings (batch_pipeline/service/app.py); each must still be read there (checked).
+API_ENV = {"BATCH_API_KEYS", "BATCH_API_KEYS_FILE", "BATCH_API_MAX_IN_FLIGHT", "BATCH_API_TENANT_LIMITS",
+           "BATCH_API_MIN_EXPIRY_SECONDS", "DAGSTER_WEBSERVER_URL"}
 
 
 # ----------------------------------------------------------------------------------- parsing
@@ -437,6 +442,88 @@ def test_helm_credentials_come_from_secrets():
     assert helm_deployment()["envSecrets"] == [{"name": "batch-pipeline-s3"}]
 
 
+# ------------------------------------------------------------------------------ the Batch API
+
+
+def serve_routes() -> set[str]:
+    """The paths `batch-pipeline serve` answers (the app built in-process; nothing is started)."""
+    from batch_pipeline.service.app import Service, create_app
+    from batch_pipeline.service.store import Store
+
+    app = create_app(Service(Store("/nonexistent"), {"k" * 16: "t"}, "http://127.0.0.1:9"))
+    return {route.path for route in app.routes}
+
+
+def test_compose_runs_the_batch_api():
+    from urllib.parse import urlparse
+
+    from batch_pipeline.cli import build_parser
+
+    spec = compose()
+    services = spec["services"]
+    api = services["batch-api"]
+    args = build_parser().parse_args(api["command"][1:])  # the CLI takes the command as written
+    assert api["command"][0] == "batch-pipeline" and (args.command, args.host, args.port) == ("serve", "0.0.0.0", 8000)
+    assert api["image"] == services["user-code"]["image"]  # the package's image; no GPUs reserved
+    assert "deploy" not in api
+    env = api["environment"]
+    webserver = urlparse(env["DAGSTER_WEBSERVER_URL"])
+    command = services["dagster-webserver"]["command"]
+    assert webserver.hostname == "dagster-webserver" and webserver.port == int(command[command.index("-p") + 1])
+    # Keys from a compose secret (a file ignored by git), never inline.
+    (secret,) = api["secrets"]
+    assert env["BATCH_API_KEYS_FILE"] == f"/run/secrets/{secret['target']}"
+    assert spec["secrets"][secret["source"]]["file"] == "./batch-api-keys.txt"
+    assert "batch-api-keys.txt" in (DEPLOY / ".gitignore").read_text().split()
+    assert "BATCH_API_KEYS" not in env
+    # The same storage as the runs (they read the uploads and write the results it serves).
+    assert "batch_data:/data" in api["volumes"] and "batch_data:/data" in services["user-code"]["volumes"]
+    assert api["env_file"] == services["user-code"]["env_file"]
+    assert all(p.startswith("127.0.0.1:") and p.endswith(":8000") for p in api["ports"])
+    probe = " ".join(api["healthcheck"]["test"])
+    assert "http://127.0.0.1:8000/health" in probe and "/health" in serve_routes()
+
+
+def test_helm_runs_the_batch_api_with_probes_and_keys_from_a_secret():
+    from urllib.parse import urlparse
+
+    values = helm()
+    api = values["batchApi"]
+    routes = serve_routes()
+    assert api["livenessProbe"]["httpGet"] == {"path": "/health", "port": api["port"]}
+    assert api["readinessProbe"]["httpGet"] == {"path": "/ready", "port": api["port"]}
+    assert {"/health", "/ready"} <= routes
+    assert api["replicas"] >= 1 and api["service"]["port"] and api["service"]["type"] == "ClusterIP"
+    env = api["env"]
+    assert all(isinstance(v, str) for v in env.values()), "env values are strings"
+    assert "BATCH_API_KEYS" not in env and "BATCH_API_KEYS_FILE" not in env  # the template mounts the Secret
+    assert api["keysSecretName"] and api["envSecrets"] == helm_deployment()["envSecrets"]
+    for name in ("STORAGE_INPUT_PATH", "STORAGE_OUTPUT_PATH"):
+        assert env[name] == helm_deployment()["env"][name]
+    # The dagster chart's webserver Service: <release>-webserver (release `batch-pipeline`, deploy/README.md).
+    webserver = urlparse(env["DAGSTER_WEBSERVER_URL"])
+    assert webserver.hostname == "batch-pipeline-webserver"
+    assert webserver.port == values["dagsterWebserver"]["service"].get("port", 80)
+    assert api["image"]["repository"] == helm_deployment()["image"]["repository"]
+    assert api["podSecurityContext"]["runAsUser"] == 10001 and api["podSecurityContext"]["runAsNonRoot"] is True
+    assert api["securityContext"]["allowPrivilegeEscalation"] is False
+
+    # The chart that renders the section: every value it reads is there; the keys file is the Secret's.
+    templates = "\n".join(p.read_text() for p in (DEPLOY / "helm" / "batch-api" / "templates").glob("*.yaml"))
+    for reference in set(re.findall(r"\$api\.([A-Za-z_.]+)", templates)):
+        node: Any = api
+        for part in reference.split("."):
+            assert isinstance(node, dict) and part in node, f"batchApi.{reference} is read by the chart but not set"
+            node = node[part]
+    keys_file = re.search(r"name: BATCH_API_KEYS_FILE\s+value: (\S+)", templates).group(1)
+    mount = re.search(r"- name: keys\s+mountPath: (\S+)", templates).group(1)
+    item = re.search(r"- key: keys\s+path: (\S+)", templates).group(1)
+    assert keys_file == f"{mount}/{item}"
+    assert '"serve", "--host", "0.0.0.0", "--port", "{{ $api.port }}"' in templates
+    chart = yaml.safe_load((DEPLOY / "helm" / "batch-api" / "Chart.yaml").read_text())
+    assert chart["name"] == "batch-api" and chart["apiVersion"] == "v2"
+
+
 # ------------------------------------------------------------------------- environment variables
 
 
@@ -455,6 +542,7 @@ def manifest_env_names() -> dict[str, set[str]]:
         | set(compose_interpolations()),
         ".env.example": set(env_file(".env.example")),
         "helm/values.yaml": set(helm_deployment()["env"]),
+        "helm/values.yaml (batchApi)": set(helm()["batchApi"]["env"]),
     }
     return names
 
@@ -463,9 +551,9 @@ def test_manifest_variables_are_settings_the_code_reads():
     source = package_source()
     storage_names = set(re.findall(r"\b(STORAGE_[A-Z_]+)\b", source))
     assert storage_names == {"STORAGE_INPUT_PATH", "STORAGE_OUTPUT_PATH"}
-    for name in PROJECT_EXTRAS:
+    for name in PROJECT_EXTRAS | API_ENV:
         assert name in source, f"{name} is allowed in manifests but no longer read by the package"
-    allowed = set(ENGINE_ENV) | storage_names | POSTGRES_ENV | PROJECT_EXTRAS | PLATFORM_ENV | COMPOSE_ONLY
+    allowed = set(ENGINE_ENV) | storage_names | POSTGRES_ENV | PROJECT_EXTRAS | API_ENV | PLATFORM_ENV | COMPOSE_ONLY
     for path, names in manifest_env_names().items():
         unknown = {n for n in names if n not in allowed and not n.startswith("AWS_")}
         assert not unknown, f"{path} sets variables the code does not read: {sorted(unknown)}"

@@ -40,6 +40,9 @@ _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_FILE_BYTES = 200 * 2**20
 MAX_FILE_REQUESTS = 50_000
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+# OpenAI's range for files' `expires_after` and batches' `output_expires_after` (1 hour to 30 days).
+MIN_EXPIRY_SECONDS, MAX_EXPIRY_SECONDS = 3600, 30 * 24 * 3600
+TERMINAL_STATUSES = ("completed", "failed", "cancelled", "expired")
 BATCH_ENDPOINTS = (contract.CHAT_URL, contract.COMPLETIONS_URL, contract.EMBEDDINGS_URL, contract.RESPONSES_URL)
 # Dagster run status -> Batch status, while the pipeline has not written its Batch object.
 RUN_STATUS = {"QUEUED": "validating", "NOT_STARTED": "validating", "STARTING": "validating", "STARTED": "in_progress",
@@ -96,6 +99,45 @@ def completion_windows(env: dict[str, str] | None = None) -> dict[str, int]:
     return windows
 
 
+def load_limits(tenants: set[str], env: dict[str, str] | None = None) -> tuple[int | None, dict[str, int | None]]:
+    """Batches in flight per tenant: (BATCH_API_MAX_IN_FLIGHT, {tenant: limit} from
+    BATCH_API_TENANT_LIMITS, `none` for no limit); ConfigError naming the variable."""
+    env = dict(os.environ if env is None else env)
+    default = _positive(env.get("BATCH_API_MAX_IN_FLIGHT", ""), "BATCH_API_MAX_IN_FLIGHT")
+    overrides: dict[str, int | None] = {}
+    for item in env.get("BATCH_API_TENANT_LIMITS", "").split(","):
+        if not item.strip():
+            continue
+        tenant, sep, value = (part.strip() for part in item.partition(":"))
+        if not sep or not tenant:
+            raise ConfigError(f"BATCH_API_TENANT_LIMITS: {item.strip()!r} is not tenant:limit (e.g. team-a:2,team-b:none)")
+        if tenant not in tenants:
+            raise ConfigError(f"BATCH_API_TENANT_LIMITS: tenant {tenant!r} has no API key (BATCH_API_KEYS)")
+        overrides[tenant] = None if value.lower() == "none" else _positive(value, f"BATCH_API_TENANT_LIMITS ({tenant})")
+    return default, overrides
+
+
+def min_expiry_seconds(env: dict[str, str] | None = None) -> int:
+    """BATCH_API_MIN_EXPIRY_SECONDS: the shortest expiry accepted (OpenAI's 3600 unless lowered)."""
+    env = dict(os.environ if env is None else env)
+    value = _positive(env.get("BATCH_API_MIN_EXPIRY_SECONDS", ""), "BATCH_API_MIN_EXPIRY_SECONDS")
+    if value is not None and value > MAX_EXPIRY_SECONDS:
+        raise ConfigError(f"BATCH_API_MIN_EXPIRY_SECONDS={value}: above the longest expiry, {MAX_EXPIRY_SECONDS}")
+    return MIN_EXPIRY_SECONDS if value is None else value
+
+
+def _positive(value: str, name: str) -> int | None:
+    if not value.strip():
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise ConfigError(f"{name}={value.strip()!r}: a whole number of 1 or more")
+    return number
+
+
 @dataclass
 class Service:
     store: Store
@@ -104,6 +146,9 @@ class Service:
     max_file_bytes: int = MAX_FILE_BYTES
     max_file_requests: int = MAX_FILE_REQUESTS
     windows: dict[str, int] = field(default_factory=lambda: dict(COMPLETION_WINDOWS))
+    max_in_flight: int | None = None  # batches of one tenant not finished; None: no limit
+    tenant_limits: dict[str, int | None] = field(default_factory=dict)  # per tenant, over max_in_flight
+    min_expiry: int = MIN_EXPIRY_SECONDS
     _client: Any = field(default=None, repr=False)
 
     # -- identity ----------------------------------------------------------------------------
@@ -168,7 +213,9 @@ class Service:
 
     # -- files -------------------------------------------------------------------------------
 
-    def create_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
+    def create_file(self, tenant: str, filename: str, purpose: str, data: bytes,
+                    expires_after: dict[str, Any] | None = None) -> dict[str, Any]:
+        seconds = self.expiry_seconds(expires_after, "expires_after")
         if purpose != "batch":
             raise ApiError(400, f"purpose {purpose!r} is not served here: only 'batch'", param="purpose")
         if len(data) > self.max_file_bytes:
@@ -180,7 +227,7 @@ class Service:
         if not lines or not any(_json_object(line) for line in lines[:100]):
             raise ApiError(400, "the file is not JSONL: none of its first lines is a JSON object (one request per line)",
                            param="file")
-        record = self.store.add_file(tenant, filename, purpose, data)
+        record = self.store.add_file(tenant, filename, purpose, data, expires_after=seconds)
         log.info("file %s: %d bytes, %d lines, tenant %s", record["id"], len(data), len(lines), tenant)
         return record
 
@@ -190,9 +237,50 @@ class Service:
             raise ApiError(404, f"no file {file_id!r}", param="file_id", code="not_found")
         return record
 
+    def expiry_seconds(self, policy: Any, param: str) -> int | None:
+        """Seconds of an `{"anchor": "created_at", "seconds": N}` expiry policy (None: none given)."""
+        if policy is None:
+            return None
+        if not isinstance(policy, dict):
+            raise ApiError(400, f"{param}: an object {{anchor, seconds}}", param=param)
+        if policy.get("anchor") != "created_at":
+            raise ApiError(400, f"{param}.anchor {policy.get('anchor')!r}: only 'created_at'", param=f"{param}.anchor")
+        seconds = policy.get("seconds")
+        try:
+            seconds = int(seconds) if not isinstance(seconds, (bool, float)) else None
+        except (TypeError, ValueError):
+            seconds = None
+        if seconds is None or not self.min_expiry <= seconds <= MAX_EXPIRY_SECONDS:
+            raise ApiError(400, f"{param}.seconds {policy.get('seconds')!r}: a whole number of seconds from "
+                                f"{self.min_expiry} to {MAX_EXPIRY_SECONDS}", param=f"{param}.seconds")
+        return seconds
+
     # -- batches -----------------------------------------------------------------------------
 
+    def batch_options(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        """What create_batch records beside OpenAI's required fields, once the tenant may start one more
+        batch: the results' expiry (`output_expires_after`, seconds after they are written)."""
+        options = {"output_expires_after": self.expiry_seconds(body.get("output_expires_after"), "output_expires_after")}
+        self.check_in_flight(tenant)
+        return options
+
+    def check_in_flight(self, tenant: str) -> None:
+        """429 when the tenant already has as many unfinished batches as its limit allows."""
+        limit = self.tenant_limits.get(tenant, self.max_in_flight)
+        if limit is None:
+            return
+        in_flight = 0
+        for record in self.store.batches(tenant):
+            if self.batch_object(record)["status"] not in TERMINAL_STATUSES:
+                in_flight += 1
+                if in_flight >= limit:
+                    log.info("batch refused: tenant %s has %d batches in flight (limit %d)", tenant, in_flight, limit)
+                    raise ApiError(429, f"too many batches in flight: this tenant may have {limit} unfinished "
+                                        f"at once; retry when one completes, fails, expires or is cancelled",
+                                   type_="requests", code="rate_limit_exceeded")
+
     def create_batch(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        options = self.batch_options(tenant, body)  # limits and retention (429, 400): before anything is recorded
         source = self.get_file(tenant, str(body.get("input_file_id") or ""))
         endpoint = body.get("endpoint")
         if endpoint not in BATCH_ENDPOINTS:
@@ -214,6 +302,7 @@ class Service:
                   "endpoint": endpoint, "completion_window": window, "metadata": metadata, "created_at": int(now),
                   "expires_at": int(now) + self.windows[window],
                   "date": date, "output_uri": storage.join(self.store.output_root, date, batch_id), "run_id": None}
+        record.update(options)
         self.store.save_batch(record)  # first: a crash before the run is submitted leaves a failed batch, not none
         try:
             record["run_id"] = self.submit(record)
@@ -236,7 +325,7 @@ class Service:
     def cancel_batch(self, tenant: str, batch_id: str) -> dict[str, Any]:
         record = self.get_batch(tenant, batch_id)
         current = self.batch_object(record)
-        if current["status"] in ("completed", "failed", "cancelled", "expired"):
+        if current["status"] in TERMINAL_STATUSES:
             raise ApiError(400, f"batch {batch_id} is {current['status']}: it cannot be cancelled")
         record["cancelling_at"] = int(time.time())
         self.store.save_batch(record)
@@ -368,7 +457,7 @@ def _read_json(uri: str) -> dict[str, Any] | None:
 
 def _public(record: dict[str, Any]) -> dict[str, Any]:
     """A file record as OpenAI's FileObject (without where it is stored or whose it is)."""
-    return {k: v for k, v in record.items() if k not in ("tenant", "uri", "deleted")}
+    return {k: v for k, v in record.items() if k not in ("tenant", "uri", "deleted", "expired")}
 
 
 def create_app(service: Service) -> Any:
@@ -406,10 +495,13 @@ def create_app(service: Service) -> Any:
 
     @app.post("/v1/files")
     async def create_file(file: UploadFile = File(...), purpose: str = Form(...),
+                          anchor: str | None = Form(default=None, alias="expires_after[anchor]"),
+                          seconds: str | None = Form(default=None, alias="expires_after[seconds]"),
                           authorization: str | None = Header(default=None)) -> dict[str, Any]:
         tenant = service.tenant(authorization)
+        expires_after = None if anchor is None and seconds is None else {"anchor": anchor, "seconds": seconds}
         data = await file.read(service.max_file_bytes + 1)
-        return _public(service.create_file(tenant, file.filename or "batch.jsonl", purpose, data))
+        return _public(service.create_file(tenant, file.filename or "batch.jsonl", purpose, data, expires_after))
 
     @app.get("/v1/files")
     def list_files(authorization: str | None = Header(default=None)) -> dict[str, Any]:
@@ -473,12 +565,17 @@ def create_app(service: Service) -> Any:
 
 def service_from_env() -> Service:
     env = os.environ
+    keys = load_keys()
+    max_in_flight, tenant_limits = load_limits(set(keys.values()))
     return Service(
         store=Store(storage_settings_from_env().output_path),
-        keys=load_keys(),
+        keys=keys,
         dagster_url=env.get("DAGSTER_WEBSERVER_URL", "http://127.0.0.1:3000"),
         windows=completion_windows(),
+        max_in_flight=max_in_flight,
+        tenant_limits=tenant_limits,
+        min_expiry=min_expiry_seconds(),
     )
 
 
-__all__ = ["Service", "create_app", "service_from_env", "load_keys"]
+__all__ = ["Service", "create_app", "service_from_env", "load_keys", "load_limits", "min_expiry_seconds"]

@@ -4,6 +4,11 @@ Records live under `STORAGE_OUTPUT_PATH/_batch_api/` (a local folder or S3), so 
 restart of the service, every replica sees the same ones, and nothing but the storage is needed.
 An uploaded file's content is stored beside its record; a batch's results are the pipeline's own
 files in `STORAGE_OUTPUT_PATH/<date>/<batch id>/`, served as the batch's output and error files.
+
+Expiry (files' `expires_after`, batches' `output_expires_after`) is swept lazily: a file past its
+`expires_at` has its content deleted from storage the first time it is read, listed or counted, and
+is from then on unknown (404). Nothing runs in the background, so an expired file nobody asks for
+stays in storage until then.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ class Store:
 
     # -- files -------------------------------------------------------------------------------
 
-    def add_file(self, tenant: str, filename: str, purpose: str, data: bytes) -> dict[str, Any]:
+    def add_file(self, tenant: str, filename: str, purpose: str, data: bytes,
+                 expires_after: int | None = None) -> dict[str, Any]:
         file_id = new_id("file-")
         content = self._uri("files", f"{file_id}.jsonl")
         storage.write_bytes(content, data)
-        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
+        now = int(time.time())
+        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": now,
+                  "expires_at": now + expires_after if expires_after else None,
                   "filename": filename, "purpose": purpose, "status": "processed", "tenant": tenant, "uri": content}
         storage.write_json(self._uri("files", f"{file_id}.json"), record)
         return record
@@ -52,21 +60,39 @@ class Store:
                     return None
                 uri = storage.join(batch["output_uri"], name)
                 try:
-                    size = storage.describe(uri).size
-                except FileNotFoundError:  # the batch has not written its results yet
+                    info = storage.describe(uri)
+                except FileNotFoundError:  # the batch has not written its results yet, or they expired
                     return None
-                return {"id": file_id, "object": "file", "bytes": size, "created_at": batch["created_at"],
-                        "filename": name, "purpose": "batch_output", "status": "processed", "tenant": tenant, "uri": uri}
+                # Created when the pipeline wrote it; `output_expires_after` counts from then (OpenAI's anchor).
+                created = int(info.modified)
+                seconds = batch.get("output_expires_after")
+                expires_at = created + seconds if seconds else None
+                if expires_at is not None and time.time() >= expires_at:
+                    storage.delete(uri)
+                    return None
+                return {"id": file_id, "object": "file", "bytes": info.size, "created_at": created,
+                        "expires_at": expires_at, "filename": name, "purpose": "batch_output", "status": "processed",
+                        "tenant": tenant, "uri": uri}
         path = self._uri("files", f"{file_id}.json")
         if not _safe_id(file_id) or not storage.exists(path):
             return None
         record = storage.read_json(path)
-        return record if record.get("tenant") == tenant and not record.get("deleted") else None
+        return record if record.get("tenant") == tenant and self._live(record) else None
 
     def files(self, tenant: str) -> list[dict[str, Any]]:
         records = [storage.read_json(o.uri) for o in storage.list_objects(self._uri("files") + "/", suffix=".json")]
-        return sorted((r for r in records if r.get("tenant") == tenant and not r.get("deleted")),
+        return sorted((r for r in records if r.get("tenant") == tenant and self._live(r)),
                       key=lambda r: r["created_at"], reverse=True)
+
+    def _live(self, record: dict[str, Any]) -> bool:
+        """Not deleted and not expired; an expired upload's content is deleted here (the lazy sweep)."""
+        if record.get("deleted"):
+            return False
+        if record.get("expires_at") and time.time() >= record["expires_at"]:
+            storage.write_json(self._uri("files", f"{record['id']}.json"), {**record, "deleted": True, "expired": True})
+            storage.delete(record["uri"])
+            return False
+        return True
 
     def delete_file(self, record: dict[str, Any]) -> None:
         storage.write_json(self._uri("files", f"{record['id']}.json"), {**record, "deleted": True})
@@ -96,7 +122,7 @@ class Store:
 
     def count_files(self) -> int:
         return sum(1 for o in storage.list_objects(self._uri("files") + "/", suffix=".json")
-                   if not storage.read_json(o.uri).get("deleted"))
+                   if self._live(storage.read_json(o.uri)))
 
 
 def _safe_id(value: str) -> bool:
