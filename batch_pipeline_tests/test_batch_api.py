@@ -102,7 +102,8 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> A
                            # team-c may have one batch in flight; expiries down to 1 s (tests only);
                            # a 2 s completion window an operator allowed (the expiry test's).
                            "BATCH_API_TENANT_LIMITS": "team-c:1", "BATCH_API_MIN_EXPIRY_SECONDS": "1",
-                           "BATCH_API_COMPLETION_WINDOWS": "2s"}),
+                           "BATCH_API_COMPLETION_WINDOWS": "2s",
+                           "BATCH_API_MAX_FILE_REQUESTS": "1000", "BATCH_API_MAX_FILE_BYTES": str(2 * 2**20)}),
                 root / "serve.log")
     try:
         api.start()
@@ -297,21 +298,18 @@ def test_tenants_are_kept_apart_and_a_wrong_key_is_refused(service):
     assert b.files.delete(b.files.create(file=("t.jsonl", request_line("y").encode()), purpose="batch").id).deleted
 
 
-def test_a_file_over_the_request_limit_is_refused_at_upload(service):
-    # The limit itself (50,000 by default, OpenAI's) is not worth 50,001 lines here: the service's own
-    # check is exercised in-process with a small limit, over real HTTP semantics through the SDK types.
-    from fastapi.testclient import TestClient
-
-    from batch_pipeline.service.app import Service, create_app
-    from batch_pipeline.service.store import Store
-
-    app = create_app(Service(Store(str(service["out"])), {KEY_A: "team-a"}, "http://127.0.0.1:1", max_file_requests=3))
-    http = TestClient(app)
-    data = ("\n".join(request_line(str(i)) for i in range(4)) + "\n").encode()
-    response = http.post("/v1/files", headers={"Authorization": f"Bearer {KEY_A}"},
-                         files={"file": ("big.jsonl", data)}, data={"purpose": "batch"})
-    assert response.status_code == 400
-    assert response.json()["error"]["message"] == "the file has 4 requests, over the limit of 3"
+def test_a_file_over_the_limits_is_refused_at_upload(service):
+    """The limits (OpenAI's 200 MB and 50,000 requests by default) set lower for this service:
+    BATCH_API_MAX_FILE_REQUESTS=1000, BATCH_API_MAX_FILE_BYTES=2 MiB."""
+    sdk = client(service)
+    many = ("\n".join(request_line(str(i)) for i in range(1001)) + "\n").encode()
+    with pytest.raises(openai.BadRequestError, match="the file has 1001 requests, over the limit of 1000"):
+        sdk.files.create(file=("many.jsonl", many), purpose="batch")
+    padded = json.dumps({"custom_id": "big", "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": TINY_NAME, "messages": [{"role": "user", "content": "x" * 2**21}]}})
+    with pytest.raises(openai.BadRequestError, match=r"the file is \d+ bytes, over the limit of 2097152"):
+        sdk.files.create(file=("big.jsonl", padded.encode()), purpose="batch")
+    assert sdk.files.create(file=("fits.jsonl", many.rsplit(b"\n", 2)[0] + b"\n"), purpose="batch").bytes < len(many)
 
 
 def test_cancel_mid_run_keeps_the_answers_and_reports_the_rest_cancelled(service):
@@ -391,7 +389,7 @@ def test_limit_settings_are_checked_naming_the_variable(tmp_path):
     import re
 
     from batch_pipeline.lib.settings import ConfigError
-    from batch_pipeline.service.app import load_limits, min_expiry_seconds
+    from batch_pipeline.service.app import completion_windows, load_limits, min_expiry_seconds
 
     tenants = {"team-a", "team-b"}
     assert load_limits(tenants, {}) == (None, {})
@@ -406,6 +404,12 @@ def test_limit_settings_are_checked_naming_the_variable(tmp_path):
     assert min_expiry_seconds({}) == 3600 and min_expiry_seconds({"BATCH_API_MIN_EXPIRY_SECONDS": "5"}) == 5
     with pytest.raises(ConfigError, match="BATCH_API_MIN_EXPIRY_SECONDS='-1'"):
         min_expiry_seconds({"BATCH_API_MIN_EXPIRY_SECONDS": "-1"})
+    assert completion_windows({}) == {"24h": 86400}
+    assert completion_windows({"BATCH_API_COMPLETION_WINDOWS": "1h, 90s,7d"}) == {"24h": 86400, "1h": 3600, "90s": 90,
+                                                                                  "7d": 604800}
+    for bad in ("0h", "1 week", "24"):
+        with pytest.raises(ConfigError, match=re.escape(f"BATCH_API_COMPLETION_WINDOWS: {bad!r} is not a duration")):
+            completion_windows({"BATCH_API_COMPLETION_WINDOWS": bad})
     # The command refuses to start, naming the variable.
     proc = subprocess.run([str(Path(sys.executable).with_name("batch-pipeline")), "serve"], capture_output=True, text=True,
                           env=serve_env({"BATCH_API_KEYS": f"team-a:{KEY_A}", "BATCH_API_MAX_IN_FLIGHT": "lots",

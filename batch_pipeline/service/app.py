@@ -36,7 +36,7 @@ LOCATION, REPOSITORY, JOB = "batch_pipeline", "__repository__", "batch_job"
 # OpenAI's only completion window; an operator may allow others (BATCH_API_COMPLETION_WINDOWS).
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-# OpenAI's limits for a batch input file.
+# OpenAI's limits for a batch input file (BATCH_API_MAX_FILE_BYTES / _REQUESTS change them).
 MAX_FILE_BYTES = 200 * 2**20
 MAX_FILE_REQUESTS = 50_000
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
@@ -575,6 +575,9 @@ def service_from_env() -> Service:
         max_in_flight=max_in_flight,
         tenant_limits=tenant_limits,
         min_expiry=min_expiry_seconds(),
+        max_file_bytes=_positive(env.get("BATCH_API_MAX_FILE_BYTES", ""), "BATCH_API_MAX_FILE_BYTES") or MAX_FILE_BYTES,
+        max_file_requests=(_positive(env.get("BATCH_API_MAX_FILE_REQUESTS", ""), "BATCH_API_MAX_FILE_REQUESTS")
+                           or MAX_FILE_REQUESTS),
     )
 
 
