@@ -189,17 +189,26 @@ class Service:
         return self.dagster().submit_job_execution(JOB, repository_location_name=LOCATION, repository_name=REPOSITORY,
                                                     run_config=config, tags=tags)
 
-    def queued_runs(self) -> int | None:
-        """Runs waiting in the Dagster instance's queue (every job's, not only this API's; the
-        daemon launches them as the `gpu` pool frees), or None when the web server does not answer."""
+    def count_queued_runs(self) -> int:
+        """Runs waiting in the Dagster instance's queue (every job's, not only this API's; the daemon
+        launches them as the `gpu` pool frees), read from the instance's run storage through the web
+        server; raises what went wrong (the web server or its database not answering)."""
         import urllib.request
 
-        query = "{ runsOrError(filter: {statuses: [QUEUED]}) { ... on Runs { count } } }"
+        query = "{ runsOrError(filter: {statuses: [QUEUED]}) { __typename ... on Runs { count } ... on PythonError { message } } }"
         request = urllib.request.Request(f"{self.dagster_url.rstrip('/')}/graphql", data=json.dumps({"query": query}).encode(),
                                          headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = json.loads(response.read())
+        runs = (body.get("data") or {}).get("runsOrError") or {}
+        if "count" not in runs:
+            raise RuntimeError(f"the runs query failed: {str(runs.get('message') or body.get('errors'))[:200]}")
+        return int(runs["count"])
+
+    def queued_runs(self) -> int | None:
+        """count_queued_runs, or None when it cannot be read."""
         try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return int(json.loads(response.read())["data"]["runsOrError"]["count"])
+            return self.count_queued_runs()
         except Exception as e:  # noqa: BLE001 - a figure left out, not an error of /metrics
             log.warning("queued runs unknown (%s)", type(e).__name__)
             return None
@@ -392,18 +401,15 @@ def live_counts(record: dict[str, Any]) -> dict[str, int] | None:
 
 
 def readiness(service: "Service") -> list[str]:
-    """What keeps the service from serving: the storage and the Dagster web server, each checked."""
+    """What keeps the service from serving: the storage, and the Dagster instance (its web server and
+    run storage: a query of its runs), each checked."""
     problems = []
     try:
         storage.list_objects(storage.join(service.store.output_root, "_batch_api", "batches") + "/")
     except Exception as e:  # noqa: BLE001
         problems.append(f"storage {service.store.output_root}: {type(e).__name__}: {str(e)[:200]}")
     try:
-        import urllib.request
-
-        with urllib.request.urlopen(f"{service.dagster_url.rstrip('/')}/server_info", timeout=5) as response:
-            if response.status != 200:
-                problems.append(f"Dagster web server {service.dagster_url}: HTTP {response.status}")
+        service.count_queued_runs()
     except Exception as e:  # noqa: BLE001
         problems.append(f"Dagster web server {service.dagster_url}: {type(e).__name__}: {str(e)[:200]}")
     return problems
