@@ -47,12 +47,15 @@ from batch_pipeline_tests.cli_runs import (  # the cli_runs fixture comes from t
 from batch_pipeline_tests.conftest import tiny_env
 
 ENGINE_CORE = "VLLM::EngineCore"
-# A long enough inference to interrupt on 2 busy cores: 64 requests x 192 tokens one at a time
-# (1-4 ms a token here, depending on the day's machine), each answer checkpointed as it comes; the
-# interruption follows the first answer, with ~60 requests left. (At 32 x 96, on a fast day, the
-# whole batch was answered before an interrupt landed, or before a starved test process saw the
-# first checkpoint part.)
-LONG_LINES, LONG_TOKENS = 64, 192
+# A long enough inference to interrupt on 2 busy cores: 64 requests x 64 tokens one at a time
+# (1-4 ms a token here, depending on the day's machine), each answer checkpointed as it comes, the
+# engine paused half of the time until the interruption: it follows the first answer, with ~60
+# requests left (1-2 answered when it landed, at a load of 10-20 on 2 cores). (At 32 x 96 without
+# the pauses, on a fast day, the whole batch was answered before an interrupt landed, or before a
+# starved test process saw the first checkpoint part; test_data_parallel.py interrupts 32 x 64 over
+# two ranks.) What is left after the interruption is answered one at a time by the killed core's
+# retry (at 192 tokens a request, as before, 67 s of it here at a load of 5-10).
+LONG_LINES, LONG_TOKENS = 64, 64
 LONG_ENV = {"BATCH_SIZE": "1", "CHECKPOINT_ANSWERS": "1"}
 # With such a run, CliRun(throttle_engine=True) (see cli_runs.py): the engine processes are paused
 # half of the time, so the CLI process checkpoints answers as they come.
