@@ -6,17 +6,18 @@ mode. Here the real `batch-pipeline run` runs in a subprocess on the tiny model 
 VLLM_ENABLE_V1_MULTIPROCESSING=1, and the tests watch its process tree (vLLM names its processes
 `VLLM::EngineCore` and `VLLM::Worker` through setproctitle, a vLLM dependency):
 
-- answers: a small batch completes, every line answered once, by an engine core that ran in a child
-  of the CLI process; the pipeline shuts that core down when its step ends (it is gone before the
-  results are printed) and the process exits within seconds (the recipes' 8-minute hang at exit);
 - cancellation: SIGINT to the CLI process, and to its process group as Ctrl-C in a terminal sends
   it, mid-inference: a cancelled batch (batch_cancelled lines for the rest), a cancelled exit code,
   no engine process left, and the next run resumes and answers each line once;
+- answers (that next run, with the engine's default batching): the batch completes, every line
+  answered once with its tokens, by an engine core that ran in a child of the CLI process; the
+  pipeline shuts that core down when its step ends (it is gone before the results are printed) and
+  the process exits within seconds (the recipes' 8-minute hang at exit);
 - an engine core killed with SIGKILL mid-batch: the step fails, Dagster's retry of
   inference_results builds a new engine core and resumes from the checkpoints, each line is
   answered once and no engine process is left behind.
 
-Each test starts its own CLI process (a fresh vLLM import and engine, about 20-45 s on 2 busy
+Each test starts its own CLI processes (a fresh vLLM import and engine, about 20-45 s on 2 busy
 cores): multiprocess mode never reaches the session's shared in-process engines (conftest.py).
 In the tests that interrupt an engine, its processes are paused (SIGSTOP) half of the time from
 when the model is loaded until the interruption (see LONG_ENV).
@@ -46,12 +47,15 @@ from batch_pipeline_tests.cli_runs import (  # the cli_runs fixture comes from t
 from batch_pipeline_tests.conftest import tiny_env
 
 ENGINE_CORE = "VLLM::EngineCore"
-# A long enough inference to interrupt on 2 busy cores: 64 requests x 192 tokens one at a time
-# (1-4 ms a token here, depending on the day's machine), each answer checkpointed as it comes; the
-# interruption follows the first answer, with ~60 requests left. (At 32 x 96, on a fast day, the
-# whole batch was answered before an interrupt landed, or before a starved test process saw the
-# first checkpoint part.)
-LONG_LINES, LONG_TOKENS = 64, 192
+# A long enough inference to interrupt on 2 busy cores: 64 requests x 64 tokens one at a time
+# (1-4 ms a token here, depending on the day's machine), each answer checkpointed as it comes, the
+# engine paused half of the time until the interruption: it follows the first answer, with ~60
+# requests left (1-2 answered when it landed, at a load of 10-20 on 2 cores). (At 32 x 96 without
+# the pauses, on a fast day, the whole batch was answered before an interrupt landed, or before a
+# starved test process saw the first checkpoint part; test_data_parallel.py interrupts 32 x 64 over
+# two ranks.) What is left after the interruption is answered one at a time by the killed core's
+# retry (at 192 tokens a request, as before, 67 s of it here at a load of 5-10).
+LONG_LINES, LONG_TOKENS = 64, 64
 LONG_ENV = {"BATCH_SIZE": "1", "CHECKPOINT_ANSWERS": "1"}
 # With such a run, CliRun(throttle_engine=True) (see cli_runs.py): the engine processes are paused
 # half of the time, so the CLI process checkpoints answers as they come.
@@ -60,29 +64,6 @@ LONG_ENV = {"BATCH_SIZE": "1", "CHECKPOINT_ANSWERS": "1"}
 def multiprocess_env(tiny_model_dir: Path, **extra: str) -> dict[str, str]:
     # PYTHONUNBUFFERED: stdout lines arrive when printed, so the time to exit after them is real.
     return tiny_env(tiny_model_dir, VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONUNBUFFERED="1", **extra)
-
-
-def test_answers_from_an_engine_core_in_a_child_process_and_a_prompt_exit(tiny_model_dir, tmp_path, cli_runs):
-    ids = [f"mp-{i:02d}" for i in range(20)]
-    out = tmp_path / "out"
-    run = cli_runs(write_batch(tmp_path / "in.jsonl", ids, max_tokens=16), out, multiprocess_env(tiny_model_dir))
-    code = run.wait(timeout=600)
-    assert code == 0, run.tail()
-
-    outputs, errors, batch = read_results(out)
-    answered_once(outputs, errors, ids)
-    assert errors == [] and batch["status"] == "completed"
-    assert batch["request_counts"] == {"total": 20, "completed": 20, "failed": 0}
-    for o in outputs:
-        body = o["response"]["body"]
-        assert o["response"]["status_code"] == 200 and body["usage"]["completion_tokens"] == 16
-        assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"]
-
-    cores = run.engine_processes(ENGINE_CORE)
-    assert len(cores) == 1, f"one engine core process expected, saw {run.titles}"
-    assert run.parents[cores[0].pid] == run.proc.pid, "the engine core is a child of the CLI process"
-    assert_no_engine_process_left(run)
-    assert_engine_shut_down_with_its_step(run, ENGINE_CORE)
 
 
 @pytest.mark.parametrize(
@@ -125,15 +106,25 @@ def test_sigint_mid_inference_cancels_and_the_next_run_resumes(target, then_resu
     if not then_resume:
         return
 
-    second = cli_runs(batch_file, out, env)
+    # The next run, with the engine's default batching (nothing to interrupt now), answers the
+    # rest: the answers of an engine core in a child of the CLI process, shut down with its step.
+    second = cli_runs(batch_file, out, multiprocess_env(tiny_model_dir))
     assert second.wait(timeout=600) == 0, second.tail()
     assert f"{len(outputs)} of {LONG_LINES} requests already answered; resuming" in second.text("err")
     outputs2, errors2, batch2 = read_results(out)
     answered_once(outputs2, errors2, ids)
     assert errors2 == [] and batch2["status"] == "completed"
+    assert batch2["request_counts"] == {"total": LONG_LINES, "completed": LONG_LINES, "failed": 0}
+    for o in outputs2:
+        body = o["response"]["body"]
+        assert o["response"]["status_code"] == 200 and body["usage"]["completion_tokens"] == LONG_TOKENS
+        assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"]
     kept = {o["custom_id"]: o["response"]["body"]["choices"] for o in outputs}
     assert all(o["response"]["body"]["choices"] == kept[o["custom_id"]] for o in outputs2 if o["custom_id"] in kept)
     assert json.loads((out / "metrics.json").read_text())["resumed_requests"] == len(outputs)
+    cores = second.engine_processes(ENGINE_CORE)
+    assert len(cores) == 1, f"one engine core process expected, saw {second.titles}"
+    assert second.parents[cores[0].pid] == second.proc.pid, "the engine core is a child of the CLI process"
     assert_no_engine_process_left(second)
     assert_engine_shut_down_with_its_step(second, ENGINE_CORE)
 

@@ -1,7 +1,8 @@
 """Crashes, cancellation and repeated runs: every input line is answered exactly once.
 
 - the real `batch-pipeline run` killed with SIGKILL (whole process group) mid-inference, then run
-  again: it resumes from the checkpoints and the result files hold each custom_id once;
+  again (its run_batch, in the test process on the session's engine): it resumes from the
+  checkpoints and the result files hold each custom_id once;
 - a run interrupted as Dagster interrupts a terminated step (failure injection: an engine whose
   step() raises after a few calls): batch.json says cancelled, answers so far are kept, the rest
   are batch_cancelled, and the next run completes the batch;
@@ -12,6 +13,7 @@ Runs the tiny model; real answers are test_e2e_smollm2.py's job.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import signal
@@ -42,7 +44,7 @@ def part_files(out: Path) -> list[Path]:
     return sorted((out / "_work" / "answers").glob("*/part-*.jsonl")) if (out / "_work" / "answers").exists() else []
 
 
-def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir, tmp_path):
+def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir, tiny_llm, tmp_path):
     ids = [f"k-{i:03d}" for i in range(300)]
     batch = tmp_path / "big.jsonl"
     batch.write_text("\n".join(chat_line(i, max_tokens=48, ignore_eos=True) for i in ids) + "\n")
@@ -63,9 +65,15 @@ def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir
     assert 0 < saved < len(ids)
     assert not (out / "batch.json").exists()  # nothing final was published by the killed run
 
-    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert f"{saved} of {len(ids)} requests already answered; resuming" in second.stderr
+    # The rerun: what `batch-pipeline run` runs (run_batch), in this process on the session's engine
+    # (a second CLI process only adds a vLLM import and an engine build, ~30 s here).
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
+    today = dt.datetime.now(dt.timezone.utc).date().isoformat()  # the CLI's default --date
+    with dg.instance_for_test() as instance:
+        second = run_batch(str(batch), str(out), today, resources={"llm": tiny_llm, "storage": storage}, instance=instance)
+        assert second.success
+        messages = [str(r.user_message) for r in instance.all_logs(second.run_id)]
+    assert any(f"{saved} of {len(ids)} requests already answered; resuming" in m for m in messages), messages
     outputs, errors, batch_obj = read_results(out)
     answered_once(outputs, errors, ids)
     assert errors == [] and batch_obj["status"] == "completed"

@@ -5,11 +5,15 @@ the input folder and the window's date folders only (LIST calls counted through 
 few whatever the history holds), and a new upload among the 20,000 is found in one tick; what is
 there when the sensor is turned on with SENSOR_BACKLOG=skip (no run, small cursor) and =run (one
 date run per window date, none for the history; with SENSOR_WINDOW_DAYS=all, every date of the
-history, SENSOR_MAX_RUNS_PER_TICK per tick, each date once); and, on small local folders, backlog
+history, SENSOR_MAX_RUNS_PER_TICK per tick, each date once: on a bucket with the same 202 dates
+and 6 old files a date, 2 LIST pages instead of 20 a tick); and, on small local folders, backlog
 dates whose files a backfill completed (no run), a file landing in a date folder outside the
 window (not seen; seen with a wider window), files deferred by the per-tick cap (run on a later
 tick, none lost), a cursor stored by the sensor before the window existed (v1: nothing re-run),
 and the settings' validation.
+
+The old files are in the buckets when this module's moto server starts (s3_server.py's seed);
+the recent ones are uploaded over HTTP after them.
 
 The queue trigger (INPUT_QUEUE_URL) is test_sensor_queue.py.
 """
@@ -20,6 +24,7 @@ import datetime as dt
 import json
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -32,8 +37,8 @@ from batch_pipeline.defs.sensors import partition_range
 from batch_pipeline.lib import storage as store
 from batch_pipeline.lib.settings import ConfigError, sensor_settings_from_env
 from batch_pipeline.lib.uploads import BASELINE_SLACK_SECONDS, LOOKBACK_SECONDS, UploadCursor
-from batch_pipeline_tests.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
-from batch_pipeline_tests.s3_server import MotoS3, apply_env
+from batch_pipeline_tests.fault_proxy import FaultProxy, start_proxy
+from batch_pipeline_tests.s3_server import MotoS3, apply_env, running_moto_server
 from batch_pipeline_tests.test_sensors import by_uri, evaluate, sensor_env, write  # noqa: F401 - autouse fixture
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
@@ -41,48 +46,80 @@ HISTORY_DATES = 200  # 2025-01-01 onwards, 100 files each
 HISTORY_FILES = 19_950
 WINDOW_FILES = {0: 30, 1: 15}  # days before today -> files in that date folder
 LOOSE_FILES = 5  # at the top of the input folder: today's by upload date
+HISTORY_BUCKET = "sensor-scale-history"
+# The same 200 old dates with 6 files each (1,250 files with the recent ones: 2 LIST pages), for
+# the test that lists the whole history tick after tick: moto takes ~0.7 s a page of 1,000 keys
+# here, and a 20-page listing per tick made that test 40-60 s.
+DATES_BUCKET, DATES_PER_DATE = "sensor-scale-dates", 6
 
 
 def day(offset: int) -> str:
     return (dt.date.fromisoformat(partition_range().last) - dt.timedelta(days=offset)).isoformat()
 
 
+def old_keys(files: int) -> list[str]:
+    start = dt.date(2025, 1, 1)
+    return [f"incoming/{(start + dt.timedelta(days=i % HISTORY_DATES)).isoformat()}/old-{i:05d}.jsonl"
+            for i in range(files)]
+
+
+def window_keys() -> list[str]:
+    return [f"incoming/{day(offset)}/recent-{offset}-{i:02d}.jsonl" for offset, n in WINDOW_FILES.items() for i in range(n)]
+
+
+def loose_keys() -> list[str]:
+    return [f"incoming/loose-{i}.jsonl" for i in range(LOOSE_FILES)]
+
+
 @pytest.fixture(scope="module")
-def history(moto_server: MotoS3) -> dict[str, Any]:
+def history_server() -> Iterator[MotoS3]:
+    """A moto server of this module's own whose buckets hold the old files when it starts answering
+    (put through moto's backend: 20,000 PUTs over HTTP took 1.5-3 minutes here)."""
+    dates = old_keys(HISTORY_DATES * DATES_PER_DATE) + window_keys() + loose_keys()
+    seed = {HISTORY_BUCKET: dict.fromkeys(old_keys(HISTORY_FILES), LINE), DATES_BUCKET: dict.fromkeys(dates, LINE)}
+    with running_moto_server(seed=seed) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def history(history_server: MotoS3) -> dict[str, Any]:
     """A bucket with 20,000 batch files: 19,950 in 200 old date folders, 45 in today's and
     yesterday's folders, 5 at the top of the input folder (uploaded last, in that order)."""
-    bucket = moto_server.create_bucket()
-    client = moto_server.client()
-    start = dt.date(2025, 1, 1)
-    keys = [f"incoming/{(start + dt.timedelta(days=i % HISTORY_DATES)).isoformat()}/old-{i:05d}.jsonl"
-            for i in range(HISTORY_FILES)]
-    window = [f"incoming/{day(offset)}/recent-{offset}-{i:02d}.jsonl" for offset, n in WINDOW_FILES.items() for i in range(n)]
-    loose = [f"incoming/loose-{i}.jsonl" for i in range(LOOSE_FILES)]
-    started = time.monotonic()
-    for group in (keys, window, loose):
+    client = history_server.client()
+    window, loose = window_keys(), loose_keys()
+    # The history ends well before the sensor's baseline (the newest file there minus
+    # BASELINE_SLACK_SECONDS), as it would on any real bucket.
+    time.sleep(BASELINE_SLACK_SECONDS + 1)
+    for group in (window, loose):
         with ThreadPoolExecutor(max_workers=16) as pool:
-            list(pool.map(lambda key: client.put_object(Bucket=bucket, Key=key, Body=LINE), group))
-        # The history ends well before the sensor's baseline (the newest file there minus
-        # BASELINE_SLACK_SECONDS), as it would on any real bucket.
-        time.sleep(BASELINE_SLACK_SECONDS + 1 if group is keys else 0)
-    print(f"20,000 objects uploaded to moto in {time.monotonic() - started:.0f}s")
-    return {"bucket": bucket, "client": client, "history": keys, "window": window, "loose": loose}
+            list(pool.map(lambda key: client.put_object(Bucket=HISTORY_BUCKET, Key=key, Body=LINE), group))
+    return {"bucket": HISTORY_BUCKET, "client": client, "window": window, "loose": loose}
 
 
 @pytest.fixture
-def s3(history: dict[str, Any], moto_server: MotoS3, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    apply_env(monkeypatch, moto_server)
+def s3(history: dict[str, Any], history_server: MotoS3, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    apply_env(monkeypatch, history_server)
     yield history
     store.reset_clients()
+
+
+@pytest.fixture
+def list_counter(history_server: MotoS3) -> Iterator[FaultProxy]:
+    """A FaultProxy in front of this module's server, counting the requests (no faults)."""
+    proxy = start_proxy(history_server.endpoint_url)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
 
 
 def storage_for(bucket: str, output: str) -> StorageResource:
     return StorageResource(input_path=f"s3://{bucket}/incoming", output_path=f"s3://{bucket}/{output}")
 
 
-def test_skip_backlog_then_a_new_upload_is_found_in_one_cheap_tick(s3, fault_proxy: FaultProxy, monkeypatch) -> None:  # noqa: F811
+def test_skip_backlog_then_a_new_upload_is_found_in_one_cheap_tick(s3, list_counter: FaultProxy, monkeypatch) -> None:
     monkeypatch.setenv("SENSOR_BACKLOG", "skip")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint_url)  # to count the LIST calls
+    monkeypatch.setenv("AWS_ENDPOINT_URL", list_counter.endpoint_url)  # to count the LIST calls
     store.reset_clients()
     bucket, client = s3["bucket"], s3["client"]
     storage = storage_for(bucket, "out-skip")
@@ -96,30 +133,30 @@ def test_skip_backlog_then_a_new_upload_is_found_in_one_cheap_tick(s3, fault_pro
     assert len(on.cursor) < 2_000, on.cursor  # the backlog is a baseline time, not 20,000 ids
 
     # Nothing new: a tick lists the top of the folder and three date folders, not the history.
-    lists_before = fault_proxy.count("GET", "list-type=2")
+    lists_before = list_counter.count("GET", "list-type=2")
     log = []
     idle = evaluate(storage, on.cursor, log=log)
     assert idle.run_requests == []
-    assert fault_proxy.count("GET", "list-type=2") - lists_before == 1 + 3
+    assert list_counter.count("GET", "list-type=2") - lists_before == 1 + 3
     assert any(f"listed {in_window} objects (3 date folder(s)" in m for m in log), log
 
     # A new upload among the 20,000 runs on the next tick, with the same few LIST calls.
     key = f"incoming/{day(0)}/brand-new.jsonl"
     client.put_object(Bucket=bucket, Key=key, Body=LINE + LINE)
-    lists_before = fault_proxy.count("GET", "list-type=2")
+    lists_before = list_counter.count("GET", "list-type=2")
     found = evaluate(storage, idle.cursor)
     assert [r.tags["batch_pipeline/input_uri"] for r in found.run_requests] == [f"s3://{bucket}/{key}"]
     assert found.run_requests[0].partition_key == day(0)
-    assert fault_proxy.count("GET", "list-type=2") - lists_before == 1 + 3
+    assert list_counter.count("GET", "list-type=2") - lists_before == 1 + 3
     assert len(found.cursor) < 2_000
     assert evaluate(storage, found.cursor).run_requests == []
     client.delete_object(Bucket=bucket, Key=key)  # the other tests count the fixture's files
 
     # The old way (every folder) reads the whole history: 20 LIST pages of 1,000 keys.
     monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")
-    lists_before = fault_proxy.count("GET", "list-type=2")
+    lists_before = list_counter.count("GET", "list-type=2")
     assert evaluate(storage, found.cursor).run_requests == []
-    assert fault_proxy.count("GET", "list-type=2") - lists_before >= 20
+    assert list_counter.count("GET", "list-type=2") - lists_before >= 20
 
 
 def test_run_backlog_one_run_per_window_date(s3) -> None:
@@ -141,9 +178,10 @@ def test_run_backlog_one_run_per_window_date(s3) -> None:
 
 
 def test_run_backlog_over_the_whole_history_is_capped_per_tick(s3, monkeypatch) -> None:
+    """The 202 dates of the history (200 old, today and yesterday) over 2 LIST pages (DATES_BUCKET)."""
     monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")
     monkeypatch.setenv("SENSOR_MAX_RUNS_PER_TICK", "100")
-    storage = storage_for(s3["bucket"], "out-all")
+    storage = storage_for(DATES_BUCKET, "out-all")
     dates: list[str] = []
     cursor = None
     ticks = 0

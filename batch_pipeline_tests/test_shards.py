@@ -7,7 +7,8 @@
   the second writes one set, every line once, and metrics say 2 shards; on SmolLM2, shards in
   either order give one run's (right) greedy answers;
 - two `batch-pipeline run --shard i/2` processes at the same time, as two servers would: one set
-  of results, each line answered once, the same greedy answers as one process on the whole batch.
+  of results, each line answered once, the same greedy answers as one process on the whole batch
+  (the test process's run_batch on the session's tiny engine).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from batch_pipeline.cli import run_batch
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.lib import shards
@@ -129,7 +131,7 @@ def test_smollm2_shards_give_one_runs_answers(smollm2_llm, tmp_path):
     assert "Paris" in sharded["c-0"] and "Berlin" in sharded["c-1"], sharded
 
 
-def test_two_servers_each_running_a_shard_at_once(tiny_model_dir, tmp_path):
+def test_two_servers_each_running_a_shard_at_once(tiny_model_dir, tiny_llm, tmp_path):
     ids = [f"two-{i:02d}" for i in range(24)]
     batch = write_batch(tmp_path / "in.jsonl", ids, 8, temperature=0)
     out = tmp_path / "out"
@@ -147,11 +149,12 @@ def test_two_servers_each_running_a_shard_at_once(tiny_model_dir, tmp_path):
     assert all(f"results in {out}" in stdout or "done; results go into" in stdout for stdout, _ in printed), tails
     assert json.loads((out / "metrics.json").read_text())["shards"] == 2
 
-    # Greedy answers are those of one process answering the whole batch.
-    whole = subprocess.run([str(CLI), "run", str(batch), "--output-dir", str(tmp_path / "whole")],
-                           env=env, capture_output=True, text=True, timeout=600)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    one, _, _ = read_results(tmp_path / "whole")
+    # Greedy answers are those of one process answering the whole batch: this one, on the session's
+    # tiny engine (the same run_batch as `batch-pipeline run`, without a third vLLM start).
+    whole = tmp_path / "whole"
+    storage = StorageResource(input_path=str(tmp_path), output_path=str(whole))
+    assert run_batch(str(batch), str(whole), DATE, resources={"llm": tiny_llm, "storage": storage}).success
+    one, _, _ = read_results(whole)
     choices = {o["custom_id"]: o["response"]["body"]["choices"] for o in one}
     assert {o["custom_id"]: o["response"]["body"]["choices"] for o in outputs} == choices
 
