@@ -208,6 +208,8 @@ def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, **extr
         "SHARD_SIZE": None,
         "CHECKPOINT_ANSWERS": None,
         "CHECKPOINT_SECONDS": None,
+        # Sensor ticks every 5 s instead of 30: the tests wait for ticks, not for the interval.
+        "SENSOR_INTERVAL_SECONDS": "5",
         **extra,
     }
 

@@ -155,6 +155,24 @@ def test_partitions_start_from_the_environment_with_a_recent_default():
     assert bad.returncode != 0 and "PARTITIONS_START='yesterday' is not a date (YYYY-MM-DD)" in bad.stderr
 
 
+def test_the_sensor_interval_is_a_setting_read_when_the_definitions_load():
+    import os
+    import subprocess
+    import sys
+
+    from batch_pipeline.lib.settings import ConfigError, sensor_interval_from_env
+
+    assert sensor_interval_from_env({}) == 30 and sensor_interval_from_env({"SENSOR_INTERVAL_SECONDS": "300"}) == 300
+    for raw in ("4", "3601", "soon"):
+        with pytest.raises(ConfigError, match=f"SENSOR_INTERVAL_SECONDS='{raw}'"):
+            sensor_interval_from_env({"SENSOR_INTERVAL_SECONDS": raw})
+    code = ("from batch_pipeline.defs.sensors import batch_upload_sensor as s; "
+            "print(s.minimum_interval_seconds, 'every 7 s (SENSOR_INTERVAL_SECONDS)' in s.description)")
+    env = {**os.environ, "SENSOR_INTERVAL_SECONDS": "7"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["7", "True"]
+
+
 def test_every_engine_setting_is_a_launchpad_field_naming_its_variable():
     from batch_pipeline.lib.settings import ENGINE_ENV
 

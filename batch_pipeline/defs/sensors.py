@@ -27,7 +27,13 @@ from batch_pipeline.defs.partitions import batch_file_partitions, daily_partitio
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.lib import locations, notifications
 from batch_pipeline.lib.storage import describe
-from batch_pipeline.lib.settings import ConfigError, SensorSettings, sensor_settings_from_env, shards_from_env
+from batch_pipeline.lib.settings import (
+    ConfigError,
+    SensorSettings,
+    sensor_interval_from_env,
+    sensor_settings_from_env,
+    shards_from_env,
+)
 from batch_pipeline.lib.uploads import (
     BASELINE_SLACK_SECONDS,
     NewBatch,
@@ -44,10 +50,10 @@ from batch_pipeline.lib.uploads import (
     window_dates,
 )
 
-# The daemon checks sensors about every 5 s; 30 s keeps a large S3 listing (one LIST call per
-# 1,000 keys) cheap while a new file still starts within half a minute. A constant, not an
-# environment variable: decorator arguments are fixed when the definitions load.
-SENSOR_INTERVAL_SECONDS = 30
+# The daemon checks sensors about every 5 s; the default 30 s keeps a large S3 listing (one LIST
+# call per 1,000 keys) cheap while a new file still starts within half a minute. Read from
+# SENSOR_INTERVAL_SECONDS when the definitions load (a decorator argument), like PARTITIONS_START.
+SENSOR_INTERVAL_SECONDS = sensor_interval_from_env()
 # Completion checks (one GET of a batch.json each) per tick, beyond the runs requested: a tick over
 # thousands of finished files spreads its checks over several ticks instead of nearing Dagster's
 # 60 s limit on a sensor evaluation.
@@ -137,7 +143,8 @@ def _description() -> str:
     return (
         "Starts batch_job for every new or changed .jsonl/.json/.ndjson/.parquet/.csv file under STORAGE_INPUT_PATH "
         "(<date>/<name>.jsonl runs as that date; <name>.jsonl as its upload date, UTC); a file version "
-        f"already completed (by a backfill or the nightly run) starts no run. Now: {how}."
+        f"already completed (by a backfill or the nightly run) starts no run. Now: every {SENSOR_INTERVAL_SECONDS} s "
+        f"(SENSOR_INTERVAL_SECONDS), {how}."
     )
 
 

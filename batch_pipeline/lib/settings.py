@@ -319,6 +319,17 @@ class SensorSettings:
         )
 
 
+DEFAULT_SENSOR_INTERVAL_SECONDS = 30
+
+
+def sensor_interval_from_env(env: dict[str, str] | None = None) -> int:
+    """SENSOR_INTERVAL_SECONDS (5-3600, default 30): how often batch_upload_sensor ticks. Read when
+    the definitions load (a decorator argument); ConfigError naming the variable."""
+    env = os.environ if env is None else env
+    value = _int_in_range(env, "SENSOR_INTERVAL_SECONDS", 5, 3600, " seconds")
+    return DEFAULT_SENSOR_INTERVAL_SECONDS if value is None else value
+
+
 def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSettings:
     """SENSOR_WINDOW_DAYS, SENSOR_BACKLOG, SENSOR_MAX_RUNS_PER_TICK, INPUT_QUEUE_URL and
     INPUT_QUEUE_VISIBILITY_SECONDS, validated; a bad value raises ConfigError naming the variable."""
