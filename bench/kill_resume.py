@@ -82,6 +82,16 @@ def answered_in_checkpoints(out: Path) -> int:
     return len(lines)
 
 
+def answered_by(out: Path, after: float) -> int:
+    """Answers of a finished run that were on disk `after` seconds into its inference phase (by the
+    checkpoint parts' write times): what a run killed then had produced, give or take the 1 s a
+    part waits for a pause in the answers. Wave by wave, not kill-at x requests."""
+    inference = json.loads((out / "_work" / "inference.json").read_text())
+    deadline = inference["inference_started_at"] + after
+    return sum(sum(1 for raw in part.read_text().split("\n") if raw.strip())
+               for part in out.glob("_work/answers/*/part-*.jsonl") if part.stat().st_mtime <= deadline)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=720)
@@ -114,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         kill = run_cli([cli, "run", str(workload), "--output-dir", str(killed_dir)], run_env, work / f"{tag}-kill.log",
                        args.kill_at * infer, args.timeout)
         kept = answered_in_checkpoints(killed_dir)
+        by_then = answered_by(full, args.kill_at * infer)
         resume = run_cli([cli, "run", str(workload), "--output-dir", str(killed_dir)], run_env, work / f"{tag}-resume.log",
                          None, args.timeout)
         resumed = json.loads((killed_dir / "metrics.json").read_text())["resumed_requests"]
@@ -126,21 +137,25 @@ def main(argv: list[str] | None = None) -> int:
             "kill_after_model_load_s": round(args.kill_at * infer, 2),
             "answers_in_checkpoints_after_kill": kept,
             "resumed_requests": resumed,
+            "full_run_answered_by_then": by_then,
             "reused_share": round(resumed / lines, 4),
             "resume_exit": resume["exit_code"],
             "parts_per_10k_lines": round(metrics["checkpoint_parts"] * 10_000 / lines, 1),
             "checkpoint_write_seconds": metrics["checkpoint_write_seconds"],
             "write_share_of_inference": round(metrics["checkpoint_write_seconds"] / infer, 5) if infer else None,
         })
-        say(f"  kept {resumed} of {lines} answers ({resumed / lines:.0%}) after the kill; resume exit {resume['exit_code']}")
+        say(f"  kept {resumed} of {lines} answers ({resumed / lines:.0%}) after the kill; resume exit {resume['exit_code']}; "
+            f"the full run had {by_then} on disk by then")
 
     print()
     print(f"kill -9 at {args.kill_at:.0%} of the inference phase, {args.num_requests} x {args.output_len} ({pre['engine']})")
-    print("| CHECKPOINT_SECONDS | inference s | answers reused | parts per 10k lines | time writing parts |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| CHECKPOINT_SECONDS | inference s | answers reused | full run's answers by then | parts per 10k lines "
+          "| time writing parts |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in results:
         print(f"| {r['checkpoint_seconds']:g} | {r['inference_seconds']:.1f} | {r['resumed_requests']} "
-              f"({r['reused_share']:.0%}) | {r['parts_per_10k_lines']:.0f} | {r['checkpoint_write_seconds']:.3f} s "
+              f"({r['reused_share']:.0%}) | {r['full_run_answered_by_then']} | {r['parts_per_10k_lines']:.0f} "
+              f"| {r['checkpoint_write_seconds']:.3f} s "
               f"({(r['write_share_of_inference'] or 0):.2%} of inference) |")
     if args.json:
         args.json.write_text(json.dumps({"work_dir": str(work), "results": results}, indent=2) + "\n")
