@@ -46,8 +46,8 @@ def write_batch(path: Path, ids: list[str], max_tokens: int, **sampling: float) 
 
 
 def read_results(out: Path) -> tuple[list[dict], list[dict], dict]:
-    outputs = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]
-    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    outputs = [json.loads(x) for x in (out / "output.jsonl").read_text().split("\n") if x]
+    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().split("\n") if x]
     return outputs, errors, json.loads((out / "batch.json").read_text())
 
 

@@ -53,7 +53,7 @@ def materialize(llm, input_root: str, output_root: str, partition: str = DATE, r
 
 
 def read_jsonl(uri: str) -> list[dict]:
-    return [json.loads(line) for line in storage.read_text(uri).splitlines() if line.strip()]
+    return [json.loads(line) for line in storage.read_text(uri).split("\n") if line.strip()]
 
 
 def metadata_of(result, asset: str) -> dict:

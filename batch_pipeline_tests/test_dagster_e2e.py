@@ -125,7 +125,7 @@ def materialization_metadata(server: DagsterDev, run_id: str, asset: str) -> dic
 
 def read_jsonl(client: Any, bucket: str, key: str) -> list[dict[str, Any]]:
     text = client.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def batch_json(client: Any, bucket: str, folder: str) -> dict[str, Any] | None:

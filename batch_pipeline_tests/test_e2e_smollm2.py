@@ -99,8 +99,8 @@ def results(smollm2_llm_module, tmp_path_factory):
         resources={"batch": BatchSelection(), "llm": smollm2_llm_module, "storage": StorageResource(input_path=str(folder), output_path=str(out))},
     )
     assert result.success
-    outputs = [json.loads(x) for x in (out / "output.jsonl").read_text().splitlines()]
-    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().splitlines()]
+    outputs = [json.loads(x) for x in (out / "output.jsonl").read_text().split("\n") if x]
+    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().split("\n") if x]
     return outputs, errors, json.loads((out / "batch.json").read_text())
 
 

@@ -157,7 +157,7 @@ def test_the_nightly_run_takes_every_file_of_the_date(tiny_llm, tmp_path: Path) 
         batch = json.loads((out / day / name / "batch.json").read_text())
         assert batch["status"] == "completed"
         assert batch["request_counts"] == {"total": len(ids), "completed": len(ids), "failed": 0}
-        answered = [json.loads(line)["custom_id"] for line in (out / day / name / "output.jsonl").read_text().splitlines()]
+        answered = [json.loads(line)["custom_id"] for line in (out / day / name / "output.jsonl").read_text().split("\n") if line]
         assert sorted(answered) == ids
     assert not (out / "2025-03-13").exists()
 
