@@ -30,7 +30,8 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
     batch_id = validation["batch_id"]
     has_inference = validation["valid"] and storage.exists(loc.work("inference.json"))
     inference = storage.read_json(loc.work("inference.json")) if has_inference else None
-    expired_at = (inference or {}).get("expired_at") if not (inference or {}).get("finished_at") else None
+    attempt = inference or {}  # the answering step's record; empty when nothing was to answer
+    expired_at = attempt.get("expired_at") if not attempt.get("finished_at") else None
     counts = {"output": 0, "error": 0, "input_tokens": 0, "output_tokens": 0, "cached_tokens": 0, "reasoning_tokens": 0}
     seen = LineSet()
     table = ResultsTable()
@@ -82,13 +83,13 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
         errors=contract.BatchErrors(data=[contract.BatchFileError(**file_error)]) if file_error else None,
         created_at=validation["created_at"],
         in_progress_at=inference["in_progress_at"] if inference else None,
-        finalizing_at=(inference or {}).get("finished_at") or finished,
+        finalizing_at=attempt.get("finished_at") or finished,
         completed_at=finished if status == "completed" else None,
         failed_at=finished if status == "failed" else None,
         cancelling_at=finished if status == "cancelled" else None,
         cancelled_at=finished if status == "cancelled" else None,
         expired_at=expired_at if status == "expired" else None,
-        expires_at=(inference or {}).get("expires_at") or validation["created_at"] + EXPIRY_SECONDS,
+        expires_at=attempt.get("expires_at") or validation["created_at"] + EXPIRY_SECONDS,
         request_counts=contract.RequestCounts(total=validation["lines"], completed=counts["output"], failed=counts["error"]),
         usage=contract.Usage(
             input_tokens=counts["input_tokens"],
