@@ -5,12 +5,14 @@ The whole lifecycle (upload, create, poll, read the output and error files, list
 otherwise good file, a file that is not JSONL, a wrong purpose, a file over the request limit, two
 tenants kept apart, a wrong key, cancel mid-run, /ready and /metrics, a tenant's limit of batches in
 flight (429), files and batch outputs expiring, the service SIGKILLed mid-batch and started again.
-Without the module's Dagster: TLS with a self-signed certificate, the limit settings; with a Dagster
-of its own: the lifecycle against a PostgreSQL instance (deploy/dagster.yaml).
+The module's Dagster runs on the production instance settings (deploy/dagster.yaml, PostgreSQL) when
+PostgreSQL is reachable, and the lifecycle test then reads the batch's run from PostgreSQL with plain
+SQL. Without the module's Dagster: TLS with a self-signed certificate, the limit settings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -91,26 +93,37 @@ def serve_env(extra: dict[str, str | None]) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The service over a `dagster dev` with the production instance settings (deploy/dagster.yaml:
+    PostgreSQL, queued runs, run retries and monitoring) on a fresh database; on the local SQLite
+    instance (the repo's dagster.yaml) when nothing listens on 127.0.0.1:5432."""
+    from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _reachable, fresh_database
+
     root = tmp_path_factory.mktemp("batch_api")
     inbox, out = root / "in", root / "out"
     inbox.mkdir()
-    # Checkpoint parts every second: the cancel test sees answers coming in well before the end.
-    env = pipeline_env(tiny_model_dir, str(inbox), str(out), CHECKPOINT_SECONDS="1")
-    server = start_dagster_dev(root / "home", env, root / "dagster-dev.log")
-    api = Serve(serve_env({**env, "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": server.url,
-                           "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B},team-c:{KEY_C}",
-                           # team-c may have one batch in flight; expiries down to 1 s (tests only);
-                           # a 2 s completion window an operator allowed (the expiry test's).
-                           "BATCH_API_TENANT_LIMITS": "team-c:1", "BATCH_API_MIN_EXPIRY_SECONDS": "1",
-                           "BATCH_API_COMPLETION_WINDOWS": "2s",
-                           "BATCH_API_MAX_FILE_REQUESTS": "1000", "BATCH_API_MAX_FILE_BYTES": str(2 * 2**20)}),
-                root / "serve.log")
-    try:
+    with contextlib.ExitStack() as stack:
+        pg: dict[str, str] = {}
+        if _reachable() is None:
+            pg = {"DAGSTER_POSTGRES_USER": PG_USER, "DAGSTER_POSTGRES_PASSWORD": PG_PASSWORD,
+                  "DAGSTER_POSTGRES_HOSTNAME": PG_HOST, "DAGSTER_POSTGRES_PORT": str(PG_PORT),
+                  "DAGSTER_POSTGRES_DB": stack.enter_context(fresh_database("batch_pipeline_api"))}
+        # Checkpoint parts every second: the cancel test sees answers coming in well before the end.
+        env = {**pg, **pipeline_env(tiny_model_dir, str(inbox), str(out), CHECKPOINT_SECONDS="1")}
+        server = start_dagster_dev(root / "home", env, root / "dagster-dev.log",
+                                   instance_yaml=REPO / "deploy" / "dagster.yaml" if pg else None)
+        stack.callback(server.stop)
+        api = Serve(serve_env({**env, "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": server.url,
+                               "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B},team-c:{KEY_C}",
+                               # team-c may have one batch in flight; expiries down to 1 s (tests only);
+                               # a 2 s completion window an operator allowed (the expiry test's).
+                               "BATCH_API_TENANT_LIMITS": "team-c:1", "BATCH_API_MIN_EXPIRY_SECONDS": "1",
+                               "BATCH_API_COMPLETION_WINDOWS": "2s",
+                               "BATCH_API_MAX_FILE_REQUESTS": "1000", "BATCH_API_MAX_FILE_BYTES": str(2 * 2**20)}),
+                    root / "serve.log")
+        stack.callback(api.stop)
         api.start()
-        yield {"url": f"{api.base}/v1", "server": server, "out": out, "log": api.log_path, "serve": api}
-    finally:
-        api.stop()
-        server.stop()
+        yield {"url": f"{api.base}/v1", "server": server, "out": out, "log": api.log_path, "serve": api,
+               "database": pg.get("DAGSTER_POSTGRES_DB")}
 
 
 def client(service: dict[str, Any], key: str = KEY_A) -> openai.OpenAI:
@@ -184,52 +197,6 @@ def test_serve_speaks_tls_with_the_given_certificate(tmp_path):
         api.stop()
 
 
-def test_the_lifecycle_against_a_postgresql_instance(tiny_model_dir, tmp_path):
-    """The production instance settings (deploy/dagster.yaml: PostgreSQL, queued runs): a batch created
-    through the service is a run recorded in PostgreSQL and completes; its output is read back."""
-    from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _connect, _reachable, fresh_database
-
-    if _reachable() is not None:
-        pytest.skip(_reachable())
-    with fresh_database("batch_pipeline_api") as database:
-        env: dict[str, str | None] = {
-            "DAGSTER_POSTGRES_USER": PG_USER, "DAGSTER_POSTGRES_PASSWORD": PG_PASSWORD, "DAGSTER_POSTGRES_HOSTNAME": PG_HOST,
-            "DAGSTER_POSTGRES_DB": database, "DAGSTER_POSTGRES_PORT": str(PG_PORT),
-            **pipeline_env(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"))}
-        server = start_dagster_dev(tmp_path / "home", env, tmp_path / "dagster-dev.log",
-                                   instance_yaml=REPO / "deploy" / "dagster.yaml")
-        api = Serve(serve_env({**env, "DAGSTER_HOME": str(tmp_path / "home"), "DAGSTER_WEBSERVER_URL": server.url,
-                               "BATCH_API_KEYS": f"team-a:{KEY_A}"}), tmp_path / "serve.log")
-        try:
-            api.start()
-            sdk = openai.OpenAI(base_url=f"{api.base}/v1", api_key=KEY_A, max_retries=0)
-            uploaded = sdk.files.create(file=("pg.jsonl", (request_line("pg-1") + "\n" + request_line("pg-2")).encode()),
-                                        purpose="batch")
-            batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-            done = finished(sdk, batch.id, server)
-            assert done.status == "completed" and done.request_counts.completed == 2, (done, server.log_tail())
-            outputs = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.split("\n") if x]
-            assert sorted(o["custom_id"] for o in outputs) == ["pg-1", "pg-2"]
-            # The run, with the batch's tag, is in PostgreSQL's runs table (SUCCESS once the run worker
-            # has finished its last step, shortly after the pipeline wrote the completed Batch object).
-            conn = _connect(database)
-
-            def run_statuses() -> list[tuple[str]] | None:
-                with conn.cursor() as cur:
-                    cur.execute("SELECT r.status FROM runs r JOIN run_tags t ON t.run_id = r.run_id "
-                                "WHERE t.key = 'batch_pipeline/api_batch_id' AND t.value = %s", (batch.id,))
-                    rows = cur.fetchall()
-                return rows if rows != [("STARTED",)] else None
-
-            try:
-                assert wait_for("the run finished", run_statuses, 120, interval=1.0) == [("SUCCESS",)]
-            finally:
-                conn.close()
-        finally:
-            api.stop()
-            server.stop()
-
-
 def test_the_whole_lifecycle_with_the_openai_sdk(service):
     sdk = client(service)
     good = [f"req-{i}" for i in range(1, 5)]
@@ -268,6 +235,24 @@ def test_the_whole_lifecycle_with_the_openai_sdk(service):
         sdk.batches.cancel(batch.id)
     # Nothing of the requests or answers is in the service's log.
     assert "say req-1" not in service["log"].read_text()
+    if service["database"]:
+        # The run, with the batch's tag, is in PostgreSQL's runs table, read with plain SQL (SUCCESS
+        # once the run worker has finished its last step, shortly after it wrote the Batch object).
+        from batch_pipeline_tests.test_postgres import _connect
+
+        conn = _connect(service["database"])
+
+        def run_statuses() -> list[tuple[str]] | None:
+            with conn.cursor() as cur:
+                cur.execute("SELECT r.status FROM runs r JOIN run_tags t ON t.run_id = r.run_id "
+                            "WHERE t.key = 'batch_pipeline/api_batch_id' AND t.value = %s", (batch.id,))
+                rows = cur.fetchall()
+            return rows if rows != [("STARTED",)] else None
+
+        try:
+            assert wait_for("the run finished", run_statuses, 120, interval=1.0) == [("SUCCESS",)]
+        finally:
+            conn.close()
 
 
 def test_bad_uploads_are_refused_with_the_reason(service):
@@ -314,13 +299,16 @@ def test_a_file_over_the_limits_is_refused_at_upload(service):
 
 def test_cancel_mid_run_keeps_the_answers_and_reports_the_rest_cancelled(service):
     sdk = client(service)
-    ids = [f"c-{i}" for i in range(800)]  # ~160k tokens: tens of seconds on the tiny model here
-    body = lambda i: {"model": TINY_NAME, "messages": [{"role": "user", "content": f"count {i}"}],  # noqa: E731
-                      "max_tokens": 200, "ignore_eos": True}
-    lines = [json.dumps({"custom_id": i, "method": "POST", "url": "/v1/chat/completions", "body": body(i)}) for i in ids]
+    # ~160k tokens, tens of seconds on the tiny model here; the first 8 lines want 2 tokens each, so
+    # answers are checkpointed (every second here) right after the first steps: cancelled early.
+    ids = [f"c-{i}" for i in range(800)]
+    body = lambda n: {"model": TINY_NAME, "messages": [{"role": "user", "content": f"count {n}"}],  # noqa: E731
+                      "max_tokens": 2 if n < 8 else 200, "ignore_eos": True}
+    lines = [json.dumps({"custom_id": i, "method": "POST", "url": "/v1/chat/completions", "body": body(n)})
+             for n, i in enumerate(ids)]
     uploaded = sdk.files.create(file=("long.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
     batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
-    # Live counts while it runs: cancel once answers are coming in (checkpointed every 5 s at most).
+    # Live counts while it runs: cancel once answers are coming in.
     running = wait_for("answers checkpointed", lambda: (b := sdk.batches.retrieve(batch.id)).request_counts.completed
                        and b, RUN_TIMEOUT, interval=0.5, on_timeout=service["server"].log_tail)
     assert running.status == "in_progress" and running.request_counts.total == len(ids)
@@ -455,7 +443,7 @@ def test_files_and_batch_outputs_expire_and_are_deleted(service):
                            output_expires_after={"anchor": "created_at", "seconds": 0})
     assert refused.value.param == "output_expires_after.seconds"
     batch = sdk.batches.create(input_file_id=kept.id, endpoint="/v1/chat/completions", completion_window="24h",
-                               output_expires_after={"anchor": "created_at", "seconds": 30})
+                               output_expires_after={"anchor": "created_at", "seconds": 8})
 
     stored = service["out"] / "_batch_api" / "files" / f"{short.id}.jsonl"
     assert stored.exists()
@@ -470,7 +458,7 @@ def test_files_and_batch_outputs_expire_and_are_deleted(service):
     done = finished(sdk, batch.id, service["server"])
     assert done.status == "completed", done
     output = sdk.files.retrieve(done.output_file_id)
-    assert output.expires_at == output.created_at + 30 and output.created_at >= batch.created_at
+    assert output.expires_at == output.created_at + 8 and output.created_at >= batch.created_at
     assert json.loads(sdk.files.content(done.output_file_id).text.split("\n")[0])["custom_id"] == "exp"
     (written,) = service["out"].glob(f"????-??-??/{batch.id}/output.jsonl")
     time.sleep(max(0.0, output.expires_at + 1 - time.time()))

@@ -8,14 +8,16 @@ VLLM_ENABLE_V1_MULTIPROCESSING=1, and the tests watch its process tree (vLLM nam
 
 - cancellation: SIGINT to the CLI process, and to its process group as Ctrl-C in a terminal sends
   it, mid-inference: a cancelled batch (batch_cancelled lines for the rest), a cancelled exit code,
-  no engine process left, and the next run resumes and answers each line once;
-- answers (that next run, with the engine's default batching): the batch completes, every line
-  answered once with its tokens, by an engine core that ran in a child of the CLI process; the
-  pipeline shuts that core down when its step ends (it is gone before the results are printed) and
-  the process exits within seconds (the recipes' 8-minute hang at exit);
+  every line once, no engine process left: the pipeline shuts the engine core down when its step
+  ends (it is gone before the results are printed) and the process exits within seconds (the
+  recipes' 8-minute hang at exit);
 - an engine core killed with SIGKILL mid-batch: the step fails, Dagster's retry of
-  inference_results builds a new engine core and resumes from the checkpoints, each line is
-  answered once and no engine process is left behind.
+  inference_results builds a new engine core and resumes from the checkpoints; the batch completes,
+  every line answered once with its tokens by engine cores that ran in children of the CLI process,
+  shut down with their step, and no engine process is left behind.
+
+A run resumed after a cancellation is the same in either engine mode (the checkpoints are the
+pipeline's): test_reliability.py covers it.
 
 Each test starts its own CLI processes (a fresh vLLM import and engine, about 20-45 s on 2 busy
 cores): multiprocess mode never reaches the session's shared in-process engines (conftest.py).
@@ -67,14 +69,13 @@ def multiprocess_env(tiny_model_dir: Path, **extra: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "target,then_resume",
+    "target",
     # kill -INT (and Dagster's termination) signal the CLI process only: the pipeline must stop its
     # engine core. Ctrl-C in a terminal signals the whole process group, the engine core included.
-    # Resuming is the same after both: checked once.
-    [("process", False), ("process group", True)],
+    ["process", "process group"],
     ids=["kill -INT pid", "ctrl-c"],
 )
-def test_sigint_mid_inference_cancels_and_the_next_run_resumes(target, then_resume, tiny_model_dir, tmp_path, cli_runs):
+def test_sigint_mid_inference_cancels_the_batch_and_stops_the_engine_core(target, tiny_model_dir, tmp_path, cli_runs):
     ids = [f"int-{i:02d}" for i in range(LONG_LINES)]
     batch_file = write_batch(tmp_path / "in.jsonl", ids, LONG_TOKENS)
     out = tmp_path / "out"
@@ -103,30 +104,6 @@ def test_sigint_mid_inference_cancels_and_the_next_run_resumes(target, then_resu
     assert_no_engine_process_left(run)
     assert_engine_shut_down_with_its_step(run, ENGINE_CORE)
     assert run.exited_at - signalled < 120, "the cancelled run took long to end"
-    if not then_resume:
-        return
-
-    # The next run, with the engine's default batching (nothing to interrupt now), answers the
-    # rest: the answers of an engine core in a child of the CLI process, shut down with its step.
-    second = cli_runs(batch_file, out, multiprocess_env(tiny_model_dir))
-    assert second.wait(timeout=600) == 0, second.tail()
-    assert f"{len(outputs)} of {LONG_LINES} requests already answered; resuming" in second.text("err")
-    outputs2, errors2, batch2 = read_results(out)
-    answered_once(outputs2, errors2, ids)
-    assert errors2 == [] and batch2["status"] == "completed"
-    assert batch2["request_counts"] == {"total": LONG_LINES, "completed": LONG_LINES, "failed": 0}
-    for o in outputs2:
-        body = o["response"]["body"]
-        assert o["response"]["status_code"] == 200 and body["usage"]["completion_tokens"] == LONG_TOKENS
-        assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"]
-    kept = {o["custom_id"]: o["response"]["body"]["choices"] for o in outputs}
-    assert all(o["response"]["body"]["choices"] == kept[o["custom_id"]] for o in outputs2 if o["custom_id"] in kept)
-    assert json.loads((out / "metrics.json").read_text())["resumed_requests"] == len(outputs)
-    cores = second.engine_processes(ENGINE_CORE)
-    assert len(cores) == 1, f"one engine core process expected, saw {second.titles}"
-    assert second.parents[cores[0].pid] == second.proc.pid, "the engine core is a child of the CLI process"
-    assert_no_engine_process_left(second)
-    assert_engine_shut_down_with_its_step(second, ENGINE_CORE)
 
 
 def test_engine_core_killed_mid_batch_is_retried_and_resumes(tiny_model_dir, tmp_path, cli_runs):
@@ -154,9 +131,14 @@ def test_engine_core_killed_mid_batch_is_retried_and_resumes(tiny_model_dir, tmp
     answered_once(outputs, errors, ids)
     assert errors == [] and batch["status"] == "completed"
     assert batch["request_counts"] == {"total": LONG_LINES, "completed": LONG_LINES, "failed": 0}
+    for o in outputs:  # the answers of engine cores in children of the CLI process
+        body = o["response"]["body"]
+        assert o["response"]["status_code"] == 200 and body["usage"]["completion_tokens"] == LONG_TOKENS
+        assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"]
     resumed = json.loads((out / "metrics.json").read_text())["resumed_requests"]
     assert saved <= resumed < LONG_LINES, (saved, resumed)
     cores = run.engine_processes(ENGINE_CORE)
     assert len(cores) == 2 and core in cores, f"the retry builds a second engine core: {run.titles}"
+    assert all(run.parents[c.pid] == run.proc.pid for c in cores), "the engine cores are children of the CLI process"
     assert_no_engine_process_left(run)
     assert_engine_shut_down_with_its_step(run, ENGINE_CORE)

@@ -3,10 +3,11 @@
 
 A script, not a test. From the repository root:
 
-    .venv/bin/python bench/kill_resume.py                         # 720 x 24, CHECKPOINT_SECONDS 30 and 10
-    .venv/bin/python bench/kill_resume.py --num-requests 720 --output-len 24 --seconds 30,10 --kill-at 0.6
+    .venv/bin/python bench/kill_resume.py                         # 720 x 24, CHECKPOINT_SECONDS 10 then 5
+    .venv/bin/python bench/kill_resume.py --num-requests 720 --output-len 24 --seconds 10,5,10,5,10 --kill-at 0.6
 
-For each CHECKPOINT_SECONDS value, alternating so machine noise hits them alike:
+For each CHECKPOINT_SECONDS value in the order given (repeat values for more rounds; alternate them
+so machine noise hits them alike):
 1. a full `batch-pipeline run` of the workload: its inference phase T (metrics.json), the checkpoint
    parts it wrote and the time spent writing them (reported per 10k lines);
 2. the same command again into a fresh folder, SIGKILLed (the whole process group) once the model
@@ -96,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=720)
     p.add_argument("--output-len", type=int, default=24)
-    p.add_argument("--seconds", default="30,10", help="CHECKPOINT_SECONDS values to compare (default 30,10)")
+    p.add_argument("--seconds", default="10,5",
+                   help="CHECKPOINT_SECONDS values, a round each in this order (default 10,5; repeat values for more rounds)")
     p.add_argument("--kill-at", type=float, default=0.6, help="share of the inference phase before the kill")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800)
@@ -111,9 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     say(f"{args.num_requests} x {args.output_len} chat requests; CHECKPOINT_SECONDS {values}; kill at {args.kill_at:.0%}")
 
     results = []
-    for seconds in values:
+    for round_no, seconds in enumerate(values, 1):
         run_env = dict(env, CHECKPOINT_SECONDS=str(seconds))
-        tag = f"s{seconds:g}"
+        tag = f"r{round_no}-s{seconds:g}"  # a value may be given more than once: each round its own folders
         full = work / f"{tag}-full"
         say(f"CHECKPOINT_SECONDS={seconds:g}: full run ...")
         done = run_cli([cli, "run", str(workload), "--output-dir", str(full)], run_env, work / f"{tag}-full.log", None, args.timeout)
