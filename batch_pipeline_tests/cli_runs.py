@@ -45,9 +45,15 @@ def write_batch(path: Path, ids: list[str], max_tokens: int, **sampling: float) 
     return path
 
 
+def jsonl_records(text: str) -> list[dict]:
+    """The records of a JSON Lines text, split on "\n" only: the random tiny model's answers hold
+    U+2028 and other line breaks, which str.splitlines would split inside a JSON string."""
+    return [json.loads(line) for line in text.split("\n") if line]
+
+
 def read_results(out: Path) -> tuple[list[dict], list[dict], dict]:
-    outputs = [json.loads(x) for x in (out / "output.jsonl").read_text().split("\n") if x]
-    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().split("\n") if x]
+    outputs = jsonl_records((out / "output.jsonl").read_text())
+    errors = jsonl_records((out / "errors.jsonl").read_text())
     return outputs, errors, json.loads((out / "batch.json").read_text())
 
 

@@ -24,6 +24,7 @@ from batch_pipeline.lib.inference import infer_batch
 from batch_pipeline.lib.ingest import validate_batch
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.results import finalize_batch
+from batch_pipeline_tests.cli_runs import jsonl_records
 from batch_pipeline_tests.conftest import REPO, TINY_NAME, SessionLLM
 
 DATE = "2026-11-29"
@@ -53,7 +54,7 @@ def materialize(llm, input_root: str, output_root: str, partition: str = DATE, r
 
 
 def read_jsonl(uri: str) -> list[dict]:
-    return [json.loads(line) for line in storage.read_text(uri).split("\n") if line.strip()]
+    return jsonl_records(storage.read_text(uri))
 
 
 def metadata_of(result, asset: str) -> dict:

@@ -27,8 +27,10 @@ from typing import Any
 import openai
 import pytest
 
+from batch_pipeline_tests.cli_runs import jsonl_records
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.dagster_server import REPO, free_port, pipeline_env, start_dagster_dev, wait_for
+from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _connect, _reachable, fresh_database
 
 KEY_A, KEY_B, KEY_C = "key-team-a-0123456789", "key-team-b-0123456789", "key-team-c-0123456789"
 RUN_TIMEOUT = 300.0  # create to completed: the daemon's queue, a model load and a few answers on 2 loaded cores
@@ -96,8 +98,6 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     """The service over a `dagster dev` with the production instance settings (deploy/dagster.yaml:
     PostgreSQL, queued runs, run retries and monitoring) on a fresh database; on the local SQLite
     instance (the repo's dagster.yaml) when nothing listens on 127.0.0.1:5432."""
-    from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _reachable, fresh_database
-
     root = tmp_path_factory.mktemp("batch_api")
     inbox, out = root / "in", root / "out"
     inbox.mkdir()
@@ -130,8 +130,6 @@ def client(service: dict[str, Any], key: str = KEY_A) -> openai.OpenAI:
     return openai.OpenAI(base_url=service["url"], api_key=key, max_retries=0)
 
 
-# Lines split on "\n" only: answers of the random tiny model hold other Unicode line breaks, which
-# str.splitlines would split inside a JSON string.
 
 
 def finished(sdk: openai.OpenAI, batch_id: str, server: Any) -> Any:
@@ -222,8 +220,8 @@ def test_the_whole_lifecycle_with_the_openai_sdk(service):
     assert done.status == "completed", (done, service["server"].log_tail())
     assert done.request_counts.total == 6 and done.request_counts.completed == 4 and done.request_counts.failed == 2
     assert done.input_file_id == uploaded.id and done.usage.output_tokens > 0
-    outputs = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.split("\n") if x]
-    errors = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.split("\n") if x]
+    outputs = jsonl_records(sdk.files.content(done.output_file_id).text)
+    errors = jsonl_records(sdk.files.content(done.error_file_id).text)
     assert sorted(o["custom_id"] for o in outputs) == good
     assert all(o["response"]["status_code"] == 200 for o in outputs)
     # A line whose url is not the batch's endpoint is an error line (OpenAI's code), not run.
@@ -238,8 +236,6 @@ def test_the_whole_lifecycle_with_the_openai_sdk(service):
     if service["database"]:
         # The run, with the batch's tag, is in PostgreSQL's runs table, read with plain SQL (SUCCESS
         # once the run worker has finished its last step, shortly after it wrote the Batch object).
-        from batch_pipeline_tests.test_postgres import _connect
-
         conn = _connect(service["database"])
 
         def run_statuses() -> list[tuple[str]] | None:
@@ -317,8 +313,8 @@ def test_cancel_mid_run_keeps_the_answers_and_reports_the_rest_cancelled(service
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     done = finished(sdk, batch.id, service["server"])
     assert done.status == "cancelled", done
-    outputs = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.split("\n") if x]
-    errors = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.split("\n") if x]
+    outputs = jsonl_records(sdk.files.content(done.output_file_id).text)
+    errors = jsonl_records(sdk.files.content(done.error_file_id).text)
     assert sorted(r["custom_id"] for r in outputs + errors) == sorted(ids)  # every line once: nothing lost
     assert errors and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
     assert done.request_counts.completed == len(outputs) and done.request_counts.failed == len(errors)
@@ -336,7 +332,7 @@ def test_a_batch_not_done_in_its_window_expires(service):
     done = finished(sdk, batch.id, service["server"])
     assert done.status == "expired" and done.expired_at >= done.expires_at, done
     assert done.request_counts.total == 3 and done.request_counts.completed == 0 and done.request_counts.failed == 3
-    errors = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.split("\n") if x]
+    errors = jsonl_records(sdk.files.content(done.error_file_id).text)
     assert sorted(e["custom_id"] for e in errors) == ids and {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert sdk.files.content(done.output_file_id).text == ""
 
@@ -495,5 +491,5 @@ def test_the_service_killed_mid_batch_keeps_every_record(service):
     done = finished(sdk, batch.id, service["server"])
     assert done.status == "completed", done
     assert done.request_counts.total == len(ids) and done.request_counts.completed == len(ids)
-    outputs = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.split("\n") if x]
+    outputs = jsonl_records(sdk.files.content(done.output_file_id).text)
     assert sorted(o["custom_id"] for o in outputs) == sorted(ids)  # every line answered once

@@ -15,6 +15,7 @@ from pathlib import Path
 import dagster as dg
 
 from batch_pipeline.cli import EXIT_FAILED, EXIT_INVALID_LINES, EXIT_OK, main
+from batch_pipeline_tests.cli_runs import jsonl_records
 from batch_pipeline_tests.conftest import REPO, TINY_NAME, tiny_env
 
 SAMPLE = REPO / "batch_pipeline" / "samples" / "sample_batch.jsonl"
@@ -96,7 +97,7 @@ def test_console_script_runs_a_batch_and_records_it_in_dagster_home(tiny_model_d
     assert "requests (100%)" in proc.stderr  # progress with a rate and an ETA
     assert f"results in {out}" in proc.stdout
     assert "3 requests, 2 completed, 1 failed" in proc.stdout
-    assert sorted(json.loads(line)["custom_id"] for line in (out / "output.jsonl").read_text().split("\n") if line) == ["c-1", "c-2"]
+    assert sorted(r["custom_id"] for r in jsonl_records((out / "output.jsonl").read_text())) == ["c-1", "c-2"]
 
     with dg.DagsterInstance.from_config(str(home)) as instance:
         [run] = instance.get_runs()

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from batch_pipeline_tests.cli_runs import jsonl_records
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
 from batch_pipeline_tests.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
@@ -125,7 +126,7 @@ def materialization_metadata(server: DagsterDev, run_id: str, asset: str) -> dic
 
 def read_jsonl(client: Any, bucket: str, key: str) -> list[dict[str, Any]]:
     text = client.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-    return [json.loads(line) for line in text.split("\n") if line.strip()]
+    return jsonl_records(text)
 
 
 def batch_json(client: Any, bucket: str, folder: str) -> dict[str, Any] | None:

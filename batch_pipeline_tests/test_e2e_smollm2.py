@@ -17,6 +17,7 @@ from openai.types.chat import ChatCompletion
 
 from batch_pipeline.cli import run_batch
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
+from batch_pipeline_tests.cli_runs import read_results
 
 pytestmark = pytest.mark.smollm2
 
@@ -99,9 +100,7 @@ def results(smollm2_llm_module, tmp_path_factory):
         resources={"batch": BatchSelection(), "llm": smollm2_llm_module, "storage": StorageResource(input_path=str(folder), output_path=str(out))},
     )
     assert result.success
-    outputs = [json.loads(x) for x in (out / "output.jsonl").read_text().split("\n") if x]
-    errors = [json.loads(x) for x in (out / "errors.jsonl").read_text().split("\n") if x]
-    return outputs, errors, json.loads((out / "batch.json").read_text())
+    return read_results(out)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from batch_pipeline_tests.cli_runs import jsonl_records
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.dagster_server import LOCATION, REPO, REPOSITORY, DagsterDev, pipeline_env, start_dagster_dev, wait_for
 from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _connect, _reachable, fresh_database
@@ -106,7 +107,7 @@ def messages(server: DagsterDev, run_id: str) -> list[str]:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
+    return jsonl_records(path.read_text())
 
 
 def test_killed_run_is_retried_and_resumes_with_postgres(production) -> None:

@@ -27,6 +27,7 @@ from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageRe
 from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_schedule_for
 
 nightly_batch_schedule = nightly_schedule_for(NIGHTLY_CRON)
+from batch_pipeline_tests.cli_runs import jsonl_records
 from batch_pipeline_tests.conftest import TINY_NAME
 
 UTC = dt.timezone.utc
@@ -157,7 +158,7 @@ def test_the_nightly_run_takes_every_file_of_the_date(tiny_llm, tmp_path: Path) 
         batch = json.loads((out / day / name / "batch.json").read_text())
         assert batch["status"] == "completed"
         assert batch["request_counts"] == {"total": len(ids), "completed": len(ids), "failed": 0}
-        answered = [json.loads(line)["custom_id"] for line in (out / day / name / "output.jsonl").read_text().split("\n") if line]
+        answered = [r["custom_id"] for r in jsonl_records((out / day / name / "output.jsonl").read_text())]
         assert sorted(answered) == ids
     assert not (out / "2025-03-13").exists()
 

@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -74,13 +75,14 @@ def run_cli(cmd: list[str], env: dict[str, str], log: Path, kill_after: float | 
     return {"exit_code": proc.returncode, "wall_s": round(time.perf_counter() - started, 2), "killed": bool(killed_at)}
 
 
+def answered_lines(parts: Iterable[Path]) -> set[int]:
+    """The input lines answered in these checkpoint parts. Split on "\n" only: an answer may hold
+    U+2028 and other breaks that str.splitlines would split inside a JSON string."""
+    return {json.loads(raw)["line"] for part in parts for raw in part.read_text().split("\n") if raw.strip()}
+
+
 def answered_in_checkpoints(out: Path) -> int:
-    lines = set()
-    for part in out.glob("_work/answers/*/part-*.jsonl"):
-        for raw in part.read_text().splitlines():
-            if raw.strip():
-                lines.add(json.loads(raw)["line"])
-    return len(lines)
+    return len(answered_lines(out.glob("_work/answers/*/part-*.jsonl")))
 
 
 def answered_by(out: Path, after: float) -> int:
@@ -89,8 +91,7 @@ def answered_by(out: Path, after: float) -> int:
     part waits for a pause in the answers. Wave by wave, not kill-at x requests."""
     inference = json.loads((out / "_work" / "inference.json").read_text())
     deadline = inference["inference_started_at"] + after
-    return sum(sum(1 for raw in part.read_text().split("\n") if raw.strip())
-               for part in out.glob("_work/answers/*/part-*.jsonl") if part.stat().st_mtime <= deadline)
+    return len(answered_lines(p for p in out.glob("_work/answers/*/part-*.jsonl") if p.stat().st_mtime <= deadline))
 
 
 def main(argv: list[str] | None = None) -> int:
