@@ -49,7 +49,8 @@ test: install
 	bash scripts/install_browser.sh $(VENV)
 	# Two workers, a test file each at a time (module fixtures such as a dagster dev are started
 	# once): the suite waits on servers and subprocesses more than it computes (one worker kept
-	# 0.86 of the 2 cores busy; two keep them 90% busy: 12:55 here, and three 96%: 14:07, slower).
+	# 0.86 of the 2 cores busy; two kept them 90% busy: 12:55 here, three 96%: 14:07, slower; one
+	# full run each, not alternated).
 	# TEST_WORKERS=0 runs it in one process.
 	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
