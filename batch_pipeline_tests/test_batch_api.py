@@ -5,9 +5,13 @@ The whole lifecycle (upload, create, poll, read the output and error files, list
 otherwise good file, a file that is not JSONL, a wrong purpose, a file over the request limit, two
 tenants kept apart, a wrong key, cancel mid-run, /ready and /metrics, a tenant's limit of batches in
 flight (429), files and batch outputs expiring, the service SIGKILLed mid-batch and started again.
-The module's Dagster runs on the production instance settings (deploy/dagster.yaml, PostgreSQL) when
-PostgreSQL is reachable, and the lifecycle test then reads the batch's run from PostgreSQL with plain
-SQL. Without the module's Dagster: TLS with a self-signed certificate, the limit settings.
+The module's Dagster runs on the production instance settings (deploy/dagster.yaml: PostgreSQL, queued
+runs, run retries and monitoring) when PostgreSQL is reachable. The lifecycle test then reads the
+batch's run from PostgreSQL with plain SQL, and the kill test also SIGKILLs the run worker doing the
+inference: the code server fails that run, the run-retry daemon re-launches it from the failed step
+once the monitoring daemon has freed the dead run's "gpu" slot, the retry resumes from the
+checkpoints, and the service follows it to the end. Without the module's Dagster: TLS with a
+self-signed certificate, the limit settings.
 """
 
 from __future__ import annotations
@@ -465,19 +469,47 @@ def test_files_and_batch_outputs_expire_and_are_deleted(service):
     assert sdk.batches.retrieve(batch.id).output_file_id == done.output_file_id  # the batch keeps its record
 
 
-def test_the_service_killed_mid_batch_keeps_every_record(service):
-    sdk = client(service)
-    ids = [f"k-{i}" for i in range(100)]  # killed once validated: the run then loads the model, answers, writes
-    body = lambda i: {"model": TINY_NAME, "messages": [{"role": "user", "content": f"go {i}"}],  # noqa: E731
-                      "max_tokens": 32, "ignore_eos": True}
-    lines = [json.dumps({"custom_id": i, "method": "POST", "url": "/v1/chat/completions", "body": body(i)}) for i in ids]
+def batch_runs(server: Any, batch_id: str) -> list[dict[str, Any]]:
+    """The Dagster runs of an API batch, newest first, with their tags and log messages."""
+    runs = server.graphql(
+        """query($f: RunsFilter) { runsOrError(filter: $f) { ... on Runs { results { runId status tags { key value } } } } }""",
+        {"f": {"tags": [{"key": "batch_pipeline/api_batch_id", "value": batch_id}]}})["runsOrError"]["results"]
+    for run in runs:
+        run["tags"] = {t["key"]: t["value"] for t in run["tags"]}
+        events = server.graphql(
+            """query($id: ID!) { logsForRun(runId: $id) { ... on EventConnection { events { ... on MessageEvent { message } } } } }""",
+            {"id": run["runId"]})["logsForRun"]["events"]
+        run["messages"] = [e.get("message") or "" for e in events]
+    return runs
+
+
+def test_the_service_and_the_run_killed_mid_batch_keep_every_record(service):
+    """The service SIGKILLed mid-batch and started again. On the production instance settings
+    (PostgreSQL, run retries) the run worker doing the inference is SIGKILLed at the same moment:
+    Dagster fails that run and retries it, the retry resumes from the checkpoints, and the service
+    follows the retry (the batch is never reported failed)."""
+    sdk, server = client(service), service["server"]
+    retried = bool(service["database"])  # the local SQLite instance (no PostgreSQL here) has no run retries
+    # Staggered lengths (ignore_eos: exactly max_tokens each): answers finish one by one, so
+    # checkpoint parts appear while most are still being answered.
+    ids = [f"k-{i:03d}" for i in range(200)]
+    body = lambda i: {"model": TINY_NAME, "messages": [{"role": "user", "content": f"go {ids[i]}"}],  # noqa: E731
+                      "max_tokens": 16 + i, "ignore_eos": True}
+    lines = [json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": body(i)})
+             for i, c in enumerate(ids)]
     uploaded = sdk.files.create(file=("restart.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
     batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
                                metadata={"case": "restart"})
-    wait_for("batch in progress", lambda: sdk.batches.retrieve(batch.id).status == "in_progress", RUN_TIMEOUT,
-             interval=0.5, on_timeout=service["server"].log_tail)
+    parts = lambda: list(service["out"].glob(f"????-??-??/{batch.id}/_work/answers/*/part-*.jsonl"))  # noqa: E731
+    wait_for("the first checkpoint part", parts, RUN_TIMEOUT, interval=0.1, on_timeout=server.log_tail)
     api = service["serve"]
     api.kill()  # SIGKILL: no shutdown code of the service runs
+    if retried:  # the run worker (the in-process executor: the process doing the inference)
+        [first] = batch_runs(server, batch.id)
+        [pid] = [int(m.split("pid: ")[1].rstrip(").")) for m in first["messages"] if m.startswith("Started process for run (pid: ")]
+        os.kill(pid, signal.SIGKILL)
+    done_at_kill = sum(p.read_text().count("\n") for p in parts())
+    assert done_at_kill < len(ids), "the batch was answered before the kill: make it longer"
     with pytest.raises(openai.APIConnectionError):
         sdk.batches.retrieve(batch.id)
     api.start()  # a new process on the same storage and instance
@@ -486,10 +518,47 @@ def test_the_service_killed_mid_batch_keeps_every_record(service):
     assert (again.bytes, again.filename) == (uploaded.bytes, "restart.jsonl")
     resumed = sdk.batches.retrieve(batch.id)
     assert resumed.metadata == {"case": "restart"}
-    assert resumed.status == "in_progress", resumed  # the run went on without the service (its model load alone is longer)
+    assert resumed.status == "in_progress", resumed  # the batch went on without the service
     assert batch.id in [b.id for b in sdk.batches.list(limit=100).data]
-    done = finished(sdk, batch.id, service["server"])
-    assert done.status == "completed", done
+    seen = set()
+
+    def done() -> Any:
+        now = sdk.batches.retrieve(batch.id)
+        seen.add(now.status)
+        return now if now.status in TERMINAL else None
+
+    done = wait_for(f"batch {batch.id} finished", done, RUN_TIMEOUT, interval=1.0, on_timeout=server.log_tail)
+    assert done.status == "completed" and seen <= {"in_progress", "finalizing", "completed"}, (seen, done)
     assert done.request_counts.total == len(ids) and done.request_counts.completed == len(ids)
     outputs = jsonl_records(sdk.files.content(done.output_file_id).text)
     assert sorted(o["custom_id"] for o in outputs) == sorted(ids)  # every line answered once
+    assert all(o["response"]["status_code"] == 200 for o in outputs)
+    if not retried:
+        return
+    # The killed run failed (the code server saw its worker die), Dagster retried it (run_retries,
+    # the queue holding the retry until the dead run's "gpu" slot was freed), and the retry resumed.
+    # (SUCCESS once its run worker has finished its last step, shortly after it wrote the Batch object)
+    retry, killed = wait_for("the retry run finished", lambda: (runs := batch_runs(server, batch.id))[0]["status"] != "STARTED"
+                             and runs, 120, interval=1.0, on_timeout=server.log_tail)
+    assert killed["runId"] == first["runId"] and killed["status"] == "FAILURE", killed["status"]
+    assert killed["tags"]["dagster/will_retry"] == "true"
+    assert any("terminated by signal 9" in m for m in killed["messages"]), killed["messages"][-10:]
+    assert retry["status"] == "SUCCESS" and retry["tags"]["dagster/retry_number"] == "1", retry["status"]
+    assert retry["tags"]["dagster/parent_run_id"] == first["runId"]
+    [resuming] = [m for m in retry["messages"] if "requests already answered; resuming" in m]
+    already = int(resuming.split(": ", 1)[1].split(" of ")[0])
+    assert done_at_kill <= already < len(ids) and f" of {len(ids)} requests" in resuming, (done_at_kill, resuming)
+    [written] = service["out"].glob(f"????-??-??/{batch.id}/batch.json")
+    assert json.loads(written.read_text())["metadata"]["dagster_run_id"] == retry["runId"]
+    # The same facts straight from PostgreSQL: both runs, and one materialization of the results, the retry's.
+    conn = _connect(service["database"])
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT r.run_id, r.status FROM runs r JOIN run_tags t ON t.run_id = r.run_id "
+                        "WHERE t.key = 'batch_pipeline/api_batch_id' AND t.value = %s", (batch.id,))
+            assert dict(cur.fetchall()) == {first["runId"]: "FAILURE", retry["runId"]: "SUCCESS"}
+            cur.execute("SELECT run_id FROM event_logs WHERE dagster_event_type = 'ASSET_MATERIALIZATION'"
+                        " AND asset_key = %s AND run_id IN (%s, %s)", (json.dumps(["batch_outputs"]), first["runId"], retry["runId"]))
+            assert [r[0] for r in cur.fetchall()] == [retry["runId"]]
+    finally:
+        conn.close()

@@ -33,6 +33,10 @@ from batch_pipeline.service.store import Store, new_id
 log = logging.getLogger("batch_pipeline.service")
 
 LOCATION, REPOSITORY, JOB = "batch_pipeline", "__repository__", "batch_job"
+# Set on every run submitted for a batch; Dagster copies it into the runs it re-launches from one.
+BATCH_ID_TAG = "batch_pipeline/api_batch_id"
+# Dagster tags a failed run it is going to retry (run_retries) with this, "true".
+WILL_RETRY_TAG = "dagster/will_retry"
 # OpenAI's only completion window; an operator may allow others (BATCH_API_COMPLETION_WINDOWS).
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -183,26 +187,33 @@ class Service:
         # whether or not this service is up while the run goes.
         config = batch_run_config(input_uri=record["input_uri"], output_uri=record["output_uri"],
                                   endpoint=record["endpoint"], expires_at=record["expires_at"])
-        tags = {"dagster/partition": record["date"], "batch_pipeline/api_batch_id": record["id"],
+        tags = {"dagster/partition": record["date"], BATCH_ID_TAG: record["id"],
                 "batch_pipeline/tenant": record["tenant"], "batch_pipeline/trigger": "batch api",
                 "batch_pipeline/batch_name": record["id"]}
         return self.dagster().submit_job_execution(JOB, repository_location_name=LOCATION, repository_name=REPOSITORY,
                                                     run_config=config, tags=tags)
 
+    def graphql(self, query: str, variables: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The `data` of a query to the Dagster web server's GraphQL API; raises what went wrong."""
+        import urllib.request
+
+        request = urllib.request.Request(f"{self.dagster_url.rstrip('/')}/graphql",
+                                         data=json.dumps({"query": query, "variables": variables or {}}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = json.loads(response.read())
+        if body.get("errors") or not body.get("data"):
+            raise RuntimeError(f"the query failed: {str(body.get('errors'))[:200]}")
+        return body["data"]
+
     def count_queued_runs(self) -> int:
         """Runs waiting in the Dagster instance's queue (every job's, not only this API's; the daemon
         launches them as the `gpu` pool frees), read from the instance's run storage through the web
         server; raises what went wrong (the web server or its database not answering)."""
-        import urllib.request
-
-        query = "{ runsOrError(filter: {statuses: [QUEUED]}) { __typename ... on Runs { count } ... on PythonError { message } } }"
-        request = urllib.request.Request(f"{self.dagster_url.rstrip('/')}/graphql", data=json.dumps({"query": query}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=10) as response:
-            body = json.loads(response.read())
-        runs = (body.get("data") or {}).get("runsOrError") or {}
+        runs = self.graphql("{ runsOrError(filter: {statuses: [QUEUED]}) { __typename ... on Runs { count } "
+                            "... on PythonError { message } } }")["runsOrError"]
         if "count" not in runs:
-            raise RuntimeError(f"the runs query failed: {str(runs.get('message') or body.get('errors'))[:200]}")
+            raise RuntimeError(f"the runs query failed: {str(runs.get('message'))[:200]}")
         return int(runs["count"])
 
     def queued_runs(self) -> int | None:
@@ -213,12 +224,30 @@ class Service:
             log.warning("queued runs unknown (%s)", type(e).__name__)
             return None
 
-    def run_status(self, run_id: str) -> str | None:
+    def current_run(self, record: dict[str, Any]) -> tuple[str, str | None]:
+        """(run id, Dagster run status) of the run now carrying a batch: the newest run with its batch
+        id tag. That is the run submitted for it until Dagster re-launches it: an automatic run retry
+        (run_retries in the instance's dagster.yaml) or a re-execution from the UI copies the tag into
+        the new run, which carries on from the checkpoints. A failed run Dagster is about to retry
+        (tagged dagster/will_retry=true) is reported QUEUED: the batch is not over. Status None: the
+        web server did not answer (the submitted run's id is returned then)."""
+        fields = "... on Runs { results { runId status tags { key value } } }"
+        query = ("query Batch($tags: [ExecutionTag!], $id: String!) { "
+                 f"tagged: runsOrError(filter: {{tags: $tags}}, limit: 1) {{ {fields} }} "
+                 f"submitted: runsOrError(filter: {{runIds: [$id]}}) {{ {fields} }} }}")
         try:
-            return self.dagster().get_run_status(run_id).value
+            data = self.graphql(query, {"tags": [{"key": BATCH_ID_TAG, "value": record["id"]}], "id": record["run_id"]})
         except Exception as e:  # noqa: BLE001 - the web server unreachable: say what is known
-            log.warning("run %s: status unknown (%s)", run_id, type(e).__name__)
-            return None
+            log.warning("batch %s: run status unknown (%s)", record["id"], type(e).__name__)
+            return record["run_id"], None
+        runs = [*(data.get("tagged") or {}).get("results", []), *(data.get("submitted") or {}).get("results", [])]
+        if not runs:
+            return record["run_id"], None
+        run = runs[0]
+        tags = {t["key"]: t["value"] for t in run.get("tags") or []}
+        if run["status"] == "FAILURE" and tags.get(WILL_RETRY_TAG) == "true":
+            return run["runId"], "QUEUED"
+        return run["runId"], run["status"]
 
     # -- files -------------------------------------------------------------------------------
 
@@ -338,8 +367,8 @@ class Service:
             raise ApiError(400, f"batch {batch_id} is {current['status']}: it cannot be cancelled")
         record["cancelling_at"] = int(time.time())
         self.store.save_batch(record)
-        if record.get("run_id"):
-            self.dagster().terminate_run(record["run_id"])  # the run keeps its answers, reports the rest cancelled
+        if record.get("run_id"):  # the run keeps its answers, reports the rest cancelled
+            self.dagster().terminate_run(self.current_run(record)[0])
         log.info("batch %s: cancel requested", batch_id)
         return self.batch_object(record)
 
@@ -366,7 +395,8 @@ class Service:
         if record.get("submit_error"):
             return {**base, "status": "failed", "failed_at": record["created_at"],
                     "errors": {"object": "list", "data": [{"code": "not_queued", "message": "the run could not be submitted"}]}}
-        status = RUN_STATUS.get(self.run_status(record["run_id"]) or "", "validating")
+        run_id, run_status = self.current_run(record)
+        status = RUN_STATUS.get(run_status or "", "validating")
         counts = live_counts(record)
         if counts is not None:  # validated: the lines so far (answers as their checkpoints are written)
             base["request_counts"] = counts
@@ -380,7 +410,7 @@ class Service:
         if status == "failed":
             base["failed_at"] = int(time.time())
             base["errors"] = {"object": "list", "data": [{"code": "run_failed", "message":
-                              f"Dagster run {record['run_id']} failed before writing results; see it in the UI"}]}
+                              f"Dagster run {run_id} failed before writing results; see it in the UI"}]}
         return base
 
 
