@@ -50,9 +50,10 @@ test: install
 	# Two workers, a test file each at a time (module fixtures such as a dagster dev are started
 	# once): the suite waits on servers and subprocesses more than it computes (one worker kept
 	# 0.86 of the 2 cores busy; two kept them 90% busy: 12:55 here, three 96%: 14:07, slower; one
-	# full run each, not alternated).
+	# full run each, not alternated). Files go out in collection order, the slowest first
+	# (SLOW_FILES in batch_pipeline_tests/conftest.py), not xdist's most-tests-first.
 	# TEST_WORKERS=0 runs it in one process.
-	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # From inside DAGSTER_HOME: started next to this checkout's dagster.yaml (the template copied into
 # DAGSTER_HOME), `dagster dev` warns that the file there is not the instance's. The storage defaults

@@ -114,3 +114,25 @@ def smollm2_llm(bundled_model_dir, monkeypatch) -> SessionLLM:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("KV_CACHE_MEMORY_BYTES", str(512 * 2**20))
     return SessionLLM(max_model_len=2048)
+
+
+# Test files that start real servers and subprocesses (dagster dev, the Batch API, engine ranks,
+# Chromium), costliest first: seconds of test time each in a full run on 2 workers, 2026-12-02.
+# `make test` hands out whole files in collection order (pytest-xdist --dist loadfile
+# --no-loadscope-reorder), and these come first, so the run does not end on one of them while the
+# other worker has nothing left. (xdist's default order, most tests first, put the files with few
+# long tests last.) The other files follow in their usual order.
+SLOW_FILES = (
+    "test_data_parallel.py",  # 389 s
+    "test_batch_api.py",  # 195 s, with the production instance's killed-run retry since then
+    "test_ui_walkthrough.py",  # 174 s
+    "test_engine_multiprocess.py",  # 171 s
+    "test_dagster_e2e.py",  # 154 s
+    "test_reliability.py",  # 68 s
+    "test_shards.py",  # 60 s
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: the rest keep their order
