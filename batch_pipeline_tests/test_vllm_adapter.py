@@ -102,9 +102,15 @@ def test_llm_finds_its_logging_configuration_applied_and_applies_nothing(tiny_mo
     vllm.logger.configure_logging_if_needed(EngineArgs(model=str(tiny_model_dir)).create_logging_config())
     assert applied == [], "LLM(...) would apply vLLM's logging configuration again, in its own thread"
     # A different configuration is applied (so the comparison is what keeps it from running twice).
+    # (Its default level comes from VLLM_LOGGING_LEVEL, which the CLI sets to ERROR when it runs in
+    # this process: the other level is one that differs from it.)
+    import dataclasses
+
     from vllm.config.logging import LoggingConfig
 
-    vllm.logger.configure_logging_if_needed(LoggingConfig(log_level="ERROR"))
+    default = LoggingConfig()
+    other = dataclasses.replace(default, log_level="WARNING" if default.log_level != "WARNING" else "ERROR")
+    vllm.logger.configure_logging_if_needed(other)
     assert len(applied) == 1
     vllm_adapter.configure_vllm_logging()  # back to the default, for the rest of the session
     assert len(applied) == 2
