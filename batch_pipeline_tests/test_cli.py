@@ -2,7 +2,9 @@
 
 `validate`, `model prepare` and failing runs are exercised in-process through `main()`; one test
 runs the real console script in a subprocess on the tiny model (a fresh process: its own vLLM import
-and engine), with DAGSTER_HOME set so the run must land in that instance.
+and engine), with DAGSTER_HOME set so the run must land in that instance, and another runs it on a
+chat, an embeddings, a score and a mixed file, each of which must exit soon after its results line
+(an embeddings or score run used to hang there for ever: issue #25).
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import sys
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from batch_pipeline.cli import EXIT_FAILED, EXIT_INVALID_LINES, EXIT_OK, main
-from batch_pipeline_tests.cli_runs import jsonl_records
-from batch_pipeline_tests.conftest import REPO, TINY_NAME, tiny_env
+from batch_pipeline.lib import contract
+from batch_pipeline_tests.cli_runs import EXIT_AFTER_RESULTS, jsonl_records, read_results
+from batch_pipeline_tests.conftest import EMBED_NAME, REPO, TINY_NAME, tiny_env
 
 SAMPLE = REPO / "batch_pipeline" / "samples" / "sample_batch.jsonl"
 
@@ -107,6 +111,35 @@ def test_console_script_runs_a_batch_and_records_it_in_dagster_home(tiny_model_d
         assert run.tags["batch_pipeline/input_uri"] == str(batch) and run.tags["batch_pipeline/output_uri"] == str(out)
         event = instance.get_latest_materialization_event(dg.AssetKey("batch_outputs"))
         assert event is not None and event.run_id == run.run_id
+
+
+def pooling_line(custom_id: str, url: str, **body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": EMBED_NAME, **body}})
+
+
+EMBEDDINGS = [pooling_line("e-1", contract.EMBEDDINGS_URL, input="The food was delicious."),
+              pooling_line("e-2", contract.EMBEDDINGS_URL, input=["hello", "world"])]
+SCORES = [pooling_line("s-1", contract.SCORE_URL, queries="capital of France?", documents=["Paris", "Bananas"]),
+          pooling_line("s-2", contract.SCORE_URL, text_1="a cat", text_2="a kitten")]
+FILES = {"chat": [chat_line("c-1"), chat_line("c-2")], "embeddings": EMBEDDINGS, "score": SCORES,
+         "mixed": [chat_line("c-1"), *EMBEDDINGS, *SCORES]}
+
+
+@pytest.mark.parametrize("kind", sorted(FILES))
+def test_the_command_exits_soon_after_its_results(kind, cli_runs, tiny_model_dir, tmp_path):
+    """The real `batch-pipeline run`, as a script or cron job calls it: it must end, with its exit
+    code, within seconds of printing where its results are, whatever models the file needed. (A
+    pooling model's idle thread-pool worker held the exit of embeddings and score runs for ever.)"""
+    lines = FILES[kind]
+    batch = tmp_path / f"{kind}.jsonl"
+    batch.write_text("\n".join(lines) + "\n")
+    run = cli_runs(batch, tmp_path / "out", tiny_env(tiny_model_dir))
+    assert run.wait(timeout=600) == 0, run.tail()
+    took = run.seconds_from_results_to_exit()
+    assert took < EXIT_AFTER_RESULTS, f"exited {took:.1f}s after printing its results"
+    assert "still running" not in run.text("err"), run.tail()  # no thread was left behind either
+    outputs, errors, _ = read_results(tmp_path / "out")
+    assert not errors and sorted(r["custom_id"] for r in outputs) == sorted(json.loads(x)["custom_id"] for x in lines)
 
 
 def test_run_creates_a_missing_dagster_home(tmp_path, monkeypatch, capsys):

@@ -8,6 +8,7 @@ import gc
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,15 +70,45 @@ def is_cpu() -> bool:
     return gpu_count() == 0
 
 
-def exit_without_teardown(code: int) -> None:
+# How long exit_without_teardown waits for other threads before ending the process anyway.
+EXIT_JOIN_SECONDS = 10.0
+
+
+def exit_without_teardown(code: int, join_seconds: float = EXIT_JOIN_SECONDS) -> None:
     """End the process as the interpreter would, minus its teardown: with torch, vLLM and Dagster
     loaded, tearing down modules runs full garbage collections over ~1M objects (2.2-2.6 s measured
-    on 2 cores, a tenth of a 192-request run). Threads are joined, atexit handlers run (Dagster's
-    temporary folders, logging, vLLM's finalizers) and output is flushed first."""
+    on 2 cores, a tenth of a 192-request run). Output is flushed, atexit handlers run (Dagster's
+    temporary folders, logging, vLLM's finalizers), and no thread can hold the exit:
+
+    - Idle thread-pool workers (concurrent.futures, e.g. left by a pooling engine) only end when
+      the interpreter's shutdown wakes them, through the callbacks registered with
+      `threading._register_atexit`, which `atexit._run_exitfuncs()` does not run. They are run
+      first here, as `threading._shutdown()` runs them (see _run_thread_atexits).
+    - Any other non-daemon thread is waited for `join_seconds` in all, then named on stderr and
+      left behind: a script or cron job calling the CLI must get its exit code.
+    """
+    _run_thread_atexits()
+    deadline = time.monotonic() + join_seconds
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+    stuck = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()]
+    if stuck:
+        print(f"exiting with {len(stuck)} thread(s) still running after {join_seconds:.0f}s: {', '.join(stuck)}",
+              file=sys.stderr)
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _run_thread_atexits() -> None:
+    """What the interpreter's shutdown does before joining threads: the callbacks registered with
+    `threading._register_atexit` (concurrent.futures' wake-up of idle pool workers), newest first.
+    A private list of the threading module (CPython 3.9+); test_runtime.py pins that an idle
+    ThreadPoolExecutor worker no longer holds the exit, so a Python that changes it fails there."""
+    for callback in reversed(getattr(threading, "_threading_atexits", [])):
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - one callback failing must not keep the others from running
+            pass
