@@ -47,9 +47,11 @@ def part_files(out: Path) -> list[Path]:
 def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir, tiny_llm, tmp_path):
     ids = [f"k-{i:03d}" for i in range(300)]
     batch = tmp_path / "big.jsonl"
-    batch.write_text("\n".join(chat_line(i, max_tokens=48, ignore_eos=True) for i in ids) + "\n")
+    # Output lengths differ (24-72 tokens, 48 on average), so ORDER=planned feeds the lines out of
+    # file order (longest first) both in the killed run and in the rerun.
+    batch.write_text("\n".join(chat_line(i, max_tokens=24 + (n * 7) % 49, ignore_eos=True) for n, i in enumerate(ids)) + "\n")
     out = tmp_path / "out"
-    env = tiny_env(tiny_model_dir, CHECKPOINT_ANSWERS="20", BATCH_SIZE="32")
+    env = tiny_env(tiny_model_dir, CHECKPOINT_ANSWERS="20", BATCH_SIZE="32", ORDER="planned")
     command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
 
     victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -74,6 +76,7 @@ def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir
         assert second.success
         messages = [str(r.user_message) for r in instance.all_logs(second.run_id)]
     assert any(f"{saved} of {len(ids)} requests already answered; resuming" in m for m in messages), messages
+    assert any(f"planned the order of {len(ids) - saved} requests" in m for m in messages), messages
     outputs, errors, batch_obj = read_results(out)
     answered_once(outputs, errors, ids)
     assert errors == [] and batch_obj["status"] == "completed"

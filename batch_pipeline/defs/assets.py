@@ -237,7 +237,7 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
                 for at, loc in enumerate(pending):
                     info = infer_batch(
                         loc, engines, identity, settings.checkpoint_answers, settings.checkpoint_seconds,
-                        log=context.log.info, shard=shard, deadline=deadline,
+                        log=context.log.info, shard=shard, deadline=deadline, order=settings.order,
                     )
                     if info["computed_requests"]:
                         load_seconds += info["model_load_seconds"]

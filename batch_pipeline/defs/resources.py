@@ -109,6 +109,11 @@ class LLMResource(dg.ConfigurableResource):
         default=None,
         description="CHECKPOINT_SECONDS: longest an answer waits before its checkpoint part is written (default 5)",
     )
+    order: str = Field(
+        default="",
+        description="ORDER: planned (shared prompt prefixes together, long decodes first: faster, same answers and "
+        "files) or input (file order); blank = planned",
+    )
 
     def settings(self) -> EngineSettings:
         """The environment's settings (ENGINE_PRESET first), with what is set here winning."""

@@ -11,8 +11,11 @@ two runs of one batch never overwrite each other; the results step takes each li
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
+import re
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -62,6 +65,65 @@ def iter_answers(loc: BatchLocation, key: str) -> Iterator[dict[str, Any]]:
     runs overlapped; readers keep the first)."""
     for obj in storage.list_objects(answers_folder(loc, key), recursive=False):
         yield from storage.iter_jsonl(obj.uri)
+
+
+# Answers held in memory at once while putting them in line order; more go to sorted runs on local disk.
+SORT_MEMORY_ANSWERS = 20_000
+
+
+def answers_in_line_order(loc: BatchLocation, key: str, memory_answers: int = SORT_MEMORY_ANSWERS,
+                          seen: LineSet | None = None) -> Iterator[dict[str, Any]]:
+    """Every checkpointed answer of the batch once (a line's first answer, in part order), in input
+    line order, whatever order the engine finished them in (ORDER=planned feeds it out of order).
+
+    An external merge sort: at most `memory_answers` answers are held at once, each full buffer
+    written sorted to a temporary file (a run) and the runs merged, so a batch of millions of lines
+    is put in order in bounded memory. Lines are added to `seen` as they are read."""
+    seen = LineSet() if seen is None else seen
+    with tempfile.TemporaryDirectory(prefix="batch-answers-") as folder:
+        runs: list[str] = []
+        buffer: list[tuple[int, bytes]] = []
+        for part in storage.list_objects(answers_folder(loc, key), recursive=False):
+            with storage.open_read(part.uri) as f:
+                for raw in f:
+                    if not raw.strip():
+                        continue
+                    line = _line_of(raw)
+                    if not seen.add(line):
+                        continue
+                    buffer.append((line, raw if raw.endswith(b"\n") else raw + b"\n"))
+                    if len(buffer) >= memory_answers:
+                        runs.append(_write_run(folder, len(runs), buffer))
+                        buffer = []
+        buffer.sort(key=lambda item: item[0])
+        streams = [_read_run(run) for run in runs] + [iter(buffer)]
+        for _, raw in heapq.merge(*streams, key=lambda item: item[0]):
+            yield json.loads(raw)
+
+
+_LINE = re.compile(rb'\{"line":\s*(\d+)[,}]')
+
+
+def _line_of(raw: bytes) -> int:
+    """The line of a checkpointed answer, read off its start (Answer's first field) when it can be."""
+    match = _LINE.match(raw)
+    return int(match.group(1)) if match else int(json.loads(raw)["line"])
+
+
+def _write_run(folder: str, index: int, buffer: list[tuple[int, bytes]]) -> str:
+    buffer.sort(key=lambda item: item[0])
+    path = os.path.join(folder, f"run-{index:05d}.jsonl")
+    with open(path, "wb") as f:
+        for line, raw in buffer:
+            f.write(b"%d\t" % line + raw)
+    return path
+
+
+def _read_run(path: str) -> Iterator[tuple[int, bytes]]:
+    with open(path, "rb") as f:
+        for record in f:
+            line, _, raw = record.partition(b"\t")
+            yield int(line), raw
 
 
 def answered_lines(loc: BatchLocation, key: str) -> LineSet:

@@ -12,7 +12,7 @@ from typing import Any
 from batch_pipeline.lib import contract
 from batch_pipeline.lib.embeddings import EmbeddingEngine
 from batch_pipeline.lib.engine_args import engine_kwargs
-from batch_pipeline.lib.generation import NOTHING_YET, GenerationEngine
+from batch_pipeline.lib.generation import NOTHING_YET, EngineClock, GenerationEngine
 from batch_pipeline.lib.progress import PROGRESS_SECONDS, heartbeat
 from batch_pipeline.lib.responses import Answer
 from batch_pipeline.lib.scoring import ScoringEngine
@@ -69,6 +69,7 @@ class Engines:
         self._scoring: ScoringEngine | None = None
         self._unused: list[Any] = []  # engines built but not wrapped (their wrapper refused the model)
         self.load_seconds = 0.0
+        self.clock = EngineClock()  # engine steps against answering time, over every generation engine
 
     def _build(self, runner: str, path: str, name: str, settings: EngineSettings | None = None) -> Any:
         started = time.perf_counter()
@@ -84,7 +85,8 @@ class Engines:
         llm = self._build("generate", path, name, settings)
         try:
             return GenerationEngine(llm, name, path, *self.queue, reasoning_parser=settings.reasoning_parser,
-                                    lora_modules=settings.lora_adapters(), tool_call_parser=settings.tool_call_parser)
+                                    lora_modules=settings.lora_adapters(), tool_call_parser=settings.tool_call_parser,
+                                    clock=self.clock)
         except Exception:
             self._unused.append(llm)  # e.g. a REASONING_PARSER or TOOL_CALL_PARSER that does not fit: shut down in close()
             raise

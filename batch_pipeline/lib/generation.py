@@ -15,6 +15,7 @@ from typing import Any
 
 import copy
 import json
+import time
 
 from batch_pipeline.lib import contract, responses, tool_calls, vllm_adapter
 from batch_pipeline.lib.reasoning import Reasoning, template_takes
@@ -29,6 +30,23 @@ VLLM_SAMPLING_EXTRAS = contract.VLLM_SAMPLING_EXTRAS
 
 # Endpoints answered as a chat (LLM.enqueue_chat): /v1/responses lines run as the chat they amount to.
 CHAT_URLS = (contract.CHAT_URL, contract.RESPONSES_URL)
+
+
+@dataclass
+class EngineClock:
+    """Where the answering time goes: `busy` in engine steps, `active` from a stream's start to its
+    end. The rest (active - busy) the engine waited on this process: rendering chat templates and
+    tokenizing (prepare), building answers, writing checkpoints. With the engine core in this
+    process (the CPU default) that is time the engine was idle; with a multiprocess core (GPUs) the
+    core runs on meanwhile, so it is an upper bound."""
+
+    busy: float = 0.0
+    active: float = 0.0
+
+    def idle_share(self, since: "EngineClock | None" = None) -> float | None:
+        busy = self.busy - (since.busy if since else 0.0)
+        active = self.active - (since.active if since else 0.0)
+        return round(max(active - busy, 0.0) / active, 4) if active > 0 else None
 
 
 @dataclass
@@ -50,8 +68,9 @@ class GenerationEngine(vllm_adapter.ServedModel):
 
     def __init__(self, llm: Any, served_model_name: str, model_path: str, queue_factor: int = 4, queue_floor: int = 64,
                  reasoning_parser: str = "", lora_modules: dict[str, str] | None = None,
-                 tool_call_parser: str = ""):
+                 tool_call_parser: str = "", clock: EngineClock | None = None):
         super().__init__(llm, served_model_name, model_path)
+        self.clock = clock or EngineClock()
         self._defaults = vllm_adapter.default_sampling_values(llm)
         self.queue_factor, self.queue_floor = queue_factor, queue_floor
         # REASONING_PARSER: vLLM's parser splits each chat answer's thinking from its content.
@@ -195,6 +214,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
         collected: dict[int, list[Any]] = {}  # input line -> outputs per prompt
         source = iter(requests)
         exhausted = False
+        clock, began = self.clock, time.perf_counter()
         try:
             while True:
                 while not exhausted and len(pending) < window:
@@ -223,7 +243,10 @@ class GenerationEngine(vllm_adapter.ServedModel):
                 if not vllm_adapter.has_unfinished(self.llm):
                     lines = sorted(item.req.line for item, _, _ in pending.values())
                     raise RuntimeError(f"the engine dropped {len(pending)} requests (lines {lines[:10]})")
-                for out in vllm_adapter.step(self.llm):
+                stepped = time.perf_counter()
+                outputs = vllm_adapter.step(self.llm)
+                clock.busy += time.perf_counter() - stepped
+                for out in outputs:
                     if not out.finished or out.request_id not in pending:
                         continue
                     item, index, _ = pending.pop(out.request_id)
@@ -233,6 +256,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
                         del collected[item.req.line]
                         yield self._answer(batch_id, item, slots, created)
         finally:
+            clock.active += time.perf_counter() - began
             if pending:  # interrupted: do not leave half-done requests running in the engine
                 vllm_adapter.abort(self.llm, [enqueued_id for _, _, enqueued_id in pending.values()])
 

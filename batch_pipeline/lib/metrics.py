@@ -38,10 +38,17 @@ def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
         "requests_completed": counts["completed"],
         "requests_failed": counts["failed"],
         "input_tokens": usage["input_tokens"],
+        "cached_tokens": usage["input_tokens_details"]["cached_tokens"],
+        # Of the prompt tokens, the share vLLM's prefix cache served (ORDER=planned raises it).
+        "prefix_cache_hit_rate": round(usage["input_tokens_details"]["cached_tokens"] / usage["input_tokens"], 4)
+        if usage["input_tokens"] else 0.0,
         "output_tokens": usage["output_tokens"],
         "total_tokens": usage["total_tokens"],
         "model_load_seconds": float(inference.get("model_load_seconds", 0.0)),
         "validation_seconds": float(validation["seconds"]),
+        "ordering": str(inference.get("ordering", "input")),
+        "planning_seconds": float(inference.get("planning_seconds", 0.0)),
+        **({"engine_idle_share": float(inference["engine_idle_share"])} if "engine_idle_share" in inference else {}),
         "inference_seconds": infer_s,
         "writing_seconds": float(finalize["seconds"]),
         "requests_per_second": per_second(counts["completed"]),
@@ -118,7 +125,8 @@ def date_line_failures(output_root: str, partition: str) -> list[dict[str, Any]]
 
 _SUMMED = (
     "requests_total", "requests_completed", "requests_failed", "input_tokens", "output_tokens", "total_tokens",
-    "model_load_seconds", "validation_seconds", "inference_seconds", "writing_seconds",
+    "model_load_seconds", "validation_seconds", "planning_seconds", "inference_seconds", "writing_seconds",
+    "cached_tokens",
     "checkpoint_parts", "checkpoint_write_seconds",
 )
 _RATES = (
@@ -142,6 +150,7 @@ def aggregate_metrics(per_batch: list[dict[str, Any]]) -> dict[str, Any]:
     for key, numerator in _RATES:
         totals[key] = round(totals[numerator] / seconds, 3) if seconds > 0 else 0.0
     totals["batches"] = len(per_batch)
+    totals["prefix_cache_hit_rate"] = round(totals["cached_tokens"] / totals["input_tokens"], 4) if totals["input_tokens"] else 0.0
     gpu_util = [m["gpu_utilization_mean_pct"] for m in per_batch if "gpu_utilization_mean_pct" in m]
     if gpu_util:
         totals["gpu_utilization_mean_pct"] = round(sum(gpu_util) / len(gpu_util), 1)
@@ -155,7 +164,7 @@ def aggregate_metrics(per_batch: list[dict[str, Any]]) -> dict[str, Any]:
             if rank < len(per_rank):
                 per_rank[rank] += int(count)
     totals["requests_per_rank"] = per_rank
-    for key in ("served_model_name", "engine", "model_path", "model_revision"):
+    for key in ("served_model_name", "engine", "model_path", "model_revision", "ordering"):
         values = sorted({str(m[key]) for m in per_batch if key in m})
         if values:
             totals[key] = ", ".join(values)

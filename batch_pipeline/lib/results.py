@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import heapq
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from batch_pipeline.lib import contract, storage
-from batch_pipeline.lib.checkpoints import LineSet, iter_answers
+from batch_pipeline.lib.checkpoints import LineSet, answered_lines, answers_in_line_order
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.responses import cancelled_line, expired_line
 from batch_pipeline.lib.table_inputs import PASSTHROUGH_NAME
@@ -14,6 +16,20 @@ from batch_pipeline.lib.tables import RESULTS_NAME, ResultsTable
 from batch_pipeline.lib.validation import InvalidLine
 
 EXPIRY_SECONDS = 24 * 3600  # OpenAI's completion window, recorded as expires_at
+
+
+def _in_line_order(loc: BatchLocation, key: str | None, not_run: bool) -> Iterator[tuple[int, str, dict[str, Any]]]:
+    """(line, kind, item) of every line of the batch, in input order: "invalid" lines (validation's),
+    "answer"s (checkpointed, each line's first) and, with `not_run` (cancelled or expired), the
+    valid requests that no answer covers. Each source is in line order; they are merged."""
+    invalid = ((bad["line"], "invalid", bad) for bad in storage.iter_jsonl(loc.work("invalid.jsonl")))
+    answers = ((a["line"], "answer", a) for a in (answers_in_line_order(loc, key) if key else ()))
+    left: Iterator[tuple[int, str, dict[str, Any]]] = iter(())
+    if not_run:
+        answered = answered_lines(loc, key) if key else LineSet()
+        left = ((req["line"], "not_run", req) for req in storage.iter_jsonl(loc.work("requests.jsonl"))
+                if req["line"] not in answered)
+    return heapq.merge(invalid, answers, left, key=lambda item: item[0])
 
 
 def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = None, cancelled: bool = False) -> dict[str, Any]:
@@ -36,30 +52,29 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
     seen = LineSet()
     table = ResultsTable()
     with storage.open_write(loc.out("output.jsonl")) as out, storage.open_write(loc.out("errors.jsonl")) as err:
-        for bad in storage.iter_jsonl(loc.work("invalid.jsonl")):
-            seen.add(bad["line"])
-            record = InvalidLine(**bad).to_error_line(batch_id)
-            err.write(storage.json_line(record))
-            table.add(bad["line"], record)
-            counts["error"] += 1
-        for answer in iter_answers(loc, inference["checkpoint_key"]) if inference else ():
-            if not seen.add(answer["line"]):
+        # Every line in input order, whatever order the engine answered them in (ORDER=planned).
+        for line, kind, item in _in_line_order(loc, inference["checkpoint_key"] if inference else None,
+                                               cancelled or bool(expired_at)):
+            if not seen.add(line):
                 continue
-            (out if answer["kind"] == "output" else err).write(storage.json_line(answer["record"]))
-            table.add(answer["line"], answer["record"])
-            counts[answer["kind"]] += 1
-            counts["input_tokens"] += answer.get("prompt_tokens", 0)
-            counts["output_tokens"] += answer.get("completion_tokens", 0)
-            counts["cached_tokens"] += answer.get("cached_tokens", 0)
-            counts["reasoning_tokens"] += answer.get("reasoning_tokens", 0)
-        if cancelled or expired_at:
-            not_run = cancelled_line if cancelled else expired_line
-            for req in storage.iter_jsonl(loc.work("requests.jsonl")):
-                if seen.add(req["line"]):
-                    record = not_run(batch_id, req["line"], req["request"]["custom_id"])
-                    err.write(storage.json_line(record))
-                    table.add(req["line"], record)
-                    counts["error"] += 1
+            if kind == "invalid":
+                record = InvalidLine(**item).to_error_line(batch_id)
+                err.write(storage.json_line(record))
+                table.add(line, record)
+                counts["error"] += 1
+            elif kind == "answer":
+                (out if item["kind"] == "output" else err).write(storage.json_line(item["record"]))
+                table.add(line, item["record"])
+                counts[item["kind"]] += 1
+                counts["input_tokens"] += item.get("prompt_tokens", 0)
+                counts["output_tokens"] += item.get("completion_tokens", 0)
+                counts["cached_tokens"] += item.get("cached_tokens", 0)
+                counts["reasoning_tokens"] += item.get("reasoning_tokens", 0)
+            else:  # a request the cancelled or expired run did not answer
+                record = (cancelled_line if cancelled else expired_line)(batch_id, line, item["request"]["custom_id"])
+                err.write(storage.json_line(record))
+                table.add(line, record)
+                counts["error"] += 1
         if counts["output"] + counts["error"] != validation["lines"]:
             # Raised inside the writers: nothing is published, the old files (if any) stay.
             raise RuntimeError(

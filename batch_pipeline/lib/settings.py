@@ -39,7 +39,10 @@ ENGINE_ENV = {
     "MAX_LORA_RANK": "max_lora_rank",
     "CHECKPOINT_ANSWERS": "checkpoint_answers",
     "CHECKPOINT_SECONDS": "checkpoint_seconds",
+    "ORDER": "order",
 }
+# ORDER's values (lib/ordering.py plans the "planned" one).
+ORDERS = ("input", "planned")
 # Older names still read (the new name wins when both are set).
 ENGINE_ENV_ALIASES = {"SHARD_SIZE": "CHECKPOINT_ANSWERS"}
 
@@ -95,6 +98,9 @@ class EngineSettings:
     # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
     checkpoint_answers: int = 256
     checkpoint_seconds: float = 5.0
+    # The order requests are fed to the engine: "planned" (shared prompt prefixes together, long
+    # decodes first: lib/ordering.py) or "input" (file order). Only the speed depends on it.
+    order: str = "planned"
     preset: str = ""  # ENGINE_PRESET that filled in the defaults, if any
 
     def __post_init__(self) -> None:
@@ -112,6 +118,8 @@ class EngineSettings:
             if not ok:
                 value = getattr(self, ENGINE_ENV[name])
                 raise ConfigError(f"{name}={value!r} is out of range{RANGES.get(name, '')}")
+        if self.order not in ORDERS:
+            raise ConfigError(f"ORDER={self.order!r} is not one of {', '.join(ORDERS)}")
         self.lora_adapters()  # a malformed LORA_MODULES fails here, naming the variable
 
     def model_registry(self) -> dict[str, "EngineSettings"]:

@@ -113,6 +113,9 @@ def merge_records(records: list[dict[str, Any]]) -> dict[str, Any]:
         "checkpoint_write_seconds": round(sum(r.get("checkpoint_write_seconds", 0.0) for r in records), 3),
         "peak_memory_mb": max(r.get("peak_memory_mb", 0.0) for r in records),
         "gpu": first.get("gpu", {}),
+        "ordering": first.get("ordering", "input"),
+        # Each shard plans its own requests, on its own server, side by side: the slowest one's.
+        "planning_seconds": max(r.get("planning_seconds", 0.0) for r in records),
     }
 
 
