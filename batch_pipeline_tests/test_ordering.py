@@ -200,3 +200,11 @@ def test_the_plan_of_nothing_is_empty():
     plan = ordering.make_plan(iter(()), 0, None)
     assert len(plan) == 0 and list(plan.records()) == []
     plan.close()
+
+
+def test_prefix_caching_is_on_unless_set_off(tmp_path):
+    from batch_pipeline.lib.engine_args import engine_kwargs
+
+    assert engine_kwargs(EngineSettings(), str(tmp_path), "m", "generate")["enable_prefix_caching"] is True
+    off = engine_settings_from_env({"ENABLE_PREFIX_CACHING": "false"})
+    assert engine_kwargs(off, str(tmp_path), "m", "generate")["enable_prefix_caching"] is False

@@ -73,7 +73,9 @@ def engine_kwargs(settings: EngineSettings, model_path: str, served_name: str, r
             "max_model_len": settings.max_model_len,
             "max_num_seqs": settings.batch_size,
             "max_num_batched_tokens": settings.max_num_batched_tokens,
-            "enable_prefix_caching": settings.enable_prefix_caching,
+            # On unless set off: ORDER=planned feeds a prefix's users together for this cache
+            # (vLLM's own default too, made explicit so a version that changes it does not undo the plan).
+            "enable_prefix_caching": True if settings.enable_prefix_caching is None else settings.enable_prefix_caching,
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(lora_kwargs(settings))
