@@ -208,3 +208,56 @@ def test_prefix_caching_is_on_unless_set_off(tmp_path):
     assert engine_kwargs(EngineSettings(), str(tmp_path), "m", "generate")["enable_prefix_caching"] is True
     off = engine_settings_from_env({"ENABLE_PREFIX_CACHING": "false"})
     assert engine_kwargs(off, str(tmp_path), "m", "generate")["enable_prefix_caching"] is False
+
+
+class _Conn:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, message):
+        self.sent.append(message)
+
+
+class _FakeRank:
+    """What _Feeder reads and writes of a rank: its pipe, its wants and what it holds."""
+
+    def __init__(self):
+        from collections import deque
+
+        self.conn, self.wants, self.outstanding = _Conn(), deque(), 0
+
+
+def test_data_parallel_ranks_get_whole_prefix_groups_where_they_can():
+    from batch_pipeline.lib.ranks import _Feeder
+
+    # 6 documents x 6 questions, planned; ranks ask for 16 at a time (ranks.WANT).
+    bodies = docs_and_questions(docs=6, questions=6)
+    raws = [record(i, body) for i, body in enumerate(bodies)]
+    plan = ordering.make_plan(((0, raw) for raw in raws), len(raws), None)
+    stream = plan.stream(lambda raw: json.loads(raw)["line"])
+    ranks = [_FakeRank(), _FakeRank()]
+    feeder = _Feeder(stream, None, len(ranks))
+    while not feeder.exhausted:
+        for rank in ranks:
+            rank.wants.append(16)
+        feeder.serve(ranks)
+    plan.close()
+    replies = [message[1] for rank in ranks for message in rank.conn.sent if message[0] == "requests"]
+    assert sorted(line for reply in replies for line in reply) == list(range(36))  # each request once
+    chunks = [[bodies[i]["doc"] for i in reply] for reply in replies]
+    assert all(8 <= len(chunk) <= 16 for chunk in chunks[:-1]), [len(c) for c in chunks]
+    # No document is split across two replies (so across ranks): every cut fell between documents.
+    owners = {}
+    for n, chunk in enumerate(chunks):
+        for doc in chunk:
+            owners.setdefault(doc, set()).add(n)
+    assert all(len(replies) == 1 for replies in owners.values()), chunks
+
+
+def test_without_a_plan_the_feeder_hands_out_what_is_asked():
+    from batch_pipeline.lib.ranks import _Feeder
+
+    rank = _FakeRank()
+    rank.wants.extend([5, 5])
+    _Feeder(iter(range(7)), None, 1).serve([rank])
+    assert rank.conn.sent == [("requests", [0, 1, 2, 3, 4]), ("requests", [5, 6])]

@@ -132,7 +132,7 @@ def infer_batch(
     plan: Plan | None = None
     if order == "planned" and total - answered > 1:
         plan = plan_requests(loc, positions, done, total - answered, str(identity.get("model_path") or ""), log, label)
-        remaining: Iterator[Any] = (request_from_record(json.loads(raw)) for raw in plan.records())
+        remaining: Iterator[Any] = plan.stream(lambda raw: request_from_record(json.loads(raw)))
     else:
         remaining = (request_from_record(json.loads(raw)) for line, raw in _requests_of(loc, positions) if line not in done)
     progress = Progress(total, answered, log, label)

@@ -171,6 +171,40 @@ def planned_order(keys: np.ndarray) -> np.ndarray:
     return order[final]
 
 
+def shared_levels(hashes: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """For each request in `order`, the number of leading LEVELS whose hash equals the previous
+    request's (0 for the first): 0 where a new first-block prefix starts, len(LEVELS) for the same
+    prompt prefix all the way."""
+    n = len(order)
+    shared = np.zeros(n, dtype=np.uint8)
+    if n < 2:
+        return shared
+    still = np.ones(n - 1, dtype=bool)
+    for level in range(hashes.shape[1]):
+        column = hashes[order, level]
+        still &= column[1:] == column[:-1]
+        shared[1:] += still
+    return shared
+
+
+class PlannedStream:
+    """An iterator of planned requests that also says, for the one last returned, how many LEVELS
+    of prompt prefix it shares with the one before it (`shared`): a data-parallel feeder cuts its
+    chunks where that is least (lib/ranks.py), so a prefix's users go to one rank."""
+
+    def __init__(self, requests: Iterator[Any], shared: Iterator[int]):
+        self._requests, self._shared = requests, shared
+        self.shared = 0
+
+    def __iter__(self) -> "PlannedStream":
+        return self
+
+    def __next__(self) -> Any:
+        request = next(self._requests)
+        self.shared = next(self._shared, 0)
+        return request
+
+
 @dataclass
 class Plan:
     """The requests of one batch (or shard) left to answer, and the order to feed them in."""
@@ -182,6 +216,9 @@ class Plan:
     keyed_on: str = ""
     groups: int = 0  # distinct first-block prefixes (LEVELS[0])
     spilled: bool = False  # the keys went to a temporary file
+    # For each request in plan order, how many LEVELS of prefix it shares with the one before it
+    # (0 for the first): where a data-parallel feeder may cut the stream at least cost.
+    shared: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint8))
     _cleanup: list[Callable[[], None]] = field(default_factory=list)
 
     def __len__(self) -> int:
@@ -193,6 +230,10 @@ class Plan:
             for position in self.order:
                 f.seek(int(self.offsets[position]))
                 yield f.readline()
+
+    def stream(self, parse: Callable[[bytes], Any]) -> "PlannedStream":
+        """The requests in plan order, parsed, with each one's shared prefix depth alongside."""
+        return PlannedStream(map(parse, self.records()), iter(self.shared.tolist() if len(self.shared) else ()))
 
     def close(self) -> None:
         while self._cleanup:
@@ -262,7 +303,7 @@ def make_plan(
     groups = int(len(np.unique(keys["hash"][:, 0]))) if n else 0
     plan = Plan(source=local_source, offsets=offsets, order=keys["position"][order].astype(np.int64),
                 seconds=time.perf_counter() - started, keyed_on=keyed_on, groups=groups, spilled=spilled,
-                _cleanup=cleanup)
+                shared=shared_levels(keys["hash"], order), _cleanup=cleanup)
     del keys
     return plan
 
@@ -274,9 +315,12 @@ def chat_template_renderer(model_path: str) -> tuple[Render | None, str]:
     request's own text then keys the plan (the same groups for templates that lay messages out in
     order, as chat templates do)."""
     try:
-        from transformers import AutoTokenizer
+        from batch_pipeline.lib.runtime import gc_paused
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        with gc_paused():  # as vLLM's own import (runtime.gc_paused): transformers is most of this load
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
         if not getattr(tokenizer, "chat_template", None):
             return None, "request text (the model's tokenizer has no chat template)"
     except Exception as e:  # noqa: BLE001 - the plan still works from the request text

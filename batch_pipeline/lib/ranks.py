@@ -84,12 +84,44 @@ class _Feeder:
     few hundred requests of a large one while the others run dry. A rank that answers faster comes
     back sooner and so still does more. Without `expected` (the stream's length), a rank gets what
     it asks for.
+
+    From a planned stream (ORDER=planned: ordering.PlannedStream, which says how much prompt
+    prefix each request shares with the one before it), a reply of n requests may end early, after
+    n/2 of them at the least, where the next request shares the least prefix with the one before
+    it: a document's questions go to one rank, which computes its prefix once, instead of two.
     """
 
     def __init__(self, source: Iterator[contract.BatchRequest], expected: int | None, ranks: int):
         self.source, self.expected, self.ranks = source, expected, ranks
         self.handed_out = 0
         self.exhausted = False
+        self._back: deque[tuple[contract.BatchRequest, int]] = deque()  # taken, not handed out yet
+        self._cuts = hasattr(source, "shared")
+
+    def _next(self) -> tuple[contract.BatchRequest, int] | None:
+        """The next request and the prefix levels it shares with the one before it."""
+        if self._back:
+            return self._back.popleft()
+        item = next(self.source, None)
+        return None if item is None else (item, int(getattr(self.source, "shared", 0)))
+
+    def _take(self, allowed: int) -> list[contract.BatchRequest]:
+        taken: list[tuple[contract.BatchRequest, int]] = []
+        while len(taken) < allowed:
+            item = self._next()
+            if item is None:
+                self.exhausted = True
+                break
+            taken.append(item)
+        if self._cuts and allowed > 1 and len(taken) == allowed:
+            after = self._next()
+            if after is not None:
+                taken.append(after)
+                # Cut before the request sharing the least with its predecessor; the latest such place.
+                cut = min(range(allowed, (allowed + 1) // 2 - 1, -1), key=lambda c: taken[c][1])
+                self._back.extendleft(reversed(taken[cut:]))
+                taken = taken[:cut]
+        return [request for request, _ in taken]
 
     def _share(self, ranks: list[_Rank]) -> int | None:
         if self.expected is None:
@@ -109,13 +141,7 @@ class _Feeder:
                 allowed = asked if share is None else min(asked, share - rank.outstanding)
                 if allowed <= 0:
                     break  # answered once this rank has handed back some of what it holds
-                items: list[contract.BatchRequest] = []
-                while len(items) < allowed:
-                    item = next(self.source, None)
-                    if item is None:
-                        self.exhausted = True
-                        break
-                    items.append(item)
+                items = self._take(allowed)
                 rank.conn.send(("requests", items) if items else ("end",))
                 rank.wants.popleft()
                 rank.outstanding += len(items)
