@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a batch file through the pipeline")
     p.add_argument("input", help="batch file: a local path or s3://bucket/key")
-    p.add_argument("--output-dir", required=True, help="folder or s3:// prefix for the four result files")
+    p.add_argument("--output-dir", required=True, help="folder or s3:// prefix for the five result files "
+                   "(output.jsonl, errors.jsonl, results.parquet, batch.json, metrics.json)")
     p.add_argument(
         "--date",
         default=dt.datetime.now(dt.timezone.utc).date().isoformat(),

@@ -1,7 +1,7 @@
 """Resources: the vLLM engines (`llm`) and where batches are read and written (`storage`).
 
 Every field left blank in the launchpad falls back to the environment variable of the same name
-(README.md, "Configuration"), read when the run starts, never at import.
+(docs/CONFIGURATION.md), read when the run starts, never at import.
 """
 
 

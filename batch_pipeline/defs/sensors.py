@@ -1,6 +1,6 @@
 """`batch_upload_sensor`: `batch_job` runs for new or changed batch files under STORAGE_INPUT_PATH.
 
-Two ways to find them (README "Triggers"): listing (the top of the input folder and the date
+Two ways to find them (docs/TRIGGERS.md): listing (the top of the input folder and the date
 folders of the last SENSOR_WINDOW_DAYS dates; lib/uploads.py) or, for big buckets, draining the
 SQS queue the bucket notifies on ObjectCreated (INPUT_QUEUE_URL; lib/notifications.py). Either way
 the new file versions of one date found in one tick become one run (one model load: the `batch`

@@ -3,7 +3,7 @@
     from batch_pipeline.lib.doctor import format_report, run_checks
     print(format_report(run_checks()))
 
-Each check reads the same environment a run reads (README.md, "Configuration") and reports one
+Each check reads the same environment a run reads (docs/CONFIGURATION.md) and reports one
 `CheckResult`: the engine imports, the GPUs the settings need are there, the model folder is
 complete, storage can be listed and written, and the Dagster instance and its database answer. A
 check never raises: an unexpected error becomes a FAIL naming it. The storage check writes one hidden probe object under

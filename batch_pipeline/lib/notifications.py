@@ -1,6 +1,6 @@
 """S3 event notifications read from an SQS queue: the upload sensor's trigger for big buckets.
 
-The input bucket notifies the queue on `s3:ObjectCreated:*` (README "Triggers" shows the two AWS
+The input bucket notifies the queue on `s3:ObjectCreated:*` (docs/TRIGGERS.md shows the two AWS
 calls); `batch_upload_sensor` then drains the queue instead of listing the bucket, so a tick costs
 what was uploaded since the last one, however many objects the bucket holds.
 

@@ -44,7 +44,7 @@ def configure_runtime_env(cache_root: Path) -> None:
 def gc_paused() -> Iterator[None]:
     """No cyclic garbage collection inside: for importing torch and vLLM, which create hundreds of
     thousands of long-lived objects and would otherwise trigger a full collection again and again
-    (about 1 s of a 25 s run measured on 2 cores; see README, Performance). Reference counting still
+    (about 1 s of a 25 s run measured on 2 cores; see docs/PERFORMANCE.md). Reference counting still
     frees what it can; a collection runs as usual once the block ends."""
     was_enabled = gc.isenabled()
     gc.disable()

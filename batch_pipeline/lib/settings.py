@@ -1,6 +1,6 @@
 """Configuration by the names users know from deployment guides, resolved when a run starts.
 
-Every knob has an environment variable (the table in README.md) and a typed default. Dagster
+Every knob has an environment variable (the table in docs/CONFIGURATION.md) and a typed default. Dagster
 resources expose the same fields in the launchpad; a value set there wins over the environment.
 """
 
@@ -306,7 +306,7 @@ BACKLOG_POLICIES = ("run", "skip")
 
 @dataclass(frozen=True)
 class SensorSettings:
-    """How `batch_upload_sensor` finds new files (README "Triggers"; lib/uploads.py)."""
+    """How `batch_upload_sensor` finds new files (docs/TRIGGERS.md; lib/uploads.py)."""
 
     window_days: int | None = 3  # date folders listed each tick: the last N dates up to today; None: all
     backlog: str = "run"  # files already in the window when the sensor is turned on: "run" (one run per date) or "skip"
