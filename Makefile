@@ -13,7 +13,7 @@ DEMO_OUT := results/demo
 DEV_PORT ?= 3000
 TEST_WORKERS ?= 2
 
-.PHONY: install demo test dev model clean
+.PHONY: install demo test test-fast dev model clean
 
 install: $(VENV)/.installed
 
@@ -54,6 +54,11 @@ test: install
 	# (SLOW_FILES in batch_pipeline_tests/conftest.py), not xdist's most-tests-first.
 	# TEST_WORKERS=0 runs it in one process.
 	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
+
+# The fast lane: no engine, no model, no server (markers set in batch_pipeline_tests/conftest.py
+# from the fixtures each test uses). For the inner loop; `make test` stays the whole suite.
+test-fast: install
+	$(BIN)/python -m pytest -m "not engine and not server" -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 # From inside DAGSTER_HOME: started next to this checkout's dagster.yaml (the template copied into
 # DAGSTER_HOME), `dagster dev` warns that the file there is not the instance's. The storage defaults

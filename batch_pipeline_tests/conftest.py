@@ -38,7 +38,12 @@ from batch_pipeline_tests.tiny_model import build_tiny_llama  # noqa: E402
 from batch_pipeline.lib.runtime import configure_runtime_env  # noqa: E402
 from batch_pipeline.lib.vllm_adapter import build_llm, shutdown_llm  # noqa: E402
 
-pytest_plugins = ["batch_pipeline_tests.s3_server", "batch_pipeline_tests.cli_runs"]
+pytest_plugins = [
+    "batch_pipeline_tests.s3_server",
+    "batch_pipeline_tests.cli_runs",
+    "batch_pipeline_tests.sensor_ticks",
+    "batch_pipeline_tests.thinking_llm",
+]
 
 TINY_NAME = "tiny-llama"
 EMBED_NAME = "all-MiniLM-L6-v2"
@@ -141,6 +146,21 @@ SLOW_FILES = (
 )
 
 
+# The fast lane (`make test-fast`: -m "not engine and not server"): a test is marked by what it
+# uses, so a new test that builds an engine or starts a server leaves the lane by itself. Every
+# fixture that loads a model (directly or through the fixtures built on it) ...
+ENGINE_FIXTURES = {"tiny_model_dir", "bundled_model_dir", "thinking_model_dir"}
+# ... and every fixture that starts a server (moto's S3, a PostgreSQL database; dagster dev, the
+# Batch API and Chromium start from fixtures that need the tiny model too).
+SERVER_FIXTURES = {"moto_server", "history_server", "database"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))  # stable: the rest keep their order
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & ENGINE_FIXTURES:
+            item.add_marker(pytest.mark.engine)
+        if used & SERVER_FIXTURES:
+            item.add_marker(pytest.mark.server)

@@ -24,42 +24,8 @@ from batch_pipeline.lib.inference import infer_batch
 from batch_pipeline.lib.ingest import validate_batch
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.results import finalize_batch
-from batch_pipeline_tests.cli_runs import jsonl_records
+from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import REPO, TINY_NAME, SessionLLM
-
-DATE = "2026-11-29"
-
-
-def chat_line(custom_id: str, content: str = "hello", **body) -> str:
-    payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **body}
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": payload})
-
-
-def write_batch(folder: Path, name: str, lines: list[str]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return path
-
-
-def materialize(llm, input_root: str, output_root: str, partition: str = DATE, run_config=None, instance=None):
-    return dg.materialize(
-        BATCH_ASSETS,
-        partition_key=partition,
-        resources={"batch": BatchSelection(), "llm": llm, "storage": StorageResource(input_path=input_root, output_path=output_root)},
-        run_config=run_config,
-        instance=instance or dg.DagsterInstance.ephemeral(),
-        raise_on_error=False,
-    )
-
-
-def read_jsonl(uri: str) -> list[dict]:
-    return jsonl_records(storage.read_text(uri))
-
-
-def metadata_of(result, asset: str) -> dict:
-    [event] = [e for e in result.get_asset_materialization_events() if e.asset_key.to_user_string() == asset]
-    return {k: v.value for k, v in event.materialization.metadata.items()}
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ import pytest
 from batch_pipeline_tests.cli_runs import jsonl_records
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.dagster_server import REPO, free_port, pipeline_env, start_dagster_dev, wait_for
-from batch_pipeline_tests.test_postgres import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, _connect, _reachable, fresh_database
+from batch_pipeline_tests.postgres_db import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, connect, fresh_database, reachable
 
 KEY_A, KEY_B, KEY_C = "key-team-a-0123456789", "key-team-b-0123456789", "key-team-c-0123456789"
 RUN_TIMEOUT = 300.0  # create to completed: the daemon's queue, a model load and a few answers on 2 loaded cores
@@ -107,7 +107,7 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> A
     inbox.mkdir()
     with contextlib.ExitStack() as stack:
         pg: dict[str, str] = {}
-        if _reachable() is None:
+        if reachable() is None:
             pg = {"DAGSTER_POSTGRES_USER": PG_USER, "DAGSTER_POSTGRES_PASSWORD": PG_PASSWORD,
                   "DAGSTER_POSTGRES_HOSTNAME": PG_HOST, "DAGSTER_POSTGRES_PORT": str(PG_PORT),
                   "DAGSTER_POSTGRES_DB": stack.enter_context(fresh_database("batch_pipeline_api"))}
@@ -171,6 +171,7 @@ def self_signed_cert(folder: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
+@pytest.mark.server  # `batch-pipeline serve` in its own process (no fixture says so)
 def test_serve_speaks_tls_with_the_given_certificate(tmp_path):
     # No Dagster here: /health and the Files paths need only the storage.
     cert, key = self_signed_cert(tmp_path)
@@ -240,7 +241,7 @@ def test_the_whole_lifecycle_with_the_openai_sdk(service):
     if service["database"]:
         # The run, with the batch's tag, is in PostgreSQL's runs table, read with plain SQL (SUCCESS
         # once the run worker has finished its last step, shortly after it wrote the Batch object).
-        conn = _connect(service["database"])
+        conn = connect(service["database"])
 
         def run_statuses() -> list[tuple[str]] | None:
             with conn.cursor() as cur:
@@ -551,7 +552,7 @@ def test_the_service_and_the_run_killed_mid_batch_keep_every_record(service):
     [written] = service["out"].glob(f"????-??-??/{batch.id}/batch.json")
     assert json.loads(written.read_text())["metadata"]["dagster_run_id"] == retry["runId"]
     # The same facts straight from PostgreSQL: both runs, and one materialization of the results, the retry's.
-    conn = _connect(service["database"])
+    conn = connect(service["database"])
     try:
         with conn.cursor() as cur:
             cur.execute("SELECT r.run_id, r.status FROM runs r JOIN run_tags t ON t.run_id = r.run_id "

@@ -22,7 +22,7 @@ from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.partitions import batch_file_partitions, split_file_key
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
-from batch_pipeline_tests.test_assets import chat_line, metadata_of, write_batch
+from batch_pipeline_tests.asset_runs import chat_line, metadata_of, write_batch
 
 DATE = "2026-11-27"
 FILES = dg.AssetKey("batch_files")

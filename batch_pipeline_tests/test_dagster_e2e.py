@@ -34,7 +34,7 @@ from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
 from batch_pipeline_tests.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
 from batch_pipeline_tests.s3_server import _FOREIGN_AWS_VARS, MotoS3
-from batch_pipeline_tests.test_sensor_queue import notifying_queue, queue_depth
+from batch_pipeline_tests.sqs_queue import notifying_queue, queue_depth
 
 SENSOR = "batch_upload_sensor"
 SCHEDULE = "nightly_batch_schedule"

@@ -21,6 +21,7 @@ import pytest
 
 from batch_pipeline.lib import doctor, storage
 from batch_pipeline_tests.s3_server import MotoS3
+from batch_pipeline_tests.sqs_queue import notifying_queue, sqs_client
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_VARS = (
@@ -238,8 +239,6 @@ def test_upload_sensor_check_with_and_without_the_queue(
 ):
     """Listing: the window it lists. Queue: passes when the bucket notifies it, warns when nothing
     does, fails for a queue that does not answer or a local input folder; a bad SENSOR_* fails."""
-    from batch_pipeline_tests.test_sensor_queue import notifying_queue, sqs_client
-
     for name in ("SENSOR_WINDOW_DAYS", "SENSOR_BACKLOG", "SENSOR_MAX_RUNS_PER_TICK", "INPUT_QUEUE_URL", "SHARDS"):
         monkeypatch.delenv(name, raising=False)
     check = lambda: doctor.run_checks(only=["upload sensor"])[0]  # noqa: E731

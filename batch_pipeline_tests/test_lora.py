@@ -15,8 +15,8 @@ from openai.types.chat import ChatCompletion
 
 from batch_pipeline.lib import contract, storage
 from batch_pipeline.lib.settings import ConfigError
+from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import TINY_NAME
-from batch_pipeline_tests.test_assets import DATE, materialize, read_jsonl, write_batch
 
 ADAPTER = "tiny-lora"
 

@@ -17,10 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import dagster as dg
@@ -30,49 +27,13 @@ from batch_pipeline.defs.assets import validated_requests
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
 from batch_pipeline.lib import doctor
+from batch_pipeline_tests.postgres_db import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, connect, fresh_database, reachable
 
 REPO = Path(__file__).resolve().parent.parent
-PG_HOST = os.environ.get("TEST_POSTGRES_HOST", "127.0.0.1")
-PG_PORT = int(os.environ.get("TEST_POSTGRES_PORT", "5432"))
-PG_USER = os.environ.get("TEST_POSTGRES_USER", "postgres")
-PG_PASSWORD = os.environ.get("TEST_POSTGRES_PASSWORD", "")
 PARTITION = "2024-06-01"
 SERVED = "test-model"
 
-
-def _reachable() -> str | None:
-    try:
-        with socket.create_connection((PG_HOST, PG_PORT), timeout=2):
-            return None
-    except OSError as e:
-        return f"PostgreSQL not reachable at {PG_HOST}:{PG_PORT} ({e})"
-
-
-pytestmark = pytest.mark.skipif(_reachable() is not None, reason=_reachable() or "")
-
-
-def _connect(dbname: str):
-    import psycopg2  # dagster-postgres depends on psycopg2-binary
-
-    conn = psycopg2.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, password=PG_PASSWORD, dbname=dbname)
-    conn.autocommit = True
-    return conn
-
-
-@contextmanager
-def fresh_database(prefix: str) -> Iterator[str]:
-    """A new, empty database, dropped (connections and all) afterwards."""
-    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    admin = _connect("postgres")
-    try:
-        with admin.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{name}"')
-        yield name
-    finally:
-        with admin.cursor() as cur:
-            # FORCE (PostgreSQL 13+) ends connections a pooled engine may still hold.
-            cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.close()
+pytestmark = pytest.mark.skipif(reachable() is not None, reason=reachable() or "")
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +107,7 @@ def test_materialization_is_recorded_in_postgres(dagster_home: Path, database: s
     assert json.loads((out / "_work" / "validation.json").read_text())["valid"] == 2
 
     # The same facts straight from the tables, without Dagster in between.
-    conn = _connect(database)
+    conn = connect(database)
     try:
         with conn.cursor() as cur:
             cur.execute("SELECT status FROM runs WHERE run_id = %s", (run_id,))
@@ -212,7 +173,7 @@ def test_console_script_run_is_recorded_in_postgres(dagster_home: Path, database
     proc = subprocess.run([str(script), "run", str(batch), "--output-dir", str(tmp_path / "out"), "--date", PARTITION],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    conn = _connect(database)
+    conn = connect(database)
     try:
         with conn.cursor() as cur:
             cur.execute("SELECT run_id, status FROM runs ORDER BY id DESC LIMIT 1")  # the newest: this test's

@@ -19,31 +19,10 @@ from openai.types.chat import ChatCompletion
 from batch_pipeline.lib import contract, storage
 from batch_pipeline.lib.reasoning import ReasoningConfigError
 from batch_pipeline.lib.settings import ConfigError
-from batch_pipeline_tests.conftest import SessionLLM
-from batch_pipeline_tests.test_assets import DATE, materialize, read_jsonl, write_batch
-from batch_pipeline_tests.thinking_model import build_thinking_smollm2
+from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.thinking_llm import REGEX, TAGS, THINKING
 
-THINKING = "smollm2-thinking"
-THINK_OPEN, THINK_CLOSE = 8, 9  # the token ids thinking_model.py renames
-REGEX = r"<think>[a-z ]{1,40}</think>[A-Z][a-z]{1,20}"
-TAGS = {str(THINK_OPEN): 50, str(THINK_CLOSE): 50}
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def thinking_model_dir(bundled_model_dir):
-    from batch_pipeline.lib import models
-
-    return build_thinking_smollm2(bundled_model_dir, models.cache_root() / "test-models" / THINKING)
-
-
-@pytest.fixture
-def thinking_llm(thinking_model_dir, monkeypatch) -> SessionLLM:
-    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "REASONING_PARSER", "CHECKPOINT_ANSWERS", "CHECKPOINT_SECONDS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("KV_CACHE_MEMORY_BYTES", str(256 * 2**20))
-    return SessionLLM(model_path=str(thinking_model_dir), served_model_name=THINKING, max_model_len=1024,
-                      reasoning_parser="deepseek_r1")
 
 
 def line(custom_id: str, **body) -> str:

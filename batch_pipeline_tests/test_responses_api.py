@@ -20,9 +20,9 @@ from openai.types.responses import Response
 
 from batch_pipeline.lib import contract, ids, storage
 from batch_pipeline.lib.validation import InvalidLine, LineValidator, ValidationSettings
+from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import TINY_NAME
-from batch_pipeline_tests.test_assets import DATE, materialize, read_jsonl, write_batch
-from batch_pipeline_tests.test_reasoning import REGEX, TAGS, THINKING, thinking_llm, thinking_model_dir  # noqa: F401
+from batch_pipeline_tests.thinking_llm import REGEX, TAGS, THINKING
 
 BATCH = "batch_test"
 QUESTION = "What is the capital of France?"
@@ -209,7 +209,7 @@ def test_a_responses_batch_through_the_pipeline(tiny_llm, tmp_path):
     assert table.loc["b", "prompt_tokens"] == outputs["b"].usage.input_tokens
 
 
-def test_thinking_is_a_reasoning_item_before_the_message(thinking_llm, thinking_model_dir, tmp_path):  # noqa: F811
+def test_thinking_is_a_reasoning_item_before_the_message(thinking_llm, thinking_model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(thinking_model_dir)

@@ -14,8 +14,8 @@ from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from batch_pipeline.lib import contract, storage
+from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import EMBED_NAME, TINY_NAME
-from batch_pipeline_tests.test_assets import DATE, materialize, read_jsonl, write_batch
 
 QUERY = "What is the capital of France?"
 DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "Berlin is the capital of Germany."]

@@ -18,10 +18,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
-import uuid
 from typing import Any
 
-import boto3
 import pytest
 
 from batch_pipeline.defs.jobs import batch_run_config
@@ -29,41 +27,11 @@ from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.lib import notifications
 from batch_pipeline.lib import storage as store
 from batch_pipeline.lib.uploads import BASELINE_SLACK_SECONDS, UploadCursor
-from batch_pipeline_tests.s3_server import REGION, MotoS3
-from batch_pipeline_tests.test_sensors import by_uri, evaluate, files_of
+from batch_pipeline_tests.s3_server import MotoS3
+from batch_pipeline_tests.sensor_ticks import by_uri, evaluate, files_of
+from batch_pipeline_tests.sqs_queue import notifying_queue, queue_depth
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
-
-
-def sqs_client(moto_server: MotoS3) -> Any:
-    return boto3.session.Session().client(
-        "sqs", endpoint_url=moto_server.endpoint_url, aws_access_key_id="testing",
-        aws_secret_access_key="testing", region_name=REGION,
-    )
-
-
-def notifying_queue(moto_server: MotoS3, bucket: str, prefix: str = "incoming/") -> str:
-    """A new SQS queue that `bucket` notifies on every ObjectCreated under `prefix` (the two calls
-    an operator makes, README "Triggers"); returns its URL."""
-    sqs = sqs_client(moto_server)
-    url = sqs.create_queue(QueueName=f"uploads-{uuid.uuid4().hex[:12]}")["QueueUrl"]
-    arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
-    moto_server.client().put_bucket_notification_configuration(
-        Bucket=bucket,
-        NotificationConfiguration={"QueueConfigurations": [{
-            "QueueArn": arn, "Events": ["s3:ObjectCreated:*"],
-            "Filter": {"Key": {"FilterRules": [{"Name": "prefix", "Value": prefix}]}},
-        }]},
-    )
-    return url
-
-
-def queue_depth(moto_server: MotoS3, url: str) -> tuple[int, int]:
-    """(visible, in flight) messages."""
-    attributes = sqs_client(moto_server).get_queue_attributes(
-        QueueUrl=url, AttributeNames=["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"]
-    )["Attributes"]
-    return int(attributes["ApproximateNumberOfMessages"]), int(attributes["ApproximateNumberOfMessagesNotVisible"])
 
 
 @pytest.fixture

@@ -39,7 +39,9 @@ from batch_pipeline.lib.settings import ConfigError, sensor_settings_from_env
 from batch_pipeline.lib.uploads import BASELINE_SLACK_SECONDS, LOOKBACK_SECONDS, UploadCursor
 from batch_pipeline_tests.fault_proxy import FaultProxy, start_proxy
 from batch_pipeline_tests.s3_server import MotoS3, apply_env, running_moto_server
-from batch_pipeline_tests.test_sensors import by_uri, evaluate, sensor_env, write  # noqa: F401 - autouse fixture
+from batch_pipeline_tests.sensor_ticks import by_uri, evaluate, write
+
+pytestmark = pytest.mark.usefixtures("sensor_env")  # the sensor settings' defaults, whatever the shell has set
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
 HISTORY_DATES = 200  # 2025-01-01 onwards, 100 files each

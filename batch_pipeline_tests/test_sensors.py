@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,72 +28,18 @@ import pytest
 
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline.defs.sensors import SENSOR_INTERVAL_SECONDS, batch_upload_sensor
+from batch_pipeline.defs.sensors import SENSOR_INTERVAL_SECONDS
 from batch_pipeline.lib.uploads import LOOKBACK_SECONDS, UploadCursor
 from batch_pipeline_tests.s3_server import MotoS3
+from batch_pipeline_tests.sensor_ticks import LINE, by_uri, evaluate, files_of, turned_on, write
 
-# In memory: the sensor only reads its cursor from the context (a SQLite instance costs ~1 s each).
-INSTANCE = dg.DagsterInstance.ephemeral()
-LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
-
-
-class ListHandler(logging.Handler):
-    def __init__(self, messages: list[str]):
-        super().__init__(logging.INFO)
-        self.messages = messages
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-def evaluate(storage: StorageResource, cursor: str | None = None, log: list[str] | None = None) -> dg.SensorResult:
-    """One tick of the sensor; what it logs is appended to `log`."""
-    context = dg.build_sensor_context(cursor=cursor, instance=INSTANCE, resources={"storage": storage})
-    context.log.addHandler(ListHandler(log if log is not None else []))
-    result = batch_upload_sensor(context)
-    assert isinstance(result, dg.SensorResult)
-    return result
-
-
-def turned_on(storage: StorageResource) -> str:
-    """The cursor of the sensor's first tick over an empty input folder: files put there afterwards
-    are new uploads, not the backlog of what was there when the sensor was turned on."""
-    first = evaluate(storage)
-    assert first.run_requests == []
-    assert UploadCursor.parse(first.cursor).since is not None
-    return first.cursor
-
-
-@pytest.fixture(autouse=True)
-def sensor_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sensor settings' defaults, whatever the calling shell has set."""
-    for name in ("SENSOR_WINDOW_DAYS", "SENSOR_BACKLOG", "SENSOR_MAX_RUNS_PER_TICK", "INPUT_QUEUE_URL",
-                 "INPUT_QUEUE_VISIBILITY_SECONDS", "SHARDS"):
-        monkeypatch.delenv(name, raising=False)
+pytestmark = pytest.mark.usefixtures("sensor_env")  # the sensor settings' defaults, whatever the shell has set
 
 
 @pytest.fixture
 def whole_history(monkeypatch: pytest.MonkeyPatch) -> None:
     """SENSOR_WINDOW_DAYS=all: every date folder is listed (these tests use dates of 2025)."""
     monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")
-
-
-def by_uri(result: dg.SensorResult) -> dict[str, dg.RunRequest]:
-    requests = {r.tags["batch_pipeline/input_uri"]: r for r in result.run_requests or []}
-    assert len(requests) == len(result.run_requests or [])
-    return requests
-
-
-def files_of(result: dg.SensorResult) -> dict[str, dg.RunRequest]:
-    """Input file -> the run request that takes it (a run of several files of one date names them
-    in input_uris); each file in exactly one run."""
-    found: dict[str, dg.RunRequest] = {}
-    for request in result.run_requests or []:
-        config = request.run_config["resources"]["batch"]["config"]
-        for uri in config.get("input_uris") or [config["input_uri"]]:
-            assert uri not in found, uri
-            found[uri] = request
-    return found
 
 
 def utc_date(timestamp: float) -> str:
@@ -211,15 +156,6 @@ def test_s3_missing_bucket_fails_the_tick(moto_server, s3_env) -> None:
 
 
 # ------------------------------------------------------------------------------------ local
-
-
-def write(path: Path, age_seconds: float = 60.0, body: bytes = LINE) -> Path:
-    """A finished local batch file, last modified `age_seconds` ago."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(body)
-    stamp = time.time() - age_seconds
-    os.utime(path, (stamp, stamp))
-    return path
 
 
 def test_local_folder(tmp_path: Path, whole_history) -> None:

@@ -23,9 +23,10 @@ import pytest
 
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
 from batch_pipeline.lib import table_inputs, tables
+from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import TINY_NAME
+from batch_pipeline_tests.sensor_ticks import evaluate, turned_on
 from batch_pipeline.defs.assets import BATCH_ASSETS as BATCH_ASSETS_FOR_S3
-from batch_pipeline_tests.test_assets import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
 
 
 def test_rows_of_every_kind_of_result_line():
@@ -182,8 +183,6 @@ def test_csv_with_messages_and_a_colliding_column(tiny_llm, tmp_path):
 
 
 def test_a_table_on_s3_is_found_by_the_sensor_and_answered(tiny_llm, s3_bucket, moto_server, monkeypatch):
-    from batch_pipeline_tests.test_sensors import evaluate, turned_on
-
     monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")  # DATE is fixed; the default window follows today
 
     storage = StorageResource(input_path=f"s3://{s3_bucket}/incoming", output_path=f"s3://{s3_bucket}/output")

@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletion
 from batch_pipeline.lib import contract
 from batch_pipeline.lib.engines import Engines
 from batch_pipeline.lib.tool_calls import ToolParserConfigError, required_schema
-from batch_pipeline_tests.test_assets import DATE, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 
 try:
     import jsonschema

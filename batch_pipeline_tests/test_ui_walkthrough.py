@@ -10,7 +10,7 @@ storage, the tiny model). In order, sharing one server:
    and its date's batch_outputs turns green too.
 4. the upload sensor turned on afterwards starts no run for the finished files, and the dates'
    throughput figures do not change; they add up the files of each date.
-Screenshots of each step go to UI_SCREENSHOTS_DIR (default: the test's tmp folder; the README's
+Screenshots of each step go to UI_SCREENSHOTS_DIR (default: the test's tmp folder; docs/UI.md's
 pictures in docs/ui/ come from `UI_SCREENSHOTS_DIR=docs/ui`).
 
 Needs /usr/bin/chromium and the `playwright` package; if either is missing the test runs

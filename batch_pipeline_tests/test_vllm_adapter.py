@@ -8,6 +8,8 @@ Uses the session's tiny-model engine (conftest.py); leaves it with no request in
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from batch_pipeline.lib import vllm_adapter
@@ -80,7 +82,15 @@ def test_version_names_the_installed_build():
 
 
 def test_shutdown_is_best_effort_on_a_half_built_engine():
-    vllm_adapter.shutdown_llm(object())  # no llm_engine at all: nothing raised
+    was_frozen = gc.get_freeze_count()
+    gc.freeze()  # as build_llm leaves it
+    try:
+        vllm_adapter.shutdown_llm(object())  # no llm_engine at all: nothing raised
+        # ... and the objects build_llm froze are given back to the collector all the same.
+        assert gc.get_freeze_count() == 0
+    finally:
+        if was_frozen:
+            gc.freeze()  # the session's engines stay out of the collector's sight, as before
 
 
 # -- vLLM's logging set-up and the model-load heartbeat -------------------------------------------
