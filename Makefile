@@ -33,10 +33,16 @@ $(DAGSTER_HOME)/dagster.yaml: dagster.yaml
 	mkdir -p $(DAGSTER_HOME)
 	cp dagster.yaml $@
 
+# The UI's "Join the Dagster community" dialog covers every page of a new instance until this says
+# it was seen: the instance `make demo` and `make dev` set up opens on the work instead.
+$(DAGSTER_HOME)/.nux/nux.yaml:
+	mkdir -p $(@D)
+	printf 'seen: 1\n' > $@
+
 model: install
 	$(BIN)/batch-pipeline model prepare
 
-demo: install model $(DAGSTER_HOME)/dagster.yaml
+demo: install model $(DAGSTER_HOME)/dagster.yaml $(DAGSTER_HOME)/.nux/nux.yaml
 	-$(BIN)/batch-pipeline validate $(SAMPLE) --max-errors 10
 	$(BIN)/batch-pipeline run $(SAMPLE) --output-dir $(DEMO_OUT)
 	@echo
@@ -64,7 +70,7 @@ test-fast: install
 # DAGSTER_HOME), `dagster dev` warns that the file there is not the instance's. The storage defaults
 # stay the checkout's data/ folders. `dagster dev` is kept over `dg dev`, which would need the dg
 # project tooling for no gain here; its "superseded" notice is filtered by its exact text.
-dev: install $(DAGSTER_HOME)/dagster.yaml
+dev: install $(DAGSTER_HOME)/dagster.yaml $(DAGSTER_HOME)/.nux/nux.yaml
 	cd $(DAGSTER_HOME) && \
 	STORAGE_INPUT_PATH="$${STORAGE_INPUT_PATH:-$(CURDIR)/data/input}" \
 	STORAGE_OUTPUT_PATH="$${STORAGE_OUTPUT_PATH:-$(CURDIR)/data/output}" \

@@ -296,3 +296,5 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
     warnings = [line for line in text.splitlines() if re.search(r" - WARNING - |\w+Warning: ", re.sub(r"\x1b\[[0-9;]*m", "", line))]
     assert not warnings, "\n".join(warnings)
     assert (home / "dagster.yaml").read_text() == (REPO / "dagster.yaml").read_text()
+    # No "Join the Dagster community" dialog over the first page a user opens (issue #28).
+    assert (home / ".nux" / "nux.yaml").read_text() == "seen: 1\n"
