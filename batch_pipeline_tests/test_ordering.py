@@ -127,6 +127,9 @@ def test_records_are_read_back_from_a_local_copy_in_plan_order(tmp_path):
     plan = ordering.make_plan(((0, raw) for raw in raws), len(raws), None, temp_dir=str(tmp_path))
     copy = plan.source
     assert copy.startswith(str(tmp_path)) and sorted(plan.records()) == sorted(raws)
+    # 3 documents in the first block, 12 distinct prompts in all: what the run's log says.
+    assert plan.groups[0] == 3 and plan.groups[-1] == 12
+    assert plan.describe_groups() == "prefix groups at 64/256/1024/4096/16384/65536 characters: 3/3/12/12/12/12"
     plan.close()
     assert not list(tmp_path.iterdir())  # the copy and its folder are gone
 
@@ -172,7 +175,8 @@ def test_the_planner_holds_a_million_lines_in_little_memory():
     assert proc.returncode == 0, proc.stderr[-3000:]
     figures = json.loads(proc.stdout.strip().splitlines()[-1])
     print(f"planner at 1M lines: {figures}")  # shown with -s; the bench prints planning time too
-    assert figures["planned"] == 1_000_000 and figures["groups"] > 1
+    assert figures["planned"] == 1_000_000 and figures["groups"][0] == 5000  # the first block names the document
+    assert figures["groups"][-1] == 1_000_000  # and each whole prompt is its own
     # The longest decode (207 tokens: i % 200 == 199) leads.
     assert all((i % 200) == 199 for i in figures["first"]), figures["first"]
     assert figures["grown_mb"] < 160, f"planning 1M lines grew the process by {figures['grown_mb']:.0f} MB"

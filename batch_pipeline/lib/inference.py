@@ -61,7 +61,7 @@ def plan_requests(loc: BatchLocation, positions: range | None, done: LineSet, co
     plan = make_plan(records, count, str(local) if local is not None else None, render, keyed_on)
     plan.seconds = time.perf_counter() - started  # the tokenizer's load included
     log(f"{label or loc.name}: planned the order of {len(plan)} requests in {plan.seconds:.2f}s "
-        f"({plan.groups} groups by their first prefix block; keyed on {plan.keyed_on})")
+        f"({plan.describe_groups()}; keyed on {plan.keyed_on})")
     return plan
 
 

@@ -214,7 +214,7 @@ class Plan:
     order: np.ndarray  # positions into `offsets`, in the order to feed them
     seconds: float = 0.0
     keyed_on: str = ""
-    groups: int = 0  # distinct first-block prefixes (LEVELS[0])
+    groups: tuple[int, ...] = ()  # prefix groups at each of LEVELS (the plan's subtrees per level)
     spilled: bool = False  # the keys went to a temporary file
     # For each request in plan order, how many LEVELS of prefix it shares with the one before it
     # (0 for the first): where a data-parallel feeder may cut the stream at least cost.
@@ -223,6 +223,11 @@ class Plan:
 
     def __len__(self) -> int:
         return len(self.order)
+
+    def describe_groups(self) -> str:
+        """E.g. "prefix groups at 64/256/1024/4096/16384/65536 characters: 1/1/30/240/240/240"."""
+        return (f"prefix groups at {'/'.join(str(c) for c in LEVELS)} characters: "
+                f"{'/'.join(str(g) for g in self.groups)}")
 
     def records(self) -> Iterator[bytes]:
         """The raw records in plan order."""
@@ -300,10 +305,12 @@ def make_plan(
     keys["position"][:n] = np.arange(n, dtype=np.uint32)
     keys, offsets = keys[:n], offsets[:n]
     order = planned_order(keys)
-    groups = int(len(np.unique(keys["hash"][:, 0]))) if n else 0
+    shared = shared_levels(keys["hash"], order)
+    # A group starts wherever a request shares fewer levels than that with the one before it.
+    groups = tuple(int(np.count_nonzero(shared <= level)) if n else 0 for level in range(len(LEVELS)))
     plan = Plan(source=local_source, offsets=offsets, order=keys["position"][order].astype(np.int64),
                 seconds=time.perf_counter() - started, keyed_on=keyed_on, groups=groups, spilled=spilled,
-                shared=shared_levels(keys["hash"], order), _cleanup=cleanup)
+                shared=shared, _cleanup=cleanup)
     del keys
     return plan
 
