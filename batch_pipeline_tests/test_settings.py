@@ -196,3 +196,20 @@ def test_a_preset_and_engine_args_picked_in_the_launchpad(monkeypatch):
         LLMResource(engine_args="nope").settings()
     with pytest.raises(ConfigError, match="ENGINE_PRESET='h300' is not a preset"):
         LLMResource(engine_preset="h300").settings()
+
+
+@pytest.mark.parametrize("raw,expected", [("", 0.10), ("0.25", 0.25), (" 0 ", 0.0), ("1", 1.0)])
+def test_max_failed_line_rate_is_a_share(raw, expected):
+    from batch_pipeline.lib.settings import max_failed_line_rate_from_env
+
+    assert max_failed_line_rate_from_env({"MAX_FAILED_LINE_RATE": raw}) == expected
+
+
+@pytest.mark.parametrize("raw,message", [("ten", "MAX_FAILED_LINE_RATE='ten' is not a valid number"),
+                                         ("10", "MAX_FAILED_LINE_RATE='10' is out of range (0 to 1")])
+def test_a_bad_max_failed_line_rate_names_the_variable(raw, message):
+    from batch_pipeline.lib.settings import ConfigError, max_failed_line_rate_from_env
+
+    with pytest.raises(ConfigError) as refused:
+        max_failed_line_rate_from_env({"MAX_FAILED_LINE_RATE": raw})
+    assert message in str(refused.value)

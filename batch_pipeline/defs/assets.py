@@ -3,7 +3,6 @@
 
 import dataclasses
 import functools
-import os
 import time
 import warnings
 from collections.abc import Callable
@@ -20,12 +19,12 @@ from batch_pipeline.lib.ingest import validate_batch
 from batch_pipeline.lib.inference import infer_batch
 from batch_pipeline.lib.locations import BatchLocation, RunBatches
 from batch_pipeline.lib.results import finalize_batch
-from batch_pipeline.lib.settings import ConfigError
+from batch_pipeline.lib.settings import DEFAULT_MAX_FAILED_LINE_RATE, ConfigError, max_failed_line_rate_from_env
 from batch_pipeline.lib.shards import Shard, merge_if_complete, reusable_validation
 from batch_pipeline.lib.storage import join as storage_join
 from batch_pipeline.lib.storage import read_json
 
-DEFAULT_MAX_FAILED_RATE = 0.10
+DEFAULT_MAX_FAILED_RATE = DEFAULT_MAX_FAILED_LINE_RATE
 # A crashed engine fails the answering step; it is retried twice, RETRY_DELAY_SECONDS after the
 # failure. The wait is in the step (answer_batches), not Dagster's RetryPolicy delay: an interrupt
 # (Ctrl-C, a terminate from the UI) during Dagster's wait was only seen as the retry began, before
@@ -380,7 +379,7 @@ def date_line_counts(judged: list[dict[str, Any]]) -> dict[str, Any]:
 def failed_line_rate(scope: str, batches: list[dict[str, Any]]) -> dg.AssetCheckResult:
     """Per-request failures are data: gated by rate (a warning), not by failing the run. `batches`:
     metrics.line_failures() of each batch judged (every batch of the date, whichever runs wrote it)."""
-    limit = float(os.environ.get("MAX_FAILED_LINE_RATE", DEFAULT_MAX_FAILED_RATE))
+    limit = max_failed_line_rate_from_env()
     failed, total = sum(b["failed"] for b in batches), sum(b["total"] for b in batches)
     rate = failed / total if total else 0.0
 

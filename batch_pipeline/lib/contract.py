@@ -43,16 +43,8 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 BATCH_EXPIRED = "batch_expired"
 BATCH_CANCELLED = "batch_cancelled"
 
-BATCH_STATUSES = (
-    "validating",
-    "failed",
-    "in_progress",
-    "finalizing",
-    "completed",
-    "expired",
-    "cancelling",
-    "cancelled",
-)
+# OpenAI's Batch statuses (the Batch object's `status`).
+BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
 
 
 class _Lenient(BaseModel):
@@ -80,7 +72,7 @@ class TextPart(_Strict):
 # OpenAI's function tools on chat lines: the tools declared, which of them the model must call
 # (tool_choice) and the calls of earlier turns in the history (assistant tool_calls, tool results).
 
-TOOL_CHOICES = ("none", "auto", "required")
+ToolChoice = Literal["none", "auto", "required"]  # or a named function (NamedToolChoice)
 # OpenAI's rule for a function's name.
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
 
@@ -276,7 +268,7 @@ class ChatBody(_SamplingBody):
     chat_template_kwargs: dict[str, Any] | None = None
     # Tool calling (docs/CONTRACT.md, "Tool calling"). The legacy functions/function_call are not taken.
     tools: list[ChatTool] | None = None
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Union[ToolChoice, NamedToolChoice, None] = None
     parallel_tool_calls: Annotated[bool, Field(strict=True)] | None = None
 
     @model_validator(mode="after")
@@ -737,9 +729,7 @@ class Batch(BaseModel):
     model: str | None = None
     input_file_id: str
     completion_window: str = "24h"
-    status: Literal[
-        "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
-    ]
+    status: BatchStatus
     output_file_id: str | None = None
     error_file_id: str | None = None
     errors: BatchErrors | None = None

@@ -137,7 +137,7 @@ class _ChatBody(_Sampling):
     reasoning_effort: Union[contract.ReasoningEffort, None] = None
     chat_template_kwargs: Union[dict[str, Any], None] = None
     tools: Union[list[_Tool], None] = None
-    tool_choice: Union[Literal["none", "auto", "required"], _NamedToolChoice, None] = None
+    tool_choice: Union[contract.ToolChoice, _NamedToolChoice, None] = None
     parallel_tool_calls: Union[bool, None] = None
 
     def __post_init__(self) -> None:

@@ -367,6 +367,22 @@ def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSetting
     return SensorSettings(**values)
 
 
+DEFAULT_MAX_FAILED_LINE_RATE = 0.10
+
+
+def max_failed_line_rate_from_env(env: dict[str, str] | None = None) -> float:
+    """MAX_FAILED_LINE_RATE (0 to 1, default 0.10): the share of failed lines above which the
+    failed_line_rate check warns; ConfigError naming the variable when it is not such a number."""
+    env = os.environ if env is None else env
+    raw = env.get("MAX_FAILED_LINE_RATE", "").strip()
+    if not raw:
+        return DEFAULT_MAX_FAILED_LINE_RATE
+    value = _coerce("MAX_FAILED_LINE_RATE", raw, float)
+    if not 0 <= value <= 1:
+        raise ConfigError(f"MAX_FAILED_LINE_RATE={raw!r} is out of range (0 to 1, a share: 0.1 is 10%)")
+    return value
+
+
 def _int_in_range(env: Any, name: str, low: int, high: int, note: str = "") -> int | None:
     """The integer variable `name`, or None when unset; ConfigError naming it when out of range."""
     raw = env.get(name, "").strip()
