@@ -8,6 +8,7 @@ covered by test_storage.py and test_storage_faults.py).
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -126,3 +127,25 @@ def test_a_wave_of_answers_is_written_once_the_engine_goes_quiet(tmp_path):
             time.sleep(0.2)
         assert checkpoint.parts == 1 and lines_in(tmp_path) == list(range(1, 11))
     assert checkpoint.parts == 2 and lines_in(tmp_path) == list(range(1, 19))  # the rest on close
+
+
+@pytest.mark.parametrize("memory_answers", [3, 10_000])  # sorted runs on disk, and all in memory
+def test_answers_come_back_in_line_order_each_line_once(tmp_path, memory_answers, monkeypatch):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the sorted runs go, this test's alone
+    loc = BatchLocation("b", str(tmp_path / "in.jsonl"), str(tmp_path / "out"), "2026-11-29")
+    folder = checkpoints.answers_folder(loc, "k")
+    finished = [7, 3, 12, 1, 9, 4, 11, 2]  # the order a planned run finishes them in
+    with Checkpoint(folder, answers=3, seconds=3600) as checkpoint:
+        for line in finished:
+            checkpoint.add(answer(line))
+    # A second, overlapping attempt answered line 9 again: the first part's answer is kept.
+    with Checkpoint(folder, answers=3, seconds=3600) as checkpoint:
+        checkpoint.add(Answer(line=9, kind="output", record={"custom_id": "again"}))
+    answered, answers = checkpoints.answers_in_line_order(loc, "k", memory_answers=memory_answers)
+    assert answered.count == len(finished) and all(line in answered for line in finished)
+    got = list(answers)
+    assert [a["line"] for a in got] == sorted(finished)
+    assert next(a for a in got if a["line"] == 9)["record"] == {"custom_id": "c-9"}
+    assert not list(scratch.iterdir())  # its sorted runs are gone

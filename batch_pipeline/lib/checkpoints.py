@@ -71,41 +71,56 @@ def iter_answers(loc: BatchLocation, key: str) -> Iterator[dict[str, Any]]:
 SORT_MEMORY_ANSWERS = 20_000
 
 
-def answers_in_line_order(loc: BatchLocation, key: str, memory_answers: int = SORT_MEMORY_ANSWERS,
-                          seen: LineSet | None = None) -> Iterator[dict[str, Any]]:
-    """Every checkpointed answer of the batch once (a line's first answer, in part order), in input
-    line order, whatever order the engine finished them in (ORDER=planned feeds it out of order).
+def answers_in_line_order(loc: BatchLocation, key: str,
+                          memory_answers: int = SORT_MEMORY_ANSWERS) -> tuple[LineSet, Iterator[dict[str, Any]]]:
+    """The lines answered, and every checkpointed answer of the batch once (a line's first answer,
+    in part order) in input line order, whatever order the engine finished them in (ORDER=planned
+    feeds it out of order).
 
     An external merge sort: at most `memory_answers` answers are held at once, each full buffer
     written sorted to a temporary file (a run) and the runs merged, so a batch of millions of lines
-    is put in order in bounded memory. Lines are added to `seen` as they are read."""
-    seen = LineSet() if seen is None else seen
-    with tempfile.TemporaryDirectory(prefix="batch-answers-") as folder:
-        runs: list[str] = []
-        buffer: list[tuple[int, bytes]] = []
+    is put in order in bounded memory. Every part is read before this returns, so the lines
+    answered are known before the first answer is taken; the runs are deleted once the answers have
+    been taken (or the iterator is closed)."""
+    seen = LineSet()
+    folder = tempfile.TemporaryDirectory(prefix="batch-answers-")
+    runs: list[str] = []
+    buffer: list[tuple[int, bytes]] = []
+    try:
         for part in storage.list_objects(answers_folder(loc, key), recursive=False):
             with storage.open_read(part.uri) as f:
                 for raw in f:
                     if not raw.strip():
                         continue
-                    line = _line_of(raw)
+                    line = record_line(raw)
                     if not seen.add(line):
                         continue
                     buffer.append((line, raw if raw.endswith(b"\n") else raw + b"\n"))
                     if len(buffer) >= memory_answers:
-                        runs.append(_write_run(folder, len(runs), buffer))
+                        runs.append(_write_run(folder.name, len(runs), buffer))
                         buffer = []
-        buffer.sort(key=lambda item: item[0])
-        streams = [_read_run(run) for run in runs] + [iter(buffer)]
-        for _, raw in heapq.merge(*streams, key=lambda item: item[0]):
-            yield json.loads(raw)
+    except BaseException:
+        folder.cleanup()
+        raise
+    buffer.sort(key=lambda item: item[0])
+
+    def merged() -> Iterator[dict[str, Any]]:
+        try:
+            streams = [_read_run(run) for run in runs] + [iter(buffer)]
+            for _, raw in heapq.merge(*streams, key=lambda item: item[0]):
+                yield json.loads(raw)
+        finally:
+            folder.cleanup()
+
+    return seen, merged()
 
 
 _LINE = re.compile(rb'\{"line":\s*(\d+)[,}]')
 
 
-def _line_of(raw: bytes) -> int:
-    """The line of a checkpointed answer, read off its start (Answer's first field) when it can be."""
+def record_line(raw: bytes) -> int:
+    """The input line of a work record (`{"line":N,...}`: a validated request as ingest writes it,
+    a checkpointed answer), read off its start without parsing the rest when it can be."""
     match = _LINE.match(raw)
     return int(match.group(1)) if match else int(json.loads(raw)["line"])
 

@@ -20,6 +20,7 @@ SCORE_URL = "/v1/score"
 RERANK_URL = "/v1/rerank"
 SCORING_URLS = (SCORE_URL, RERANK_URL)
 RESPONSES_URL = "/v1/responses"
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions endpoint: max_tokens when a line gives none
 SUPPORTED_URLS = (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -324,8 +325,7 @@ class CompletionBody(_SamplingBody):
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
 
     def token_limit(self) -> int | None:
-        # OpenAI's legacy completions endpoint defaults to 16 tokens.
-        return self.max_tokens if self.max_tokens is not None else 16
+        return self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
 
 
 class EmbeddingBody(_Lenient):

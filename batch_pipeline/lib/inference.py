@@ -5,24 +5,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import re
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from batch_pipeline.lib import storage
-from batch_pipeline.lib.checkpoints import Checkpoint, LineSet, answered_lines, answers_folder, checkpoint_key
+from batch_pipeline.lib.checkpoints import Checkpoint, LineSet, answered_lines, answers_folder, checkpoint_key, record_line
 from batch_pipeline.lib.engines import Engines
 from batch_pipeline.lib.ranks import RankedEngines
 from batch_pipeline.lib.shards import Shard, merge_if_complete
 from batch_pipeline.lib.gpu import GpuSampler
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.metrics import peak_memory_mb
-from batch_pipeline.lib.ordering import DEFAULT_ORDER, Plan, chat_template_renderer, make_plan
+from batch_pipeline.lib.ordering import Plan, chat_template_renderer, make_plan
 from batch_pipeline.lib.progress import Log, Progress, quiet
+from batch_pipeline.lib.settings import DEFAULT_ORDER
 from batch_pipeline.lib.validation import request_from_record
 
-_LINE = re.compile(rb'\{"line":(\d+),')
 
 
 def _requests_of(loc: BatchLocation, positions: range | None) -> Iterator[tuple[int, bytes]]:
@@ -46,8 +45,7 @@ def _records_of(loc: BatchLocation, positions: range | None) -> Iterator[tuple[i
             position += 1
             if positions is not None and position not in positions:
                 continue
-            match = _LINE.match(raw)
-            yield (int(match.group(1)) if match else json.loads(raw)["line"]), at, raw
+            yield record_line(raw), at, raw
 
 
 def plan_requests(loc: BatchLocation, positions: range | None, done: LineSet, count: int, model_path: str,
@@ -63,11 +61,6 @@ def plan_requests(loc: BatchLocation, positions: range | None, done: LineSet, co
     log(f"{label or loc.name}: planned the order of {len(plan)} requests in {plan.seconds:.2f}s "
         f"({plan.describe_groups()}; keyed on {plan.keyed_on})")
     return plan
-
-
-class _NoPlan:
-    def close(self) -> None:
-        pass
 
 
 def infer_batch(
@@ -144,7 +137,7 @@ def infer_batch(
     started, started_at = time.monotonic(), time.time()
     expired = False
     with Checkpoint(answers_folder(loc, key), checkpoint_answers, checkpoint_seconds) as checkpoint, GpuSampler() as gpu, \
-            contextlib.closing(plan or _NoPlan()):
+            (contextlib.closing(plan) if plan is not None else contextlib.nullcontext()):
         stream = engines.stream(validation["batch_id"], remaining, created=int(time.time()), expected=total - answered)
         for answer in stream:
             if not done.add(answer.line):

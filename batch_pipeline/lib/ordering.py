@@ -21,7 +21,7 @@ is contiguous in the plan (its prefix stays cached until its last user is schedu
 decodes lead within it. A request's expected decode is what its line says: `max_tokens` (or
 `max_completion_tokens`, `max_output_tokens`) times `n`, or the context when it names no limit.
 
-Memory: KEY_BYTES per request (hashes, decode, position) plus the positions' file offsets, in a
+Memory: KEY_BYTES per request (hashes, decode) plus the positions' file offsets, in a
 temporary file instead of memory past PLAN_MEMORY_BYTES (np.memmap); sorting adds ~24 bytes a
 request for its duration. Prompts themselves are never held: each request is read, keyed and
 dropped. The records are then read back in plan order by offset, from the work file itself when it
@@ -47,10 +47,12 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-DEFAULT_ORDER = "planned"
+from batch_pipeline.lib import contract
+
 # Cut points of the rendered prompt, in characters (bytes of its UTF-8).
 LEVELS = (64, 256, 1024, 4096, 16384, 65536)
-KEY_DTYPE = np.dtype([("hash", np.uint32, (len(LEVELS),)), ("decode", np.uint32), ("position", np.uint32)])
+# A request's key; its index in the keys array is its position among the requests keyed.
+KEY_DTYPE = np.dtype([("hash", np.uint32, (len(LEVELS),)), ("decode", np.uint32)])
 KEY_BYTES = KEY_DTYPE.itemsize
 # Keys of more requests than fit in this go to a temporary file (np.memmap) instead of memory.
 PLAN_MEMORY_BYTES = 64 * 2**20
@@ -58,7 +60,7 @@ PLAN_MEMORY_BYTES = 64 * 2**20
 UNBOUNDED_DECODE = 2**20
 MAX_DECODE = np.uint64(2**31 - 1)  # decodes are capped here for the sort key
 KEY_CHUNK = 8192  # keys are gathered in lists this long, then stored in one numpy assignment
-POOLING_URLS = ("/v1/embeddings", "/v1/score", "/v1/rerank")
+POOLING_URLS = (contract.EMBEDDINGS_URL, *contract.SCORING_URLS)
 
 Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
 
@@ -84,7 +86,7 @@ def prompt_text(url: str, body: dict[str, Any], render: Render | None = None) ->
     """The prompt of a request as the engine will see it, as far as the plan needs it: the chat
     template's rendering when `render` is given and accepts it, else the request's own text in the
     order templates lay it out (tools, then each message)."""
-    if url == "/v1/chat/completions":
+    if url == contract.CHAT_URL:
         messages = _messages(body)
         tools = body.get("tools") or None
         if render is not None:
@@ -94,12 +96,12 @@ def prompt_text(url: str, body: dict[str, Any], render: Render | None = None) ->
                 pass
         head = json.dumps(tools, sort_keys=True) if tools else ""
         return head + "".join(f"\x1e{m['role']}\x1f{m['content']}" for m in messages)
-    if url == "/v1/responses":
+    if url == contract.RESPONSES_URL:
         given = body.get("input")
         turns = given if isinstance(given, str) else "".join(
             f"\x1e{i.get('role', '')}\x1f{_text(i.get('content'))}" for i in given or [] if isinstance(i, dict))
         return f"{body.get('instructions') or ''}{turns}"
-    if url == "/v1/completions":
+    if url == contract.COMPLETIONS_URL:
         prompt = body.get("prompt")
         return prompt if isinstance(prompt, str) else json.dumps(prompt)
     return json.dumps([body.get(k) for k in ("input", "query", "queries", "documents", "text_1", "text_2")])
@@ -109,10 +111,10 @@ def expected_decode(url: str, body: dict[str, Any]) -> int:
     """Output tokens a request may take, from its line: its limit times `n` (0 for pooling)."""
     if url in POOLING_URLS:
         return 0
-    if url == "/v1/completions":
+    if url == contract.COMPLETIONS_URL:
         limit = body.get("max_tokens")
-        limit = 16 if limit is None else limit  # OpenAI's legacy default, as the engine applies it
-    elif url == "/v1/responses":
+        limit = contract.COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else limit
+    elif url == contract.RESPONSES_URL:
         limit = body.get("max_output_tokens")
     else:
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
@@ -302,13 +304,12 @@ def make_plan(
     finally:
         if copy is not None:
             copy.close()
-    keys["position"][:n] = np.arange(n, dtype=np.uint32)
     keys, offsets = keys[:n], offsets[:n]
     order = planned_order(keys)
     shared = shared_levels(keys["hash"], order)
     # A group starts wherever a request shares fewer levels than that with the one before it.
     groups = tuple(int(np.count_nonzero(shared <= level)) if n else 0 for level in range(len(LEVELS)))
-    plan = Plan(source=local_source, offsets=offsets, order=keys["position"][order].astype(np.int64),
+    plan = Plan(source=local_source, offsets=offsets, order=order.astype(np.int64),
                 seconds=time.perf_counter() - started, keyed_on=keyed_on, groups=groups, spilled=spilled,
                 shared=shared, _cleanup=cleanup)
     del keys

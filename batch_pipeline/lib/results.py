@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batch_pipeline.lib import contract, storage
-from batch_pipeline.lib.checkpoints import LineSet, answered_lines, answers_in_line_order
+from batch_pipeline.lib.checkpoints import LineSet, answers_in_line_order
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.responses import cancelled_line, expired_line
 from batch_pipeline.lib.table_inputs import PASSTHROUGH_NAME
@@ -23,10 +23,10 @@ def _in_line_order(loc: BatchLocation, key: str | None, not_run: bool) -> Iterat
     "answer"s (checkpointed, each line's first) and, with `not_run` (cancelled or expired), the
     valid requests that no answer covers. Each source is in line order; they are merged."""
     invalid = ((bad["line"], "invalid", bad) for bad in storage.iter_jsonl(loc.work("invalid.jsonl")))
-    answers = ((a["line"], "answer", a) for a in (answers_in_line_order(loc, key) if key else ()))
+    answered, sorted_answers = answers_in_line_order(loc, key) if key else (LineSet(), iter(()))
+    answers = ((a["line"], "answer", a) for a in sorted_answers)
     left: Iterator[tuple[int, str, dict[str, Any]]] = iter(())
     if not_run:
-        answered = answered_lines(loc, key) if key else LineSet()
         left = ((req["line"], "not_run", req) for req in storage.iter_jsonl(loc.work("requests.jsonl"))
                 if req["line"] not in answered)
     return heapq.merge(invalid, answers, left, key=lambda item: item[0])

@@ -43,6 +43,7 @@ ENGINE_ENV = {
 }
 # ORDER's values (lib/ordering.py plans the "planned" one).
 ORDERS = ("input", "planned")
+DEFAULT_ORDER = "planned"
 # Older names still read (the new name wins when both are set).
 ENGINE_ENV_ALIASES = {"SHARD_SIZE": "CHECKPOINT_ANSWERS"}
 
@@ -100,7 +101,7 @@ class EngineSettings:
     checkpoint_seconds: float = 5.0
     # The order requests are fed to the engine: "planned" (shared prompt prefixes together, long
     # decodes first: lib/ordering.py) or "input" (file order). Only the speed depends on it.
-    order: str = "planned"
+    order: str = DEFAULT_ORDER
     preset: str = ""  # ENGINE_PRESET that filled in the defaults, if any
 
     def __post_init__(self) -> None:
