@@ -9,7 +9,7 @@ pipeline's own Batch object; `client.files.content(batch.output_file_id)` is the
 Every /v1 path needs `Authorization: Bearer <key>`; keys are BATCH_API_KEYS (`tenant:key` pairs,
 comma-separated) or the lines of BATCH_API_KEYS_FILE. A tenant sees only its own files and batches.
 Errors are OpenAI's error bodies, so the SDK raises its own typed errors. Logs carry ids and counts,
-never file contents.
+never file contents; BATCH_API_AUDIT_LOG adds a JSON line per call (`audit.py`).
 """
 
 
@@ -28,6 +28,7 @@ from batch_pipeline.lib import contract, storage
 from batch_pipeline.lib.checkpoints import LineSet, iter_answers
 from batch_pipeline.lib.locations import BatchLocation
 from batch_pipeline.lib.settings import ConfigError, storage_settings_from_env
+from batch_pipeline.service.audit import AuditLog, AuditMiddleware, audit_log_from_env
 from batch_pipeline.service.store import Store, new_id
 
 log = logging.getLogger("batch_pipeline.service")
@@ -153,6 +154,7 @@ class Service:
     max_in_flight: int | None = None  # batches of one tenant not finished; None: no limit
     tenant_limits: dict[str, int | None] = field(default_factory=dict)  # per tenant, over max_in_flight
     min_expiry: int = MIN_EXPIRY_SECONDS
+    audit: AuditLog | None = None  # BATCH_API_AUDIT_LOG: a JSON line per call
     _client: Any = field(default=None, repr=False)
 
     # -- identity ----------------------------------------------------------------------------
@@ -168,6 +170,13 @@ class Service:
         if found is None:
             raise ApiError(401, "incorrect API key", code="invalid_api_key")
         return found
+
+    def tenant_or_none(self, authorization: str | None) -> str | None:
+        """The key's tenant, or None for a missing or wrong key (the audit log's)."""
+        try:
+            return self.tenant(authorization)
+        except ApiError:
+            return None
 
     # -- Dagster -----------------------------------------------------------------------------
 
@@ -502,6 +511,8 @@ def create_app(service: Service) -> Any:
     from fastapi.responses import JSONResponse, Response
 
     app = FastAPI(title="batch_pipeline Batch API", docs_url=None, redoc_url=None)
+    if service.audit is not None:  # a JSON line per call (BATCH_API_AUDIT_LOG), X-Request-Id on every answer
+        app.add_middleware(AuditMiddleware, log=service.audit, tenant_of=service.tenant_or_none)
 
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
@@ -614,6 +625,7 @@ def service_from_env() -> Service:
         max_file_bytes=_positive(env.get("BATCH_API_MAX_FILE_BYTES", ""), "BATCH_API_MAX_FILE_BYTES") or MAX_FILE_BYTES,
         max_file_requests=(_positive(env.get("BATCH_API_MAX_FILE_REQUESTS", ""), "BATCH_API_MAX_FILE_REQUESTS")
                            or MAX_FILE_REQUESTS),
+        audit=audit_log_from_env(),  # last: a bad setting above refuses the start before the file is opened
     )
 
 
