@@ -125,7 +125,7 @@ def test_records_are_read_back_from_a_local_copy_in_plan_order(tmp_path):
     bodies = docs_and_questions(docs=3, questions=4)
     raws = [record(i, body) for i, body in enumerate(bodies)]
     plan = ordering.make_plan(((0, raw) for raw in raws), len(raws), None, temp_dir=str(tmp_path))
-    copy = plan.source
+    (copy,) = plan.sources
     assert copy.startswith(str(tmp_path)) and sorted(plan.records()) == sorted(raws)
     # 3 documents in the first block, 12 distinct prompts in all: what the run's log says.
     assert plan.groups[0] == 3 and plan.groups[-1] == 12
@@ -238,7 +238,7 @@ def test_data_parallel_ranks_get_whole_prefix_groups_where_they_can():
     bodies = docs_and_questions(docs=6, questions=6)
     raws = [record(i, body) for i, body in enumerate(bodies)]
     plan = ordering.make_plan(((0, raw) for raw in raws), len(raws), None)
-    stream = plan.stream(lambda raw: json.loads(raw)["line"])
+    stream = plan.stream(lambda raw, _batch: json.loads(raw)["line"])
     ranks = [_FakeRank(), _FakeRank()]
     feeder = _Feeder(stream, None, len(ranks))
     while not feeder.exhausted:
@@ -265,3 +265,28 @@ def test_without_a_plan_the_feeder_hands_out_what_is_asked():
     rank.wants.extend([5, 5])
     _Feeder(iter(range(7)), None, 1).serve([rank])
     assert rank.conn.sent == [("requests", [0, 1, 2, 3, 4]), ("requests", [5, 6])]
+
+
+def test_one_plan_over_several_batches_puts_their_shared_prefixes_together(tmp_path):
+    # Three files of a date asking about the same documents; the first is local, the others are
+    # read as a remote work file would be (copied locally as they are keyed).
+    bodies = docs_and_questions(docs=4, questions=6)
+    files = [bodies[0:8], bodies[8:16], bodies[16:24]]
+    local = tmp_path / "requests.jsonl"
+    raws = [record(i, body) for i, body in enumerate(files[0])]
+    local.write_bytes(b"".join(raws))
+    offsets = list(itertools.accumulate((len(r) for r in raws), initial=0))[:-1]
+    parts = [ordering.PlanPart(zip(offsets, raws), len(raws), str(local))]
+    parts += [ordering.PlanPart(((0, record(i, body)) for i, body in enumerate(f)), len(f), None) for f in files[1:]]
+    plan = ordering.make_joint_plan(parts)
+    try:
+        assert plan.sources[0] == str(local) and plan.sources[1] == plan.sources[2] != str(local)
+        entries = [(part, json.loads(raw)["line"]) for part, raw in plan.entries()]
+    finally:
+        plan.close()
+    assert sorted(entries) == [(p, line) for p, f in enumerate(files) for line in range(len(f))]  # each once
+    docs = [files[part][line]["doc"] for part, line in entries]
+    assert [doc for doc, _ in itertools.groupby(docs)] == sorted(set(docs), key=docs.index)  # a document's lines together
+    # ... across files: some document's run holds lines of more than one file.
+    assert any(len({p for (p, _), d in zip(entries, docs) if d == doc}) > 1 for doc in set(docs))
+    assert plan.groups[0] == 4 and len(plan) == 24

@@ -1,7 +1,8 @@
 """ORDER=planned against ORDER=input on real runs of the bundled SmolLM2 (greedy, so answers are
 comparable): the same output, error and results files byte for byte apart from ids, timings and
 prefix-cache counts, and the figures the plan adds (ordering, planning_seconds,
-prefix_cache_hit_rate) in metrics.json and the throughput_metrics materialization. The plan itself
+prefix_cache_hit_rate) in metrics.json and the throughput_metrics materialization. The date holds
+two files asking about the same documents: planned, they are answered as one stream. The plan itself
 is tested in test_ordering.py; a kill -9 mid-run resumed under the plan in test_reliability.py.
 """
 
@@ -53,10 +54,23 @@ def batch_lines() -> list[str]:
     return text
 
 
+def more_lines() -> list[str]:
+    """A second file of the date: other questions about the same documents."""
+    lines = []
+    for d in (2, 0, 3, 1):
+        doc = f"Report {d}: the warehouse in city {d} shipped {100 + d} crates of item {d * 3} this week. " * 6
+        body = {"model": MODEL, "messages": [{"role": "system", "content": "Answer in a few words."},
+                                             {"role": "user", "content": f"{doc}\nWhat was shipped?"}],
+                "max_tokens": 6, "temperature": 0}
+        lines.append(json.dumps({"custom_id": f"more-{d}", "method": "POST", "url": "/v1/chat/completions", "body": body}))
+    return lines
+
+
 def run(llm, folder: Path, order: str) -> tuple[Path, dg.ExecuteInProcessResult]:
     inbox, out = folder / "in", folder / f"out-{order}"
     (inbox / DATE).mkdir(parents=True, exist_ok=True)
     (inbox / DATE / "docs.jsonl").write_text("\n".join(batch_lines()) + "\n")
+    (inbox / DATE / "more.jsonl").write_text("\n".join(more_lines()) + "\n")
     result = dg.materialize(
         BATCH_ASSETS, partition_key=DATE, instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
         resources={"batch": BatchSelection(), "llm": llm.rebuilt(order=order),
@@ -76,6 +90,9 @@ def test_planned_order_changes_nothing_a_user_sees(smollm2_llm, tmp_path):
 
     for name in ("output.jsonl", "errors.jsonl"):
         assert masked(planned / name) == masked(plain / name), name
+        assert masked(planned.parent / "more" / name) == masked(plain.parent / "more" / name), f"more/{name}"
+    more = [json.loads(line) for line in (planned.parent / "more" / "output.jsonl").read_text().split("\n") if line]
+    assert [o["custom_id"] for o in more] == ["more-2", "more-0", "more-3", "more-1"]
     outputs = [json.loads(line) for line in (planned / "output.jsonl").read_text().split("\n") if line]
     errors = [json.loads(line) for line in (planned / "errors.jsonl").read_text().split("\n") if line]
     assert len(outputs) == 14 and len(errors) == 3  # 12 chat, completion, embedding; 2 invalid, too long
@@ -102,9 +119,23 @@ def test_planned_order_changes_nothing_a_user_sees(smollm2_llm, tmp_path):
     assert metrics["prefix_cache_hit_rate"] == round(cached / batch["usage"]["input_tokens"], 4) > 0
     assert 0 <= metrics["engine_idle_share"] < 1
 
+    # Planned, the date's two files were one stream: each record names the other, and the stream's
+    # time is shared out between them (their seconds add up; ORDER=input answered them in turn).
+    records = {name: json.loads((planned.parent / name / "_work" / "inference.json").read_text()) for name in ("docs", "more")}
+    assert records["docs"]["answered_with"] == ["more"] and records["more"]["answered_with"] == ["docs"]
+    assert records["docs"]["inference_started_at"] == records["more"]["inference_started_at"]
+    assert records["docs"]["inference_seconds"] > records["more"]["inference_seconds"] > 0  # 13 answers against 4
+    assert "answered_with" not in json.loads((plain.parent / "more" / "_work" / "inference.json").read_text())
+    more_batch = json.loads((planned.parent / "more" / "batch.json").read_text())
+    assert more_batch["request_counts"] == {"total": 4, "completed": 4, "failed": 0}
+
     [event] = [e for e in planned_run.get_asset_materialization_events()
                if e.asset_key.to_user_string() == "throughput_metrics"]
     figures = {k: v.value for k, v in event.materialization.metadata.items()}
     assert figures["ordering"] == "planned"
-    assert figures["prefix_cache_hit_rate"] == pytest.approx(metrics["prefix_cache_hit_rate"], abs=1e-3)  # rounded to 3 places
-    assert figures["planning_seconds"] == metrics["planning_seconds"]
+    # The date's figures: both files'.
+    usage = [json.loads((planned.parent / name / "batch.json").read_text())["usage"] for name in ("docs", "more")]
+    rate = sum(u["input_tokens_details"]["cached_tokens"] for u in usage) / sum(u["input_tokens"] for u in usage)
+    assert figures["prefix_cache_hit_rate"] == pytest.approx(rate, abs=1e-3)  # rounded to 3 places
+    both = records["docs"]["planning_seconds"] + records["more"]["planning_seconds"]
+    assert figures["planning_seconds"] == pytest.approx(both, abs=2e-3) and figures["planning_seconds"] > 0

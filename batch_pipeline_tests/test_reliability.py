@@ -30,6 +30,7 @@ import pytest
 from batch_pipeline.cli import run_batch
 from batch_pipeline.defs.assets import RETRY_DELAY_SECONDS
 from batch_pipeline.defs.resources import StorageResource
+from batch_pipeline_tests.asset_runs import materialize
 from batch_pipeline_tests.cli_runs import answered_once, read_results
 from batch_pipeline_tests.conftest import TINY_NAME, SessionLLM, tiny_env
 
@@ -132,13 +133,15 @@ class InterruptedLLM(SessionLLM):
 def test_terminated_run_says_cancelled_keeps_answers_and_next_run_resumes(tiny_llm, tmp_path):
     ids = [f"c-{i:02d}" for i in range(40)]
     batch = tmp_path / "cancel.jsonl"
-    # Short requests finish within the first steps, long ones are still running when the "terminate" comes.
+    # Short requests finish within the first steps, long ones are still running when the "terminate"
+    # comes. In file order: ORDER=planned would feed the long ones first, and with an engine of 8
+    # sequences (this test's, when it builds the session's engine) none would finish by step 10.
     lines = [chat_line(i, max_tokens=2 if n % 2 else 40, ignore_eos=True) for n, i in enumerate(ids)]
     batch.write_text("\n".join(lines) + "\n" + '{"broken"\n')
     out = tmp_path / "out"
     storage = StorageResource(input_path=str(tmp_path), output_path=str(out))
 
-    interrupted = tiny_llm.rebuilt(InterruptedLLM, batch_size=8, checkpoint_answers=4)
+    interrupted = tiny_llm.rebuilt(InterruptedLLM, batch_size=8, checkpoint_answers=4, order="input")
     result = run_batch(str(batch), str(out), "2026-11-30", resources={"llm": interrupted, "storage": storage})
     assert not result.success
     outputs, errors, batch_obj = read_results(out)
@@ -155,6 +158,42 @@ def test_terminated_run_says_cancelled_keeps_answers_and_next_run_resumes(tiny_l
     assert batch2["status"] == "completed" and len(outputs2) == 40
     kept = {o["custom_id"]: o["response"]["body"]["choices"] for o in outputs}
     assert all(o["response"]["body"]["choices"] == kept[o["custom_id"]] for o in outputs2 if o["custom_id"] in kept)
+
+
+class LaterInterruptedLLM(SessionLLM):
+    def build_engine(self, kwargs: dict[str, Any]) -> Any:
+        return _InterruptingEngine(super().build_engine(kwargs), after_steps=20)
+
+
+def test_interrupt_while_answering_a_date_together_cancels_only_the_unfinished_file(tiny_llm, tmp_path):
+    # ORDER=planned answers a date's files as one stream: all 6 lines run at once (the engine takes
+    # 8 sequences or more), "early"'s 4-token lines are done by step 5, "late"'s 60-token ones are
+    # still decoding when the "terminate" comes at step 20.
+    day = tmp_path / "in" / "2026-11-30"
+    day.mkdir(parents=True)
+    late = [f"late-{i:02d}" for i in range(4)]
+    (day / "early.jsonl").write_text("\n".join(chat_line(f"early-{i}", max_tokens=4, ignore_eos=True) for i in range(2)) + "\n")
+    (day / "late.jsonl").write_text("\n".join(chat_line(i, max_tokens=60, ignore_eos=True) for i in late) + "\n")
+    out = tmp_path / "out"
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(out))
+    interrupted = tiny_llm.rebuilt(LaterInterruptedLLM, batch_size=8, checkpoint_answers=4, order="planned")
+    result = materialize(interrupted, str(tmp_path / "in"), str(out), partition="2026-11-30")
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    reason = failure.step_failure_data.user_failure_data.description
+    assert reason == "cancelled: late; the next run resumes the rest", reason
+    early = json.loads((out / "2026-11-30" / "early" / "_work" / "inference.json").read_text())
+    assert early["finished_at"] and early["computed_requests"] == 2 and early["answered_with"] == ["late"]
+    assert json.loads((out / "2026-11-30" / "late" / "batch.json").read_text())["status"] == "cancelled"
+    assert not (out / "2026-11-30" / "early" / "batch.json").exists()  # its results come with the next run
+
+    result = materialize(tiny_llm, str(tmp_path / "in"), str(out), partition="2026-11-30")
+    assert result.success
+    for name, ids in (("early", ["early-0", "early-1"]), ("late", late)):
+        outputs, errors, batch_obj = read_results(out / "2026-11-30" / name)
+        answered_once(outputs, errors, ids)
+        assert batch_obj["status"] == "completed" and not errors, name
+    assert json.loads((out / "2026-11-30" / "early" / "_work" / "inference.json").read_text())["finished_at"] == early["finished_at"]
 
 
 HOSTILE = {

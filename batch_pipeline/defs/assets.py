@@ -16,7 +16,7 @@ from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageRe
 from batch_pipeline.lib import checkpoints, contract, locations, metrics, progress, tables
 from batch_pipeline.lib.engine_args import require_hardware
 from batch_pipeline.lib.ingest import validate_batch
-from batch_pipeline.lib.inference import infer_batch
+from batch_pipeline.lib.inference import answered_in_full, infer_batches
 from batch_pipeline.lib.locations import BatchLocation, RunBatches
 from batch_pipeline.lib.results import finalize_batch
 from batch_pipeline.lib.settings import DEFAULT_MAX_FAILED_LINE_RATE, ConfigError, max_failed_line_rate_from_env
@@ -213,7 +213,7 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
     rows, load_seconds, infer_seconds = [], 0.0, 0.0
     if pending:
         settings = llm.settings()
-        at = 0  # the batch being answered when an interrupt lands
+        identity: dict[str, Any] | None = None  # known once the engines are open
         try:
             # Inside the interrupt handling: a terminate that lands here (the retry's wait; the
             # hardware check imports torch, seconds on a loaded machine) cancels like one that lands
@@ -227,32 +227,35 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
                 registry = list(settings.model_registry())
             except ConfigError as e:  # a setting, not a crash: retrying cannot help
                 raise dg.Failure(description=str(e), allow_retries=False) from None
-            if registry:  # MODELS_FILE: the files of one model one after another, so each model loads once
-                order = {name: i + 1 for i, name in enumerate(registry)}
-                models = {loc.name: validation["model"] for loc, validation in validated}
-                pending.sort(key=lambda loc: order.get(models[loc.name], 0))
+            # The batches of one model together (MODELS_FILE: one model after another, so each
+            # loads once); ORDER=planned answers each group as one planned stream.
+            order = {name: i + 1 for i, name in enumerate(registry)}
+            models = {loc.name: validation["model"] for loc, validation in validated}
+            groups: dict[int, list[BatchLocation]] = {}
+            for loc in pending:
+                groups.setdefault(order.get(models[loc.name], 0), []).append(loc)
             with llm.open(log=context.log.info) as engines:
                 identity = llm.identity()
-                for at, loc in enumerate(pending):
-                    info = infer_batch(
-                        loc, engines, identity, settings.checkpoint_answers, settings.checkpoint_seconds,
+                for _, group in sorted(groups.items()):
+                    infos = infer_batches(
+                        group, engines, identity, settings.checkpoint_answers, settings.checkpoint_seconds,
                         log=context.log.info, shard=shard, deadline=deadline, order=settings.order,
                     )
-                    if info["computed_requests"]:
-                        load_seconds += info["model_load_seconds"]
-                        infer_seconds += info["inference_seconds"]
-                    rows.append({
-                        "batch": loc.name,
-                        "resumed": info["resumed_requests"],
-                        "computed": info["computed_requests"],
-                        "seconds": info["inference_seconds"] if info["computed_requests"] else 0.0,
-                    })
-                at = len(pending)
+                    for loc, info in zip(group, infos):
+                        if info["computed_requests"]:
+                            load_seconds += info["model_load_seconds"]
+                            infer_seconds += info["inference_seconds"]
+                        rows.append({
+                            "batch": loc.name,
+                            "resumed": info["resumed_requests"],
+                            "computed": info["computed_requests"],
+                            "seconds": info["inference_seconds"] if info["computed_requests"] else 0.0,
+                        })
         except (dg.DagsterExecutionInterruptedError, KeyboardInterrupt) as interrupt:
             # Terminated from the UI (or Ctrl-C), while loading, answering or shutting the engine
             # down: keep what is answered, say "cancelled". A shard writes no results: the other
             # shards may still be answering theirs.
-            left = pending[at:]
+            left = [loc for loc in pending if identity is None or not answered_in_full(loc, identity, shard)]
             for cancelled in left if shard.whole else ():
                 finalize_batch(cancelled, {"dagster_run_id": context.run.run_id}, cancelled=True)
                 context.log.warning(f"{cancelled.name}: cancelled; the next run resumes the rest")

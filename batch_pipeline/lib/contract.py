@@ -678,6 +678,9 @@ class BatchRequest(BaseModel):
     custom_id: str
     url: str
     body: dict[str, Any]
+    # The batch the line is of, when one engine stream answers several batches (a run's files
+    # planned together, lib/inference.py); empty: the stream's own batch id.
+    batch_id: str = ""
 
     def parsed_body(self) -> Body:
         return BODY_MODELS[self.url].model_validate(self.body)  # type: ignore[return-value]

@@ -15,12 +15,13 @@ class EmbeddingEngine(vllm_adapter.ServedModel):
 
         answers: list[Answer] = []
         for req in requests:
+            of = req.batch_id or batch_id  # the request's own batch, when a stream answers several
             body = req.parsed_body()
             inputs = body.inputs()
             longest = max(len(self.tokenizer.encode(text)) for text in inputs)
             if longest > self.max_model_len:
                 message = f"an input is {longest} tokens; the embedding model's limit is {self.max_model_len}"
-                answers.append(responses.contract_error(batch_id, req, contract.CONTEXT_LENGTH_EXCEEDED, message))
+                answers.append(responses.contract_error(of, req, contract.CONTEXT_LENGTH_EXCEEDED, message))
                 continue
             # Requests differ in `dimensions`, so each request is its own embed call over its inputs;
             # the pooling runner is not the bottleneck of a batch that is mostly generation.
@@ -28,7 +29,7 @@ class EmbeddingEngine(vllm_adapter.ServedModel):
                 params = PoolingParams(dimensions=body.dimensions) if body.dimensions else None
                 outs = self.llm.embed(inputs, pooling_params=params, use_tqdm=False)
             except Exception as e:  # noqa: BLE001 - e.g. dimensions on a model without Matryoshka
-                answers.append(responses.engine_error(batch_id, req, e))
+                answers.append(responses.engine_error(of, req, e))
                 continue
-            answers.append(responses.embeddings_body(batch_id, req, body, outs, self.served_model_name))
+            answers.append(responses.embeddings_body(of, req, body, outs, self.served_model_name))
         return answers

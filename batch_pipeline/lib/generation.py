@@ -208,10 +208,11 @@ class GenerationEngine(vllm_adapter.ServedModel):
 
     def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int) -> Iterator[Answer]:
         """Answer requests as they finish, keeping the engine fed (continuous batching over the
-        whole batch, no barriers). Each request is answered exactly once."""
+        whole batch, no barriers). Each request is answered exactly once. `batch_id` names the
+        batch of requests that do not name their own (BatchRequest.batch_id)."""
         window = self.window()
         pending: dict[str, tuple[Prepared, int, str]] = {}  # output id -> (item, prompt index, enqueued id)
-        collected: dict[int, list[Any]] = {}  # input line -> outputs per prompt
+        collected: dict[tuple[str, int], list[Any]] = {}  # (batch, input line) -> outputs per prompt
         source = iter(requests)
         exhausted = False
         clock, began = self.clock, time.perf_counter()
@@ -224,16 +225,17 @@ class GenerationEngine(vllm_adapter.ServedModel):
                         break
                     if req is NOTHING_YET:
                         break
-                    prepared = self.prepare(batch_id, req)
+                    of = req.batch_id or batch_id
+                    prepared = self.prepare(of, req)
                     if isinstance(prepared, Answer):
                         yield prepared
                         continue
                     try:
                         enqueued = self._enqueue(prepared)
                     except Exception as e:  # noqa: BLE001 - the engine refused this request (e.g. its schema)
-                        yield responses.engine_error(batch_id, req, e)
+                        yield responses.engine_error(of, req, e)
                         continue
-                    collected[req.line] = [None] * len(enqueued)
+                    collected[(of, req.line)] = [None] * len(enqueued)
                     for index, enqueued_id in enumerate(enqueued):
                         pending[vllm_adapter.output_request_id(enqueued_id)] = (prepared, index, enqueued_id)
                 if not pending:
@@ -250,11 +252,12 @@ class GenerationEngine(vllm_adapter.ServedModel):
                     if not out.finished or out.request_id not in pending:
                         continue
                     item, index, _ = pending.pop(out.request_id)
-                    slots = collected[item.req.line]
+                    of = item.req.batch_id or batch_id
+                    slots = collected[(of, item.req.line)]
                     slots[index] = out
                     if all(slot is not None for slot in slots):
-                        del collected[item.req.line]
-                        yield self._answer(batch_id, item, slots, created)
+                        del collected[(of, item.req.line)]
+                        yield self._answer(of, item, slots, created)
         finally:
             clock.active += time.perf_counter() - began
             if pending:  # interrupted: do not leave half-done requests running in the engine

@@ -21,7 +21,10 @@ is contiguous in the plan (its prefix stays cached until its last user is schedu
 decodes lead within it. A request's expected decode is what its line says: `max_tokens` (or
 `max_completion_tokens`, `max_output_tokens`) times `n`, or the context when it names no limit.
 
-Memory: KEY_BYTES per request (hashes, decode) plus the positions' file offsets, in a
+One plan may cover several batches (a run's files, which often share system prompts): each keyed
+request also records which batch it is of, and the walk above runs over all of them together.
+
+Memory: KEY_BYTES per request (hashes, decode) plus the positions' file offsets and batch, in a
 temporary file instead of memory past PLAN_MEMORY_BYTES (np.memmap); sorting adds ~24 bytes a
 request for its duration. Prompts themselves are never held: each request is read, keyed and
 dropped. The records are then read back in plan order by offset, from the work file itself when it
@@ -40,7 +43,7 @@ import os
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -207,12 +210,24 @@ class PlannedStream:
         return request
 
 
+@dataclass(frozen=True)
+class PlanPart:
+    """The requests of one batch (or shard) to plan: `count` records as (byte offset in
+    `local_source`, raw requests.jsonl record). `local_source` None: the file is not local (S3),
+    and the records are copied to a local temporary file as they are keyed."""
+
+    records: Iterable[tuple[int, bytes]]
+    count: int
+    local_source: str | None
+
+
 @dataclass
 class Plan:
-    """The requests of one batch (or shard) left to answer, and the order to feed them in."""
+    """The requests left to answer of one or more batches (or shards), and the order to feed them in."""
 
-    source: str  # the file the records are read from (the work file, or a local copy of it)
-    offsets: np.ndarray  # byte offset of each keyed request's record in `source`
+    sources: list[str]  # per batch, the file its records are read from (its work file, or a local copy)
+    offsets: np.ndarray  # byte offset of each keyed request's record in its batch's source
+    parts: np.ndarray  # the batch (index into `sources`) of each keyed request
     order: np.ndarray  # positions into `offsets`, in the order to feed them
     seconds: float = 0.0
     keyed_on: str = ""
@@ -231,16 +246,31 @@ class Plan:
         return (f"prefix groups at {'/'.join(str(c) for c in LEVELS)} characters: "
                 f"{'/'.join(str(g) for g in self.groups)}")
 
+    def entries(self) -> Iterator[tuple[int, bytes]]:
+        """(batch, raw record) in plan order."""
+        files: dict[str, BinaryIO] = {}
+        try:
+            for position in self.order:
+                part = int(self.parts[position])
+                path = self.sources[part]
+                f = files.get(path)
+                if f is None:
+                    f = files[path] = open(path, "rb")  # noqa: SIM115 - closed below
+                f.seek(int(self.offsets[position]))
+                yield part, f.readline()
+        finally:
+            for f in files.values():
+                f.close()
+
     def records(self) -> Iterator[bytes]:
         """The raw records in plan order."""
-        with open(self.source, "rb") as f:
-            for position in self.order:
-                f.seek(int(self.offsets[position]))
-                yield f.readline()
+        return (raw for _, raw in self.entries())
 
-    def stream(self, parse: Callable[[bytes], Any]) -> "PlannedStream":
-        """The requests in plan order, parsed, with each one's shared prefix depth alongside."""
-        return PlannedStream(map(parse, self.records()), iter(self.shared.tolist() if len(self.shared) else ()))
+    def stream(self, parse: Callable[[bytes, int], Any]) -> "PlannedStream":
+        """The requests in plan order, each parsed by `parse(raw record, batch)`, with each one's
+        shared prefix depth alongside."""
+        return PlannedStream((parse(raw, part) for part, raw in self.entries()),
+                             iter(self.shared.tolist() if len(self.shared) else ()))
 
     def close(self) -> None:
         while self._cleanup:
@@ -259,19 +289,35 @@ def make_plan(
     """Key `count` records (offset in their file, raw JSON of a requests.jsonl record) and plan
     their order. `local_source`: the file the offsets point into, or None to copy each record to a
     local temporary file as it is keyed (a work file on S3)."""
+    return make_joint_plan([PlanPart(records, count, local_source)], render, keyed_on, memory_bytes, temp_dir)
+
+
+def make_joint_plan(
+    parts: Sequence[PlanPart],
+    render: Render | None = None,
+    keyed_on: str = "request text",
+    memory_bytes: int = PLAN_MEMORY_BYTES,
+    temp_dir: str | None = None,
+) -> Plan:
+    """Key the records of every part (batch) and plan their order together: requests of different
+    batches that share a prefix go to the engine together."""
     started = time.perf_counter()
+    if len(parts) > 2**16:
+        raise ValueError(f"{len(parts)} batches in one plan; at most {2**16}")
+    count = sum(part.count for part in parts)
     tmp = tempfile.TemporaryDirectory(prefix="batch-plan-", dir=temp_dir)
     cleanup = [tmp.cleanup]
-    spilled = count * (KEY_BYTES + 8) > memory_bytes
+    spilled = count * (KEY_BYTES + 8 + 2) > memory_bytes
     if spilled:
-        keys = np.memmap(Path(tmp.name) / "keys", dtype=KEY_DTYPE, mode="w+", shape=(max(count, 1),))[:count]
-        offsets = np.memmap(Path(tmp.name) / "offsets", dtype=np.int64, mode="w+", shape=(max(count, 1),))[:count]
+        def array(name: str, dtype: Any) -> np.ndarray:
+            return np.memmap(Path(tmp.name) / name, dtype=dtype, mode="w+", shape=(max(count, 1),))[:count]
+
+        keys, offsets, batch = array("keys", KEY_DTYPE), array("offsets", np.int64), array("parts", np.uint16)
     else:
-        keys, offsets = np.zeros(count, dtype=KEY_DTYPE), np.zeros(count, dtype=np.int64)
+        keys, offsets, batch = np.zeros(count, dtype=KEY_DTYPE), np.zeros(count, dtype=np.int64), np.zeros(count, dtype=np.uint16)
     copy: BinaryIO | None = None
-    if local_source is None:
-        local_source = str(Path(tmp.name) / "requests.jsonl")
-        copy = open(local_source, "wb")  # noqa: SIM115 - closed below
+    copy_path = str(Path(tmp.name) / "requests.jsonl")
+    sources: list[str] = []
     n = 0
     chunk: tuple[list[list[int]], list[int], list[int]] = ([], [], [])  # hashes, decodes, offsets
 
@@ -286,30 +332,37 @@ def make_plan(
                 column.clear()
 
     try:
-        for offset, raw in records:
-            if n >= count:
-                raise ValueError(f"more requests than the {count} expected")
-            request = json.loads(raw)["request"]
-            url, body = request.get("url", ""), request.get("body") or {}
-            if copy is not None:
-                offset = copy.tell()
-                copy.write(raw if raw.endswith(b"\n") else raw + b"\n")
-            chunk[0].append(prefix_hashes(prompt_text(url, body, render)))
-            chunk[1].append(expected_decode(url, body))
-            chunk[2].append(offset)
-            n += 1
-            if len(chunk[0]) >= KEY_CHUNK:
-                flush()
-        flush()
+        for index, part in enumerate(parts):
+            if part.local_source is None and copy is None:
+                copy = open(copy_path, "wb")  # noqa: SIM115 - closed below
+            sources.append(part.local_source if part.local_source is not None else copy_path)
+            first, limit = n, n + part.count
+            for offset, raw in part.records:
+                if n >= limit:
+                    raise ValueError(f"more requests than the {part.count} expected")
+                request = json.loads(raw)["request"]
+                url, body = request.get("url", ""), request.get("body") or {}
+                if part.local_source is None:
+                    assert copy is not None
+                    offset = copy.tell()
+                    copy.write(raw if raw.endswith(b"\n") else raw + b"\n")
+                chunk[0].append(prefix_hashes(prompt_text(url, body, render)))
+                chunk[1].append(expected_decode(url, body))
+                chunk[2].append(offset)
+                n += 1
+                if len(chunk[0]) >= KEY_CHUNK:
+                    flush()
+            flush()
+            batch[first:n] = index
     finally:
         if copy is not None:
             copy.close()
-    keys, offsets = keys[:n], offsets[:n]
+    keys, offsets, batch = keys[:n], offsets[:n], batch[:n]
     order = planned_order(keys)
     shared = shared_levels(keys["hash"], order)
     # A group starts wherever a request shares fewer levels than that with the one before it.
     groups = tuple(int(np.count_nonzero(shared <= level)) if n else 0 for level in range(len(LEVELS)))
-    plan = Plan(source=local_source, offsets=offsets, order=order.astype(np.int64),
+    plan = Plan(sources=sources, offsets=offsets, parts=batch, order=order.astype(np.int64),
                 seconds=time.perf_counter() - started, keyed_on=keyed_on, groups=groups, spilled=spilled,
                 shared=shared, _cleanup=cleanup)
     del keys

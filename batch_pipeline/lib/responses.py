@@ -31,6 +31,7 @@ class Answer:
     reasoning_tokens: int = 0  # of completion_tokens, the thinking (REASONING_PARSER)
     cached_tokens: int = 0  # of prompt_tokens, the ones found in vLLM's prefix cache
     rank: int = 0  # the data-parallel rank that computed it (ranks.py); 0 with one engine
+    batch_id: str = ""  # the batch whose line it answers (a stream may answer several: BatchRequest.batch_id)
 
 
 def error_line(batch_id: str, line: int, custom_id: str | None, code: str, message: str) -> dict[str, Any]:
@@ -45,7 +46,8 @@ def error_line(batch_id: str, line: int, custom_id: str | None, code: str, messa
 
 def contract_error(batch_id: str, req: contract.BatchRequest, code: str, message: str) -> Answer:
     """A request refused before it ran (e.g. a prompt longer than the context)."""
-    return Answer(req.line, "error", error_line(batch_id, req.line, req.custom_id, code, f"line {req.line}: {message}"))
+    return Answer(req.line, "error", error_line(batch_id, req.line, req.custom_id, code, f"line {req.line}: {message}"),
+                  batch_id=batch_id)
 
 
 def cancelled_line(batch_id: str, line: int, custom_id: str) -> dict[str, Any]:
@@ -69,12 +71,13 @@ def engine_error(batch_id: str, req: contract.BatchRequest, exc: BaseException, 
             "code": None,
         }
     }
-    return Answer(req.line, "error", _envelope(batch_id, req, status, body))
+    return Answer(req.line, "error", _envelope(batch_id, req, status, body), batch_id=batch_id)
 
 
 def success(batch_id: str, req: contract.BatchRequest, body: dict[str, Any], prompt: int, completion: int,
             reasoning: int = 0, cached: int = 0) -> Answer:
-    return Answer(req.line, "output", _envelope(batch_id, req, 200, body), prompt, completion, reasoning, cached)
+    return Answer(req.line, "output", _envelope(batch_id, req, 200, body), prompt, completion, reasoning, cached,
+                  batch_id=batch_id)
 
 
 def _envelope(batch_id: str, req: contract.BatchRequest, status: int, body: dict[str, Any]) -> dict[str, Any]:

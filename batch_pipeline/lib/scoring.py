@@ -21,6 +21,7 @@ class ScoringEngine(vllm_adapter.ServedModel):
     def run(self, batch_id: str, requests: Sequence[contract.BatchRequest], created: int) -> list[Answer]:
         answers = []
         for req in requests:
+            of = req.batch_id or batch_id  # the request's own batch, when a stream answers several
             body = req.parsed_body()
             if req.url == contract.RERANK_URL:
                 left, right = [body.query], body.document_list()
@@ -28,7 +29,7 @@ class ScoringEngine(vllm_adapter.ServedModel):
                 left, right = body.pairs_sides()
             too_long = self._too_long(left + right)
             if too_long:
-                answers.append(responses.contract_error(batch_id, req, contract.CONTEXT_LENGTH_EXCEEDED, too_long))
+                answers.append(responses.contract_error(of, req, contract.CONTEXT_LENGTH_EXCEEDED, too_long))
                 continue
             try:
                 outs = self.llm.score(left if len(left) > 1 else left[0], right, use_tqdm=False)
@@ -36,15 +37,15 @@ class ScoringEngine(vllm_adapter.ServedModel):
                 if failed is not None:
                     raise RuntimeError(str(failed))
             except Exception as e:  # noqa: BLE001 - e.g. a pair longer than a cross-encoder's context
-                answers.append(responses.engine_error(batch_id, req, e))
+                answers.append(responses.engine_error(of, req, e))
                 continue
             prompt_tokens = sum(len(o.prompt_token_ids or []) for o in outs)
             scores = [float(o.outputs.score) for o in outs]
             if req.url == contract.RERANK_URL:
-                payload = rerank_body(batch_id, req.line, body, right, scores, self.served_model_name, prompt_tokens)
+                payload = rerank_body(of, req.line, body, right, scores, self.served_model_name, prompt_tokens)
             else:
-                payload = score_body(batch_id, req.line, scores, self.served_model_name, created, prompt_tokens)
-            answers.append(responses.success(batch_id, req, payload, prompt_tokens, 0))
+                payload = score_body(of, req.line, scores, self.served_model_name, created, prompt_tokens)
+            answers.append(responses.success(of, req, payload, prompt_tokens, 0))
         return answers
 
     def _too_long(self, texts: list[str]) -> str | None:

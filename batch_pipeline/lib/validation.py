@@ -105,9 +105,10 @@ class ValidLine(NamedTuple):
         return json.loads(self.raw)["body"]
 
 
-def request_from_record(record: dict[str, Any]) -> contract.BatchRequest:
+def request_from_record(record: dict[str, Any], batch_id: str = "") -> contract.BatchRequest:
     request = record["request"]
-    return contract.BatchRequest(line=record["line"], custom_id=request["custom_id"], url=request["url"], body=request["body"])
+    return contract.BatchRequest(line=record["line"], custom_id=request["custom_id"], url=request["url"], body=request["body"],
+                                 batch_id=batch_id)
 
 
 @dataclass(frozen=True)
