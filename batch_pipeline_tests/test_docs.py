@@ -308,6 +308,16 @@ def code_defaults(monkeypatch, tmp_path) -> dict[str, Any]:
         "BATCH_API_MAX_IN_FLIGHT": service.max_in_flight,
         "BATCH_API_MIN_EXPIRY_SECONDS": service.min_expiry,
     })
+    from batch_pipeline.lib import images
+
+    image = images.image_settings_from_env({})
+    defaults.update({
+        "MAX_IMAGE_BYTES": image.max_image_bytes,
+        "MAX_IMAGE_PIXELS": image.max_image_pixels,
+        "MAX_IMAGES_PER_REQUEST": image.max_images_per_request,
+        "IMAGE_FETCH_CONCURRENCY": image.concurrency,
+        "IMAGE_FETCH_TIMEOUT": image.timeout_seconds,
+    })
     return defaults
 
 
