@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from batch_pipeline.lib.errors import ConfigError
+
 # What every GPU preset shares: bf16, 8k context, most of the GPU's memory, prefix caching and
 # chunked prefill (prefill interleaved with decode).
 _GPU: dict[str, Any] = {
@@ -44,8 +46,6 @@ HARDWARE: dict[str, tuple[int, str]] = {
 
 
 def preset(name: str) -> dict[str, Any]:
-    from batch_pipeline.lib.settings import ConfigError
-
     try:
         return copy.deepcopy(PRESETS[name])  # the presets share nested dicts
     except KeyError:

@@ -12,6 +12,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from batch_pipeline.lib.errors import ConfigError
+from batch_pipeline.lib.presets import preset
+
 # Environment variable -> EngineSettings field.
 ENGINE_ENV = {
     "MODEL_PATH": "model_path",
@@ -58,10 +61,6 @@ RANGES = {
     "CHECKPOINT_ANSWERS": " (at least 1)",
     "CHECKPOINT_SECONDS": " (0.5 to 3600 seconds)",
 }
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot be used; the message names the variable."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +133,6 @@ class EngineSettings:
         """
         if not self.models_file:
             return {}
-        from batch_pipeline.lib.presets import preset
-
         where = f"MODELS_FILE={self.models_file}"
         entries = _read_models_file(self.models_file)
         base = {k: v for k, v in asdict(self).items() if k not in _NOT_INHERITED}
@@ -248,8 +245,6 @@ def engine_settings_from_env(env: dict[str, str] | None = None, **overrides: Any
     types = {f.name: f.type for f in fields(EngineSettings)}
     values: dict[str, Any] = {}
     if env.get("ENGINE_PRESET", "").strip():
-        from batch_pipeline.lib.presets import preset
-
         name = env["ENGINE_PRESET"].strip()
         values.update(preset(name), preset=name)
     for var, attr in ENGINE_ENV.items():
