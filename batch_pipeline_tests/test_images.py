@@ -218,3 +218,53 @@ def test_settings_from_the_environment():
 def test_bad_settings_name_the_variable(env, names):
     with pytest.raises(ConfigError, match=names):
         images.image_settings_from_env(env)
+
+
+# ----------------------------------------------------------------------------- models and validation
+
+
+def _line(body: dict, url: str = CHAT_URL) -> bytes:
+    import json
+
+    return json.dumps({"custom_id": "c", "method": "POST", "url": url, "body": body}).encode()
+
+
+@pytest.mark.parametrize("url, body, where", [
+    (CHAT_URL, {**chat(image_part("s3://b/a.png")), "model": "served"}, "body.messages[1].content[1].image_url"),
+    (RESPONSES_URL, {"model": "served", "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:x"}]}]},
+     "body.input[0].content[0].image_url"),
+    (RESPONSES_URL, {"model": "served", "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+     "body.input[0].content[0].file_id"),
+])
+def test_a_text_only_model_refuses_image_parts_per_line_naming_the_model(url, body, where):
+    from batch_pipeline.lib.validation import InvalidLine, LineValidator, ValidationSettings
+
+    result = LineValidator(ValidationSettings("served")).validate(7, _line(body, url))
+    assert isinstance(result, InvalidLine) and result.code == "invalid_request"
+    assert result.message == f"line 7: {where}: 'served' does not take images (a text-only model)"
+
+
+def test_text_lines_are_untouched_by_the_image_check():
+    from batch_pipeline.lib.validation import LineValidator, ValidLine, ValidationSettings
+
+    validator = LineValidator(ValidationSettings("served"))
+    assert isinstance(validator.validate(1, _line({"model": "served", "messages": [{"role": "user", "content": "hi"}]})), ValidLine)
+
+
+@pytest.mark.engine
+def test_doctor_and_models_say_whether_the_model_takes_images(tmp_path, monkeypatch):
+    import json
+
+    from batch_pipeline.lib import doctor, models
+    from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
+
+    vlm = build_tiny_vlm(models.cache_root() / "test-models" / "tiny-idefics3")
+    assert models.takes_images(vlm)
+    text_only = tmp_path / "text"
+    text_only.mkdir()
+    (text_only / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert not models.takes_images(text_only) and not models.takes_images(tmp_path / "nothing")
+    monkeypatch.setenv("MODEL_PATH", str(vlm))
+    result = doctor.check_model()
+    assert result.ok and not result.warning, result.detail
+    assert "Idefics3ForConditionalGeneration, takes images" in result.detail

@@ -163,8 +163,8 @@ REFUSED = [
     ("body.tool_choice", {"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "function", "name": "g"}},
      "'g' is not one of the tools ('f')"),
     ("body.tool_choice", {"tool_choice": {"type": "file_search"}}, "only function tools"),
-    ("body.input[0].content[0].type", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input_text"),
+    ("body.input[0].content[0].image_url", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "does not take images (a text-only model)"),
     ("body.text.format", {"text": {"format": {"type": "json_schema", "name": "x"}}}, "schema is required"),
 ]
 

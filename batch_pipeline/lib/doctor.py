@@ -186,9 +186,10 @@ def check_model() -> CheckResult:
         return _fail("model", f"{where} differs from its build marker ({'; '.join(mismatches[:3])}): rebuild it")
     size_gb = sum(w.stat().st_size for w in weights) / 1e9
     marker_note = ", matches its build marker" if mismatches is not None else ""
+    images = "takes images" if models.takes_images(folder) else "text only: image parts are refused per line"
     return _pass(
         "model",
-        f"{where}: {arch}, {len(weights)} weight file(s), {size_gb:.2f} GB, "
+        f"{where}: {arch}, {images}, {len(weights)} weight file(s), {size_gb:.2f} GB, "
         f"config.json sha256 {config_sha[:16]}{marker_note}",
     )
 

@@ -181,6 +181,17 @@ def embedding_model_dir(root: Path | None = None) -> Path:
 # ----------------------------------------------------------------------------------- identity
 
 
+def takes_images(path: Path) -> bool:
+    """Whether the checkpoint is a vision-language model: its config.json has a `vision_config`, as
+    every transformers vision-language configuration has (Idefics3/SmolVLM, LLaVA, Qwen2-VL,
+    Gemma 3, PaliGemma). Reads config.json only; False when it is missing or unreadable."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and isinstance(config.get("vision_config"), dict)
+
+
 def model_identity(path: Path) -> dict[str, str]:
     """Path, served name and a short revision; reads config.json and file stats, never weights."""
     path = Path(path)

@@ -19,7 +19,7 @@ from typing import Any, BinaryIO, NamedTuple
 from pydantic import ValidationError
 
 from batch_pipeline.lib import contract
-from batch_pipeline.lib import fastpath
+from batch_pipeline.lib import fastpath, images
 from batch_pipeline.lib.responses import error_line
 
 _BOM = b"\xef\xbb\xbf"
@@ -43,6 +43,9 @@ class ValidationSettings:
     # The batch's endpoint (the Batch API's `endpoint`): lines with another url are url_mismatch
     # errors, as OpenAI reports them. None: every supported url.
     endpoint: str | None = None
+    # Served generation models that take images (models.takes_images). Empty until the engine
+    # path for images lands (issue 27): every line with an image part is refused naming its model.
+    image_models: tuple[str, ...] = ()
 
     def models_for(self, url: str) -> tuple[str, ...]:
         if url == contract.EMBEDDINGS_URL:
@@ -311,6 +314,9 @@ class LineValidator:
             if body is None:
                 return bad(contract.INVALID_REQUEST, "body: required field is missing", custom_id)
             return bad(contract.INVALID_REQUEST, f"body: must be a JSON object (got {_short(body)})", custom_id)
+        refusal = self._image_refusal(url, body)
+        if refusal:
+            return bad(contract.INVALID_REQUEST, refusal, custom_id)
         try:
             parsed = contract.BODY_MODELS[url].model_validate(body)
         except ValidationError as e:
@@ -324,6 +330,21 @@ class LineValidator:
                 custom_id,
             )
         return ValidLine(line, custom_id, url, parsed.model, raw)  # type: ignore[attr-defined]
+
+
+    def _image_refusal(self, url: str, body: dict[str, Any]) -> str | None:
+        """An image part sent to a served model that does not take images, naming the part and the
+        model; None otherwise (an unserved model is model_not_found below, as for text)."""
+        model = body.get("model")
+        if not isinstance(model, str) or model not in self.settings.models_for(url) or model in self.settings.image_models:
+            return None
+        try:
+            refs = images.image_refs(url, body)
+        except images.ImageError as e:
+            return f"{e.where}: {model!r} does not take images (a text-only model)"
+        if not refs:
+            return None
+        return f"{refs[0].where}: {model!r} does not take images (a text-only model)"
 
 
 def _salvage_custom_id(raw: bytes) -> str | None:
