@@ -2,7 +2,7 @@
 
 The streaming loop uses a few engine-level calls beyond vLLM's documented offline API (how the ids
 `enqueue` returns map to the ids of step() outputs, step/abort/has_unfinished, the scheduler's
-max_num_seqs). A vLLM upgrade that changes one of them fails here, not in a production run.
+max_num_seqs), and the reasoning and tool parser registries reasoning.py and tool_calls.py use. A vLLM upgrade that changes one of them fails here, not in a production run.
 Uses the session's tiny-model engine (conftest.py); leaves it with no request in flight.
 """
 
@@ -144,3 +144,26 @@ def test_the_heartbeat_does_not_log_while_logging_is_set_up():
     assert before == during, "the heartbeat logged while logging was being set up"
     assert len(said) > during, "the heartbeat did not go on once the set-up was done"
     assert said[-1].startswith("loading: ")
+
+
+def test_reasoning_and_tool_parsers_are_found_by_name_and_unknown_names_raise_key_error():
+    # reasoning.py and tool_calls.py reach vLLM's parser registries only through the adapter; the
+    # parsers the docs name must be there, and an unknown name must raise KeyError (what both turn
+    # into a ConfigError naming the variable).
+    assert {"deepseek_r1", "qwen3"} <= set(vllm_adapter.reasoning_parser_names())
+    assert {"hermes", "llama3_json"} <= set(vllm_adapter.tool_parser_names())
+    assert callable(getattr(vllm_adapter.reasoning_parser_class("deepseek_r1"), "extract_reasoning"))
+    assert callable(getattr(vllm_adapter.tool_parser_class("hermes"), "extract_tool_calls"))
+    with pytest.raises(KeyError):
+        vllm_adapter.reasoning_parser_class("no-such-parser")
+    with pytest.raises(KeyError):
+        vllm_adapter.tool_parser_class("no-such-parser")
+
+
+def test_a_tool_parser_request_carries_the_lines_tools():
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    request = vllm_adapter.tool_parser_request([tool])
+    assert request.tool_choice == "auto"
+    assert [t.function.name for t in request.tools] == ["get_weather"]
+    assert request.tools[0].function.parameters["required"] == ["city"]

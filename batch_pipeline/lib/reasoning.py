@@ -13,6 +13,7 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from batch_pipeline.lib import vllm_adapter
 from batch_pipeline.lib.settings import ConfigError
 
 
@@ -28,21 +29,17 @@ class Split:
 
 
 def parser_names() -> list[str]:
-    from vllm.reasoning import ReasoningParserManager
-
-    return sorted(ReasoningParserManager.list_registered())
+    return vllm_adapter.reasoning_parser_names()
 
 
 class Reasoning:
     """One vLLM reasoning parser on one model's tokenizer."""
 
     def __init__(self, name: str, tokenizer: Any, model: str = ""):
-        from vllm.reasoning import ReasoningParserManager
-
         self.name = name
         self.tokenizer = tokenizer
         try:
-            cls = ReasoningParserManager.get_reasoning_parser(name)
+            cls = vllm_adapter.reasoning_parser_class(name)
         except KeyError:
             raise ReasoningConfigError(
                 f"REASONING_PARSER={name!r} is not one of vLLM's reasoning parsers; choose one of {', '.join(parser_names())}"

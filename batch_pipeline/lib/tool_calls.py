@@ -19,7 +19,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from batch_pipeline.lib import ids
+from batch_pipeline.lib import ids, vllm_adapter
 from batch_pipeline.lib.settings import ConfigError
 
 
@@ -28,9 +28,7 @@ class ToolParserConfigError(ConfigError):
 
 
 def parser_names() -> list[str]:
-    from vllm.tool_parsers import ToolParserManager
-
-    return sorted(ToolParserManager.list_registered())
+    return vllm_adapter.tool_parser_names()
 
 
 def _params(parameters: dict[str, Any] | None) -> dict[str, Any]:
@@ -137,11 +135,9 @@ class ToolParser:
     """One of vLLM's tool parsers (TOOL_CALL_PARSER) on one model's tokenizer, built once per engine."""
 
     def __init__(self, name: str, tokenizer: Any, model: str = ""):
-        from vllm.tool_parsers import ToolParserManager
-
         self.name = name
         try:
-            cls = ToolParserManager.get_tool_parser(name)
+            cls = vllm_adapter.tool_parser_class(name)
         except KeyError:
             raise ToolParserConfigError(
                 f"TOOL_CALL_PARSER={name!r} is not one of vLLM's tool parsers; choose one of {', '.join(parser_names())}"
@@ -156,11 +152,7 @@ class ToolParser:
 
     def request(self, body: Any) -> Any:
         """vLLM's ChatCompletionRequest for the line's tools, as the parser reads them."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        return ChatCompletionRequest.model_validate({"model": "batch", "messages": [], "tools": tools or None,
-                                                     "tool_choice": "auto"})
+        return vllm_adapter.tool_parser_request([t.model_dump(exclude_none=True) for t in body.tools or []])
 
     def sampling_for(self, body: Any) -> dict[str, Any]:
         """What the parser asks of decoding for a line with tools (e.g. hermes keeps special tokens,

@@ -3,7 +3,8 @@
 
 vLLM's offline API has no public "feed requests and collect them as they finish" loop; its own
 `LLM.generate` runs `llm_engine.step()` until nothing is left. The streaming loop here does the
-same, so it needs a few engine-level calls. Each is wrapped below, and
+same, so it needs a few engine-level calls; and reasoning models and tool calls need vLLM's
+reasoning and tool parsers, which live in its server code. Each is wrapped below, and
 `batch_pipeline_tests/test_vllm_adapter.py` pins their behaviour on the installed build: a vLLM
 upgrade that changes one of them (the CPU build 0.32 and the CUDA build 0.33 differ in places)
 fails that test, not a production run.
@@ -171,3 +172,42 @@ def abort(llm: Any, enqueued_ids: list[str]) -> None:
         llm.llm_engine.abort_request(enqueued_ids, internal=True)
     except Exception:  # noqa: BLE001 - already failing or cancelled; nothing left to save
         pass
+
+
+# vLLM's reasoning and tool parsers: registries and the request type a tool parser reads. They live in
+# vLLM's server code (vllm.reasoning, vllm.tool_parsers, the OpenAI protocol models), not its offline API.
+
+
+def reasoning_parser_names() -> list[str]:
+    from vllm.reasoning import ReasoningParserManager
+
+    return sorted(ReasoningParserManager.list_registered())
+
+
+def reasoning_parser_class(name: str) -> Any:
+    """The reasoning parser class registered as `name`; KeyError when there is none."""
+    from vllm.reasoning import ReasoningParserManager
+
+    return ReasoningParserManager.get_reasoning_parser(name)
+
+
+def tool_parser_names() -> list[str]:
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(ToolParserManager.list_registered())
+
+
+def tool_parser_class(name: str) -> Any:
+    """The tool parser class registered as `name`; KeyError when there is none."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return ToolParserManager.get_tool_parser(name)
+
+
+def tool_parser_request(tools: list[dict[str, Any]]) -> Any:
+    """vLLM's ChatCompletionRequest carrying a line's tools, as a tool parser's `extract_tool_calls`
+    reads them (tool_choice auto: the parser decides whether the text holds calls)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest.model_validate({"model": "batch", "messages": [], "tools": tools or None,
+                                                 "tool_choice": "auto"})
