@@ -404,10 +404,18 @@ def test_id_set_finds_every_repeat_across_growth():
     assert ids.add("id-5000") and not ids.add("id-5000")
 
 
+def fast_accept(raw: bytes):
+    """What validation does with a line first: the fast schema's parse, or None (the pydantic path)."""
+    try:
+        return fastpath.decoder.decode(raw)
+    except fastpath.ERRORS:
+        return None
+
+
 @pytest.mark.parametrize("raw", [v[1] for v in INVALID], ids=[v[0] for v in INVALID])
 def test_fast_path_never_accepts_an_invalid_line(raw):
     """The C fast path may only accept what the authoritative pydantic rules accept."""
-    fast = fastpath.accept(raw)
+    fast = fast_accept(raw)
     if fast is None:
         return
     # Accepted shapes must still fail the checks done beside the fast path (method, model, id length).
@@ -421,7 +429,7 @@ def test_fast_path_never_accepts_an_invalid_line(raw):
 
 @pytest.mark.parametrize("raw", [v[1] for v in VALID], ids=[v[0] for v in VALID])
 def test_fast_path_accepts_the_common_valid_lines(raw):
-    assert fastpath.accept(raw) is not None
+    assert fast_accept(raw) is not None
 
 
 def test_the_fast_path_declares_exactly_the_ignored_and_extension_fields():

@@ -195,11 +195,3 @@ URLS = {ChatLine: contract.CHAT_URL, CompletionLine: contract.COMPLETIONS_URL, E
 
 decoder = msgspec.json.Decoder(FastLine)
 ERRORS = (msgspec.ValidationError, msgspec.DecodeError, ValueError, RecursionError)
-
-
-def accept(raw: bytes) -> FastLine | None:
-    """The parsed line when the fast schema accepts it, else None (ask the pydantic path)."""
-    try:
-        return decoder.decode(raw)
-    except ERRORS:
-        return None
