@@ -79,6 +79,12 @@ def engine_kwargs(settings: EngineSettings, model_path: str, served_name: str, r
         }
         kwargs.update({k: v for k, v in optional.items() if v is not None})
         kwargs.update(lora_kwargs(settings))
+        from batch_pipeline.lib import images, models
+
+        if models.takes_images(Path(model_path)):
+            # vLLM sizes the encoder's memory profile for, and refuses prompts over, this many images:
+            # the same limit the lines are held to (MAX_IMAGES_PER_REQUEST); ENGINE_ARGS may override.
+            kwargs["limit_mm_per_prompt"] = {"image": images.image_settings_from_env().max_images_per_request}
     if cpu:
         kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes or (
             CPU_KV_CACHE_BYTES if runner == "generate" else CPU_EMBEDDING_KV_CACHE_BYTES

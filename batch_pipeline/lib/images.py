@@ -266,6 +266,23 @@ def load_image(ref: ImageRef, settings: ImageSettings) -> Any:
     return decode(ref, fetch_bytes(ref, settings), settings)
 
 
+def chat_messages_with_images(messages: list[dict[str, Any]], loaded: tuple[Any, ...]) -> list[dict[str, Any]]:
+    """The chat messages with each `image_url` part replaced, in order, by vLLM's decoded-image part
+    (`{"type": "image_pil", "image_pil": image}`), so the engine never fetches or decodes."""
+    it = iter(loaded)
+    out = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            content = [{"type": "image_pil", "image_pil": next(it)} if isinstance(p, dict) and p.get("type") == "image_url" else p
+                       for p in content]
+            message = {**message, "content": content}
+        out.append(message)
+    if next(it, None) is not None:
+        raise ValueError("more images than image parts")
+    return out
+
+
 # ------------------------------------------------------------------------------- many lines at once
 
 
