@@ -10,6 +10,12 @@ Every /v1 path needs `Authorization: Bearer <key>`; keys are BATCH_API_KEYS (`te
 comma-separated) or the lines of BATCH_API_KEYS_FILE. A tenant sees only its own files and batches.
 Errors are OpenAI's error bodies, so the SDK raises its own typed errors. Logs carry ids and counts,
 never file contents; BATCH_API_AUDIT_LOG adds a JSON line per call (`audit.py`).
+
+A batch's priority is `metadata["priority"]` (a whole number, default 0, at most the tenant's cap:
+BATCH_API_MAX_PRIORITY, BATCH_API_TENANT_MAX_PRIORITY). Its run's `dagster/priority` tag is that
+priority x TURN_SPAN minus the batch's turn among the API's runs of its priority (`turn`), so Dagster's
+run queue starts higher priorities first and, within one priority, serves the tenants in turn; the
+`gpu` pool orders the steps waiting for it the same way.
 """
 
 
@@ -36,8 +42,22 @@ log = logging.getLogger("batch_pipeline.service")
 LOCATION, REPOSITORY, JOB = "batch_pipeline", "__repository__", "batch_job"
 # Set on every run submitted for a batch; Dagster copies it into the runs it re-launches from one.
 BATCH_ID_TAG = "batch_pipeline/api_batch_id"
+TENANT_TAG = "batch_pipeline/tenant"
 # Dagster tags a failed run it is going to retry (run_retries) with this, "true".
 WILL_RETRY_TAG = "dagster/will_retry"
+# Dagster's run priority: its run queue (QueuedRunCoordinator) dequeues higher values first (first come
+# first served among equals), and concurrency pools hand a free slot to the waiting step of the
+# highest-priority run. Set to priority x TURN_SPAN - turn (see `turn`).
+PRIORITY_TAG = "dagster/priority"
+# The batch's own priority and its turn, beside the composite dagster/priority, for people and `turn`.
+BATCH_PRIORITY_TAG, TURN_TAG = "batch_pipeline/priority", "batch_pipeline/turn"
+TRIGGER_TAG, TRIGGER = "batch_pipeline/trigger", "batch api"
+PRIORITY_KEY = "priority"
+# A priority is a whole number within +-PRIORITY_BOUND; each tenant's highest is capped by the operator
+# (BATCH_API_MAX_PRIORITY, default 0). Turns take TURN_SPAN values under one priority, so the composite
+# stays within +-1e9: Dagster stores it in a 32-bit integer column (the pools' pending steps).
+PRIORITY_BOUND = 1000
+TURN_SPAN = 1_000_000
 # OpenAI's only completion window; an operator may allow others (BATCH_API_COMPLETION_WINDOWS).
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -122,6 +142,33 @@ def load_limits(tenants: set[str], env: dict[str, str] | None = None) -> tuple[i
     return default, overrides
 
 
+def load_priority_caps(tenants: set[str], env: dict[str, str] | None = None) -> tuple[int, dict[str, int]]:
+    """The highest `metadata["priority"]` a tenant may give: (BATCH_API_MAX_PRIORITY, default 0, for
+    every tenant; {tenant: cap} from BATCH_API_TENANT_MAX_PRIORITY, `team-a:10,team-b:0`);
+    ConfigError naming the variable."""
+    env = dict(os.environ if env is None else env)
+    default = _cap(env.get("BATCH_API_MAX_PRIORITY", ""), "BATCH_API_MAX_PRIORITY")
+    overrides: dict[str, int] = {}
+    for item in env.get("BATCH_API_TENANT_MAX_PRIORITY", "").split(","):
+        if not item.strip():
+            continue
+        tenant, sep, value = (part.strip() for part in item.partition(":"))
+        if not sep or not tenant:
+            raise ConfigError(f"BATCH_API_TENANT_MAX_PRIORITY: {item.strip()!r} is not tenant:cap (e.g. team-a:10,team-b:0)")
+        if tenant not in tenants:
+            raise ConfigError(f"BATCH_API_TENANT_MAX_PRIORITY: tenant {tenant!r} has no API key (BATCH_API_KEYS)")
+        overrides[tenant] = _cap(value, f"BATCH_API_TENANT_MAX_PRIORITY ({tenant})")
+    return default, overrides
+
+
+def _cap(value: str, name: str) -> int:
+    if not value.strip():
+        return 0
+    if not re.fullmatch(r"[0-9]+", value.strip()) or int(value) > PRIORITY_BOUND:
+        raise ConfigError(f"{name}={value.strip()!r}: a whole number from 0 to {PRIORITY_BOUND}")
+    return int(value)
+
+
 def min_expiry_seconds(env: dict[str, str] | None = None) -> int:
     """BATCH_API_MIN_EXPIRY_SECONDS: the shortest expiry accepted (OpenAI's 3600 unless lowered)."""
     env = dict(os.environ if env is None else env)
@@ -154,6 +201,8 @@ class Service:
     max_in_flight: int | None = None  # batches of one tenant not finished; None: no limit
     tenant_limits: dict[str, int | None] = field(default_factory=dict)  # per tenant, over max_in_flight
     min_expiry: int = MIN_EXPIRY_SECONDS
+    max_priority: int = 0  # the highest metadata["priority"] of a tenant without its own cap
+    tenant_max_priority: dict[str, int] = field(default_factory=dict)  # per tenant, over max_priority
     audit: AuditLog | None = None  # BATCH_API_AUDIT_LOG: a JSON line per call
     _client: Any = field(default=None, repr=False)
 
@@ -197,10 +246,39 @@ class Service:
         config = batch_run_config(input_uri=record["input_uri"], output_uri=record["output_uri"],
                                   endpoint=record["endpoint"], expires_at=record["expires_at"])
         tags = {"dagster/partition": record["date"], BATCH_ID_TAG: record["id"],
-                "batch_pipeline/tenant": record["tenant"], "batch_pipeline/trigger": "batch api",
-                "batch_pipeline/batch_name": record["id"]}
+                TENANT_TAG: record["tenant"], TRIGGER_TAG: TRIGGER, "batch_pipeline/batch_name": record["id"]}
+        priority = record.get("priority", 0)
+        record["turn"] = self.turn(record["tenant"], priority)  # kept in the service's record too
+        tags.update({PRIORITY_TAG: str(priority * TURN_SPAN - record["turn"]), BATCH_PRIORITY_TAG: str(priority),
+                     TURN_TAG: str(record["turn"])})
         return self.dagster().submit_job_execution(JOB, repository_location_name=LOCATION, repository_name=REPOSITORY,
                                                     run_config=config, tags=tags)
+
+    def turn(self, tenant: str, priority: int) -> int:
+        """The new batch's turn among the API's runs of its priority (start-time fair queuing, one batch a
+        unit): the turn now being served (the highest of the runs in progress, else the lowest queued)
+        when the tenant has none queued or running, else one after the tenant's last. Two tenants'
+        backlogs so alternate, and a tenant arriving later waits behind no backlog. 0 when nothing of
+        the priority is queued or running. Raises what went wrong reading the runs (the web server not
+        answering)."""
+        data = self.graphql("query Runs($tags: [ExecutionTag!]) { runsOrError(filter: {statuses: "
+                            "[QUEUED, NOT_STARTED, STARTING, STARTED], tags: $tags}) { __typename ... on Runs { "
+                            "results { status tags { key value } } } ... on PythonError { message } } }",
+                            {"tags": [{"key": TRIGGER_TAG, "value": TRIGGER}]})["runsOrError"]
+        if "results" not in data:
+            raise RuntimeError(f"the runs query failed: {str(data.get('message'))[:200]}")
+        queued, running, last = [], [], None
+        for run in data["results"]:
+            tags = {t["key"]: t["value"] for t in run["tags"]}
+            if tags.get(BATCH_PRIORITY_TAG) != str(priority) or not (tags.get(TURN_TAG) or "").isdigit():
+                continue
+            turn = int(tags[TURN_TAG])
+            (queued if run["status"] == "QUEUED" else running).append(turn)
+            if tags.get(TENANT_TAG) == tenant:
+                last = turn if last is None else max(last, turn)
+        serving = max(running) if running else min(queued) if queued else 0
+        # Past TURN_SPAN - 1 (a backlog that never empties for a million rounds) turns stop counting: FIFO.
+        return min(serving if last is None else max(serving, last + 1), TURN_SPAN - 1)
 
     def graphql(self, query: str, variables: dict[str, Any] | None = None) -> dict[str, Any]:
         """The `data` of a query to the Dagster web server's GraphQL API; raises what went wrong."""
@@ -326,6 +404,24 @@ class Service:
                                         f"at once; retry when one completes, fails, expires or is cancelled",
                                    type_="requests", code="rate_limit_exceeded")
 
+    def priority(self, tenant: str, metadata: dict[str, Any]) -> int:
+        """The batch's priority from metadata["priority"]: a whole number (an integer, or a string of
+        digits as the openai SDK sends metadata), default 0, at most the tenant's cap; 400 otherwise."""
+        value = metadata.get(PRIORITY_KEY, 0)
+        if isinstance(value, bool) or not (isinstance(value, int) or (
+                isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,7}", value.strip()))):
+            raise ApiError(400, f"metadata.priority {value!r} is not a whole number (e.g. \"5\"; higher starts "
+                                "first; the default is 0)", param="metadata.priority")
+        priority = int(value)
+        cap = self.tenant_max_priority.get(tenant, self.max_priority)
+        if priority > cap:
+            raise ApiError(400, f"metadata.priority {priority} is above this tenant's highest priority, {cap}",
+                           param="metadata.priority")
+        if priority < -PRIORITY_BOUND:
+            raise ApiError(400, f"metadata.priority {priority} is below the lowest priority, {-PRIORITY_BOUND}",
+                           param="metadata.priority")
+        return priority
+
     def create_batch(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         options = self.batch_options(tenant, body)  # limits and retention (429, 400): before anything is recorded
         source = self.get_file(tenant, str(body.get("input_file_id") or ""))
@@ -338,15 +434,19 @@ class Service:
                                 "(an operator may allow more with BATCH_API_COMPLETION_WINDOWS)", param="completion_window")
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict) or len(metadata) > MAX_METADATA_PAIRS or any(
-                not isinstance(k, str) or not isinstance(v, str) or len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE
-                for k, v in metadata.items()):
+                not isinstance(k, str) or len(k) > MAX_METADATA_KEY or (not isinstance(v, str) and k != PRIORITY_KEY)
+                or len(str(v)) > MAX_METADATA_VALUE for k, v in metadata.items()):
             raise ApiError(400, f"metadata: at most {MAX_METADATA_PAIRS} string pairs, keys up to {MAX_METADATA_KEY} "
                                 f"and values up to {MAX_METADATA_VALUE} characters", param="metadata")
+        priority = self.priority(tenant, metadata)
+        if PRIORITY_KEY in metadata:  # kept as the SDK's metadata values are: a string ("7", not 7 or "07")
+            metadata = {**metadata, PRIORITY_KEY: str(priority)}
         now = time.time()
         date = dt.datetime.fromtimestamp(now, dt.timezone.utc).date().isoformat()
         batch_id = new_id("batch_")
         record = {"id": batch_id, "tenant": tenant, "input_file_id": source["id"], "input_uri": source["uri"],
-                  "endpoint": endpoint, "completion_window": window, "metadata": metadata, "created_at": int(now),
+                  "endpoint": endpoint, "completion_window": window, "metadata": metadata, "priority": priority,
+                  "created_at": int(now),
                   "expires_at": int(now) + self.windows[window],
                   "date": date, "output_uri": storage.join(self.store.output_root, date, batch_id), "run_id": None}
         record.update(options)
@@ -614,6 +714,7 @@ def service_from_env() -> Service:
     env = os.environ
     keys = load_keys()
     max_in_flight, tenant_limits = load_limits(set(keys.values()))
+    max_priority, tenant_max_priority = load_priority_caps(set(keys.values()))
     return Service(
         store=Store(storage_settings_from_env().output_path),
         keys=keys,
@@ -622,6 +723,8 @@ def service_from_env() -> Service:
         max_in_flight=max_in_flight,
         tenant_limits=tenant_limits,
         min_expiry=min_expiry_seconds(),
+        max_priority=max_priority,
+        tenant_max_priority=tenant_max_priority,
         max_file_bytes=_positive(env.get("BATCH_API_MAX_FILE_BYTES", ""), "BATCH_API_MAX_FILE_BYTES") or MAX_FILE_BYTES,
         max_file_requests=(_positive(env.get("BATCH_API_MAX_FILE_REQUESTS", ""), "BATCH_API_MAX_FILE_REQUESTS")
                            or MAX_FILE_REQUESTS),
@@ -629,4 +732,5 @@ def service_from_env() -> Service:
     )
 
 
-__all__ = ["Service", "create_app", "service_from_env", "load_keys", "load_limits", "min_expiry_seconds"]
+__all__ = ["Service", "create_app", "service_from_env", "load_keys", "load_limits", "load_priority_caps",
+           "min_expiry_seconds"]

@@ -1,0 +1,253 @@
+"""Batch priority and per-tenant fair share: `batch-pipeline serve` over a real `dagster dev` (its
+daemon's run queue, the QueuedRunCoordinator) and real runs on the tiny model, driven by the openai SDK.
+
+Covered: `metadata["priority"]` (a string of digits as the SDK sends it, or an integer) checked and
+capped per tenant (BATCH_API_MAX_PRIORITY, BATCH_API_TENANT_MAX_PRIORITY; 400 naming the field or the
+cap), kept in the Batch object's metadata and the service's record, and given to the run in its
+`dagster/priority` tag (priority x 1,000,000 - turn); a high-priority batch submitted behind
+low-priority ones of the same tenant is the one the queue starts next; two tenants' backlogs of equal
+priority start in turn (b, a, b, a), not in the order they were submitted (a, a, b, b); one tenant's queued backlog does not
+hold another tenant's batch back (the repo dagster.yaml's per-tenant `tag_concurrency_limits`, also
+present, under the run limit, in deploy/dagster.yaml and the Helm values); the settings refused
+naming the variable.
+
+The instance is the repo's dagster.yaml with its limits made small enough to fill with a few runs:
+`max_concurrent_runs: 2` and one run in progress per tenant (the repo has 4 and 2), and the `gpu` pool
+as the Helm values have it, `granularity: run` with room for both (2): a run waits in the queue, not
+in a started run blocked on the pool (where a cancel is not seen until the pool frees). Runs that would
+take long are cancelled once they have shown what they show; none is answered to the end here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from batch_pipeline_tests.api_service import (RUN_TIMEOUT, batch_runs, client, request_line, run_status, serve_env,
+                                              service_stack, upload, wait_run_status)
+from batch_pipeline_tests.dagster_server import REPO, wait_for
+
+KEY_A, KEY_B, KEY_C = "key-prio-a-0123456789", "key-prio-b-0123456789", "key-prio-c-0123456789"
+TENANT_TAG = "batch_pipeline/tenant"
+IN_PROGRESS = ("STARTING", "STARTED")
+ENDED = ("CANCELED", "FAILURE", "SUCCESS")
+DEQUEUE_WAIT = 7.0  # more than the daemon's dequeue interval (5 s): a run it could start, it has started
+
+
+@pytest.fixture(scope="module")
+def queue(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("priority")
+    settings = yaml.safe_load((REPO / "dagster.yaml").read_text())
+    runs = settings["concurrency"]["runs"]
+    [per_tenant] = [limit for limit in runs["tag_concurrency_limits"] if limit["key"] == TENANT_TAG]
+    assert per_tenant["value"] == {"applyLimitPerUniqueValue": True}  # one limit for each tenant, not for all
+    runs["max_concurrent_runs"], per_tenant["limit"] = 2, 1
+    settings["concurrency"]["pools"] = {"default_limit": 2, "granularity": "run"}
+    instance_yaml = root / "dagster.yaml"
+    instance_yaml.write_text(yaml.safe_dump(settings))
+    extra = {"BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B},team-c:{KEY_C}",
+             "BATCH_API_MAX_PRIORITY": "5", "BATCH_API_TENANT_MAX_PRIORITY": "team-c:0"}
+    with service_stack(root, tiny_model_dir, extra, instance_yaml=instance_yaml) as stack:
+        yield stack
+
+
+def long_lines(tag: str) -> list[str]:
+    """Over ten minutes of answering on the tiny model (800 of these lines took 84 s on 2 cores): the run
+    stays in progress until it is cancelled."""
+    return [request_line(f"{tag}-{i}", max_tokens=256) for i in range(10_000)]
+
+
+def create(sdk: openai.OpenAI, file_id: str, **metadata: Any) -> Any:
+    return sdk.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata=metadata or None)
+
+
+def cancel_all(queue: dict[str, Any], sdk: openai.OpenAI, batch_ids: list[str]) -> None:
+    """Cancel the batches and wait until none of their runs is left in the queue or in progress.
+    Dagster refuses to terminate a run while it is STARTING (the service answers 500 then): that one
+    is cancelled once it has started."""
+    server = queue["server"]
+    for batch_id in batch_ids:
+        asked = False
+
+        def ended() -> bool:
+            nonlocal asked
+            status = run_status(server, batch_id)
+            if status in ENDED:
+                return True
+            if not asked and status in ("QUEUED", "STARTED"):
+                try:
+                    sdk.batches.cancel(batch_id)
+                    asked = True
+                except openai.InternalServerError:  # STARTING by now: again once started
+                    pass
+            return False
+
+        wait_for(f"batch {batch_id}'s run ended", ended, RUN_TIMEOUT, interval=0.5, on_timeout=server.log_tail)
+
+
+def test_priority_is_checked_capped_and_given_to_the_run(queue):
+    a, c = client(queue["url"], KEY_A), client(queue["url"], KEY_C)
+    uploaded = upload(a, [request_line("p-1")])
+    for value, message in [("high", "metadata.priority 'high' is not a whole number"),
+                           ("1.5", "metadata.priority '1.5' is not a whole number"),
+                           ("6", "metadata.priority 6 is above this tenant's highest priority, 5"),
+                           ("-1001", "metadata.priority -1001 is below the lowest priority, -1000")]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(message)) as refused:
+            create(a, uploaded.id, priority=value)
+        assert refused.value.param == "metadata.priority"
+    with pytest.raises(openai.BadRequestError, match=re.escape("above this tenant's highest priority, 0")):
+        create(c, upload(c, [request_line("p-2")]).id, priority="1")  # BATCH_API_TENANT_MAX_PRIORITY=team-c:0
+    assert a.batches.list().data == [] and c.batches.list().data == []  # a refused batch leaves no record
+
+    batch = create(a, uploaded.id, priority="5", job="nightly")
+    assert batch.metadata == {"priority": "5", "job": "nightly"}
+    [run] = batch_runs(queue["server"], batch.id)
+    assert run["tags"][TENANT_TAG] == "team-a"
+    # Nothing else of priority 5 queued: turn 0.
+    assert {k: run["tags"][k] for k in ("dagster/priority", "batch_pipeline/priority", "batch_pipeline/turn")} == {
+        "dagster/priority": "5000000", "batch_pipeline/priority": "5", "batch_pipeline/turn": "0"}
+    [record] = (queue["out"] / "_batch_api" / "batches").glob(f"{batch.id}.json")
+    assert {k: json.loads(record.read_text())[k] for k in ("priority", "turn")} == {"priority": 5, "turn": 0}
+    assert a.batches.retrieve(batch.id).metadata == {"priority": "5", "job": "nightly"}
+    # An integer (a client other than the SDK may send one) is kept as the SDK's metadata: a string.
+    # Below 0 is always allowed (behind the default); team-c's cap is 0.
+    low = create(c, upload(c, [request_line("p-3")]).id, priority=-3)
+    assert low.metadata == {"priority": "-3"}
+    assert batch_runs(queue["server"], low.id)[0]["tags"]["dagster/priority"] == "-3000000"
+    # No priority: 0, and the metadata stays as given.
+    plain = create(c, upload(c, [request_line("p-4")]).id, job="x")
+    assert plain.metadata == {"job": "x"} and batch_runs(queue["server"], plain.id)[0]["tags"]["dagster/priority"] == "0"
+    cancel_all(queue, a, [batch.id])
+    cancel_all(queue, c, [low.id, plain.id])
+
+
+def start_times(server: Any, batch_ids: list[str]) -> dict[str, float]:
+    """When each batch's run started (Dagster's run record), by batch id."""
+    times = {}
+    for batch_id in batch_ids:
+        run_id = batch_runs(server, batch_id)[0]["runId"]
+        run = server.graphql("query($id: ID!) { runOrError(runId: $id) { ... on Run { startTime } } }",
+                             {"id": run_id})["runOrError"]
+        times[batch_id] = run["startTime"]
+    return times
+
+
+def test_two_tenants_backlogs_start_in_turn(queue):
+    """Both run slots held (team-c's and team-a's long batches), team-a queues two batches, then team-b
+    two: once team-a's long batch is cancelled the one free slot takes them b, a, b, a (team-a had the
+    turn in progress), not in the order they came (a, a, b, b)."""
+    a, b, c = (client(queue["url"], key) for key in (KEY_A, KEY_B, KEY_C))
+    server = queue["server"]
+    c_busy, a_busy = create(c, upload(c, long_lines("c-busy")).id), create(a, upload(a, long_lines("a-busy")).id)
+    a_queued, b_queued = [], []
+    try:
+        for batch in (c_busy, a_busy):
+            wait_run_status(server, batch.id, ("STARTED",))
+        a_file, b_file = upload(a, [request_line("turn-a")]).id, upload(b, [request_line("turn-b")]).id
+        a_queued = [create(a, a_file) for _ in range(2)]
+        b_queued = [create(b, b_file) for _ in range(2)]
+        turns = {batch.id: batch_runs(server, batch.id)[0]["tags"]["batch_pipeline/turn"] for batch in a_queued + b_queued}
+        assert list(turns.values()) == ["1", "2", "0", "1"], turns
+        assert [run_status(server, batch.id) for batch in a_queued + b_queued] == ["QUEUED"] * 4
+        cancel_all(queue, a, [a_busy.id])
+        for batch in a_queued + b_queued:
+            wait_run_status(server, batch.id, ("SUCCESS",))
+        # Else two slots were free at the end and the per-tenant cap alone could have alternated them.
+        assert run_status(server, c_busy.id) == "STARTED", "team-c's long batch ended: the queue had two slots"
+        started = start_times(server, [batch.id for batch in a_queued + b_queued])
+        order = sorted(started, key=started.__getitem__)
+        owner = {**{batch.id: "a" for batch in a_queued}, **{batch.id: "b" for batch in b_queued}}
+        assert [owner[batch_id] for batch_id in order] == ["b", "a", "b", "a"], order
+        # Within a tenant, first come first served.
+        assert [batch_id for batch_id in order if owner[batch_id] == "a"] == [batch.id for batch in a_queued]
+    finally:
+        cancel_all(queue, a, [batch.id for batch in a_queued] + [a_busy.id])
+        cancel_all(queue, b, [batch.id for batch in b_queued])
+        cancel_all(queue, c, [c_busy.id])
+
+
+def test_a_high_priority_batch_queued_behind_low_priority_ones_starts_first(queue):
+    """team-a's runs go one at a time (one run per tenant here): while its first batch runs, two
+    batches without priority and then one of priority 5 wait; when the first ends, the queue starts the
+    priority-5 batch, not the oldest."""
+    sdk, server = client(queue["url"], KEY_A), queue["server"]
+    busy = create(sdk, upload(sdk, long_lines("busy")).id)
+    wait_run_status(server, busy.id, ("STARTED",))
+    small = upload(sdk, [request_line("q-1")]).id
+    low_1, low_2 = create(sdk, small), create(sdk, small)
+    high = create(sdk, small, priority="5")
+    try:
+        time.sleep(DEQUEUE_WAIT)  # a run slot is free (2), but team-a has its one run in progress
+        assert [run_status(server, b.id) for b in (busy, low_1, low_2, high)] == ["STARTED", "QUEUED", "QUEUED", "QUEUED"]
+        sdk.batches.cancel(busy.id)  # STARTED: Dagster terminates it
+        first = wait_for("a queued batch started", lambda: [b.id for b in (low_1, low_2, high)
+                                                            if run_status(server, b.id) != "QUEUED"],
+                         RUN_TIMEOUT, interval=0.5, on_timeout=server.log_tail)
+        assert first == [high.id], first
+        assert run_status(server, busy.id) in ENDED
+        time.sleep(DEQUEUE_WAIT)  # and the low ones still wait behind it (team-a's one run)
+        assert [run_status(server, b.id) for b in (low_1, low_2)] == ["QUEUED", "QUEUED"]
+    finally:
+        cancel_all(queue, sdk, [high.id, low_1.id, low_2.id, busy.id])
+
+
+def test_one_tenants_backlog_does_not_hold_another_tenant_back(queue):
+    """team-a's first batch runs and its second waits (team-a's run limit), although a run slot is
+    free; team-b's batch, submitted after it, starts at once."""
+    a, b, server = client(queue["url"], KEY_A), client(queue["url"], KEY_B), queue["server"]
+    a_first = create(a, upload(a, long_lines("a1")).id)
+    wait_run_status(server, a_first.id, IN_PROGRESS)
+    a_second = create(a, upload(a, [request_line("a2")]).id)
+    b_first = create(b, upload(b, [request_line("b1")]).id)
+    try:
+        wait_run_status(server, b_first.id, (*IN_PROGRESS, *ENDED))
+        assert run_status(server, a_first.id) in IN_PROGRESS and run_status(server, a_second.id) == "QUEUED"
+        time.sleep(DEQUEUE_WAIT)
+        assert run_status(server, a_second.id) == "QUEUED"  # still: the limit, not the daemon's pace
+    finally:
+        cancel_all(queue, a, [a_second.id, a_first.id])
+        cancel_all(queue, b, [b_first.id])
+
+
+@pytest.mark.server  # `batch-pipeline serve` in its own process (no fixture says so)
+def test_priority_settings_are_checked_naming_the_variable(tmp_path):
+    from batch_pipeline.lib.settings import ConfigError
+    from batch_pipeline.service.app import load_priority_caps
+
+    tenants = {"team-a", "team-b"}
+    assert load_priority_caps(tenants, {}) == (0, {})
+    assert load_priority_caps(tenants, {"BATCH_API_MAX_PRIORITY": "3",
+                                        "BATCH_API_TENANT_MAX_PRIORITY": "team-a:10, team-b:0"}) == (3, {"team-a": 10,
+                                                                                                       "team-b": 0})
+    for env, message in [({"BATCH_API_MAX_PRIORITY": "-1"}, "BATCH_API_MAX_PRIORITY='-1': a whole number from 0 to"),
+                         ({"BATCH_API_MAX_PRIORITY": "2000000"}, "BATCH_API_MAX_PRIORITY='2000000'"),
+                         ({"BATCH_API_TENANT_MAX_PRIORITY": "team-a"}, "BATCH_API_TENANT_MAX_PRIORITY: 'team-a' is not tenant:cap"),
+                         ({"BATCH_API_TENANT_MAX_PRIORITY": "team-x:1"},
+                          "BATCH_API_TENANT_MAX_PRIORITY: tenant 'team-x' has no API key"),
+                         ({"BATCH_API_TENANT_MAX_PRIORITY": "team-a:top"}, "BATCH_API_TENANT_MAX_PRIORITY (team-a)='top'")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_priority_caps(tenants, env)
+    # The per-tenant run cap is in every instance's settings and under its run limit (and under the
+    # Helm GPU pool's, where a run in progress holds a GPU node), or one tenant could still fill them.
+    for name in ("dagster.yaml", "deploy/dagster.yaml"):
+        runs = yaml.safe_load((REPO / name).read_text())["concurrency"]["runs"]
+        [cap] = [limit for limit in runs["tag_concurrency_limits"] if limit["key"] == TENANT_TAG]
+        assert cap["value"] == {"applyLimitPerUniqueValue": True} and 1 <= cap["limit"] < runs["max_concurrent_runs"], name
+    helm = yaml.safe_load((REPO / "deploy" / "helm" / "values.yaml").read_text())["concurrency"]
+    [cap] = [limit for limit in helm["runs"]["tagConcurrencyLimits"] if limit["key"] == TENANT_TAG]
+    assert cap["value"] == {"applyLimitPerUniqueValue": True}
+    assert 1 <= cap["limit"] < min(helm["runs"]["maxConcurrentRuns"], helm["pools"]["defaultLimit"])
+    proc = subprocess.run([str(Path(sys.executable).with_name("batch-pipeline")), "serve"], capture_output=True, text=True,
+                          env=serve_env({"BATCH_API_KEYS": f"team-a:{KEY_A}", "BATCH_API_MAX_PRIORITY": "high",
+                                         "STORAGE_OUTPUT_PATH": str(tmp_path)}), timeout=120)
+    assert proc.returncode == 2 and "BATCH_API_MAX_PRIORITY='high'" in proc.stderr, proc.stderr
