@@ -43,6 +43,9 @@ LOCATION, REPOSITORY, JOB = "batch_pipeline", "__repository__", "batch_job"
 # Set on every run submitted for a batch; Dagster copies it into the runs it re-launches from one.
 BATCH_ID_TAG = "batch_pipeline/api_batch_id"
 TENANT_TAG = "batch_pipeline/tenant"
+# How long a cancel waits for a STARTING run (which Dagster cannot terminate) to start; after that the
+# next read of the batch terminates it.
+TERMINATE_WAIT = 15.0
 # Dagster tags a failed run it is going to retry (run_retries) with this, "true".
 WILL_RETRY_TAG = "dagster/will_retry"
 # Dagster's run priority: its run queue (QueuedRunCoordinator) dequeues higher values first (first come
@@ -477,9 +480,34 @@ class Service:
         record["cancelling_at"] = int(time.time())
         self.store.save_batch(record)
         if record.get("run_id"):  # the run keeps its answers, reports the rest cancelled
-            self.dagster().terminate_run(self.current_run(record)[0])
+            self.terminate(record)
         log.info("batch %s: cancel requested", batch_id)
         return self.batch_object(record)
+
+    def terminate(self, record: dict[str, Any], wait: float = TERMINATE_WAIT) -> None:
+        """Ask Dagster to terminate the batch's run. Dagster refuses while the run is STARTING (its worker
+        coming up): this waits up to `wait` seconds for it to start, else records `terminate_pending`,
+        and the next read of the batch (retrieve, list) that finds the run started terminates it."""
+        deadline = time.monotonic() + wait
+        while True:
+            run_id, status = self.current_run(record)
+            if status in ("SUCCESS", "FAILURE", "CANCELED", "CANCELING"):
+                break
+            if status != "STARTING":
+                try:
+                    self.dagster().terminate_run(run_id)
+                    break
+                except Exception as e:  # noqa: BLE001 - STARTING by now: wait as below; anything else is an error
+                    if "STARTING" not in str(e):
+                        raise
+            if time.monotonic() >= deadline:
+                record["terminate_pending"] = True
+                self.store.save_batch(record)
+                log.info("batch %s: run %s still starting; terminated once started", record["id"], run_id)
+                return
+            time.sleep(1)
+        if record.pop("terminate_pending", None):
+            self.store.save_batch(record)
 
     def batch_object(self, record: dict[str, Any]) -> dict[str, Any]:
         """The OpenAI Batch object: the pipeline's batch.json once written, else the run's status."""
@@ -505,6 +533,9 @@ class Service:
             return {**base, "status": "failed", "failed_at": record["created_at"],
                     "errors": {"object": "list", "data": [{"code": "not_queued", "message": "the run could not be submitted"}]}}
         run_id, run_status = self.current_run(record)
+        if record.get("terminate_pending") and run_status not in (None, "STARTING"):
+            self.terminate(record, wait=0)  # a cancel that came while the run was starting
+            run_id, run_status = self.current_run(record)
         status = RUN_STATUS.get(run_status or "", "validating")
         counts = live_counts(record)
         if counts is not None:  # validated: the lines so far (answers as their checkpoints are written)
