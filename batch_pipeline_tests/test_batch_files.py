@@ -4,8 +4,8 @@ Covers, in-process (`dg.materialize` on a persistent test instance, the tiny mod
 date run registers one batch_files partition per file and marks each green or red by what happened
 to that file; a broken file (every line invalid) fails alone; fixed, it is re-run alone from its
 partition, and the date's batch_outputs, check and figures are then recorded over the whole date;
-per-date line counts on validated_requests and batch_outputs whichever runs answered the files; the
-private Dagster event behind "planned" (file_status.py) pinned; refusals of a bad key or a missing
+per-date line counts on validated_requests and batch_outputs whichever runs answered the files; a
+failed file's reason as a public observation of its partition (file_status.py); refusals of a bad key or a missing
 file; the upload sensor adding the partitions of the files it queues. The UI itself: test_ui_walkthrough.py.
 """
 
@@ -69,7 +69,14 @@ def test_each_file_of_a_date_shows_alone_and_the_broken_one_reruns_alone(tiny_ll
     first = run_date(tiny_llm, inbox, out, instance)
     assert not first.success  # the broken file fails the date's run...
     assert status(instance) == {f"{DATE}/alpha": "MATERIALIZED", f"{DATE}/beta": "MATERIALIZED",
-                                f"{DATE}/broken": "FAILED"}  # ...and only its own partition
+                                f"{DATE}/broken": "MISSING"}  # ...not materialized, its reason observed:
+    [record] = instance.fetch_observations(dg.AssetRecordsFilter(FILES, asset_partitions=[f"{DATE}/broken"]),
+                                           limit=5).records
+    seen = record.asset_observation
+    assert record.run_id == first.run_id
+    why = {k: v.value for k, v in seen.metadata.items()}
+    assert why["status"] == "failed" and why["invalid"] == 2 and why["first_error_lines"] == "1, 2"
+    assert why["errors"] == str(out / DATE / "broken" / "errors.jsonl") and sum(why["error_codes"].values()) == 2
     records = instance.fetch_materializations(dg.AssetRecordsFilter(FILES, asset_partitions=[f"{DATE}/alpha"]), limit=1)
     alpha = records.records[0].asset_materialization
     assert alpha.metadata["status"].value == "completed" and alpha.metadata["completed"].value == 3
@@ -92,7 +99,7 @@ def test_each_file_of_a_date_shows_alone_and_the_broken_one_reruns_alone(tiny_ll
     figures = metadata_of(rerun, "throughput_metrics")
     assert (figures["batches"], figures["requests_completed"], figures["requests_total"]) == (3, 6, 7)
     [check] = rerun.get_asset_check_evaluations()
-    assert check.partition == DATE and check.check_name == "failed_line_rate" and check.passed is False  # 1 of 7
+    assert check.partition is None and check.check_name == "failed_line_rate" and check.passed is False  # 1 of 7
     assert "beta: 1 of 2" in check.description
     date_status = instance.get_status_by_partition(dg.AssetKey("batch_outputs"), [DATE],
                                                    BATCH_ASSETS[2].partitions_def)
@@ -128,30 +135,6 @@ def test_a_run_that_writes_elsewhere_has_no_file_partitions(tiny_llm, instance, 
                       batch_run_config(input_uri=str(inbox / DATE / "alpha.jsonl"), output_uri=str(elsewhere)))
     assert result.success and (elsewhere / "batch.json").exists()
     assert instance.get_dynamic_partitions(batch_file_partitions.name) == []
-
-
-def test_planned_files_of_a_failed_run_are_failed_partitions(instance):
-    """Pins the Dagster event file_status.plan() builds: planned + run failed -> red; planned +
-    materialized -> green; planned in a run that succeeded without it -> not red."""
-    from batch_pipeline.defs import file_status
-    from batch_pipeline.lib.locations import BatchLocation
-
-    out = "/tmp/out"
-    locs = [BatchLocation(n, f"/in/{DATE}/{n}.jsonl", f"{out}/{DATE}/{n}", DATE) for n in ("ok", "bad")]
-
-    def body(fail: bool):
-        @dg.asset(partitions_def=BATCH_ASSETS[0].partitions_def, name="day")
-        def day(context) -> None:
-            file_status.plan(context, locs, out)
-            context.log_event(dg.AssetMaterialization(FILES, partition=f"{DATE}/ok"))
-            if fail:
-                raise dg.Failure("bad failed")
-        return day
-
-    dg.materialize([body(fail=False)], partition_key=DATE, instance=instance)
-    assert status(instance) == {f"{DATE}/ok": "MATERIALIZED", f"{DATE}/bad": "MISSING"}
-    assert not dg.materialize([body(fail=True)], partition_key=DATE, instance=instance, raise_on_error=False).success
-    assert status(instance) == {f"{DATE}/ok": "MATERIALIZED", f"{DATE}/bad": "FAILED"}
 
 
 @pytest.mark.parametrize("key, message", [

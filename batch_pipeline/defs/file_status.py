@@ -1,28 +1,33 @@
 """Each batch file's status in the UI: the batch_files partitions a date's run takes, answers and writes.
 
-A run of the four date assets answers many files. So that each shows on its own (green, red, in
-progress) in the batch_files asset, the run adds the files' partition keys, records that it plans
-to materialize them when it takes them, and logs a materialization for each file it completes. A
-file it does not complete (its file-level error fails the run, or the run dies) is then a planned
-materialization of a failed run: Dagster's own definition of a failed partition, shown red.
-
-Dagster has no public call to plan a materialization of an asset outside the run's selection: the
-one event it needs is built with `dagster._core.events`, here and nowhere else, and
-test_batch_files.py pins its behaviour, so a Dagster upgrade breaks that test, not the UI.
+A run of the four date assets answers many files. So that each shows on its own in the batch_files
+asset, the run adds the files' partition keys when it takes them and, from the step that wrote each
+file, records what became of it with Dagster's public events (`context.log_event`), so the file's
+page names the run and the job:
+- a completed file: an `AssetMaterialization` of its partition (green), the Batch object in brief;
+- a failed file (a file-level error, e.g. every line invalid): an `AssetObservation` of its
+  partition saying why (the file-level error, the codes and their counts, the first error lines'
+  numbers, the errors.jsonl path). Dagster has no public event for "this partition failed": the red
+  square of a failed partition comes only from a planned materialization in a failed run, which a
+  step can plan only for the assets of its own run. A file that failed in a date's run therefore
+  stays "missing" (not green) with the observation on its page; a re-run from its own partition
+  (batch_files) that fails is red, as Dagster marks any failed run of an asset.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
 import dagster as dg
 
 from batch_pipeline.defs.partitions import batch_file_partitions, file_key
-from batch_pipeline.lib import locations
+from batch_pipeline.lib import locations, storage
 from batch_pipeline.lib.locations import BatchLocation
 
 BATCH_FILES = dg.AssetKey("batch_files")
+FIRST_ERROR_LINES = 5  # the first error lines' numbers shown on a failed file's page
 
 
 def in_date_layout(loc: BatchLocation, output_root: str) -> bool:
@@ -45,17 +50,8 @@ def register(instance: dg.DagsterInstance, keys: Iterable[str]) -> list[str]:
 
 
 def plan(context: dg.AssetExecutionContext, locs: list[BatchLocation], output_root: str) -> None:
-    """Register the run's files and mark them in progress (red if the run fails before completing them)."""
-    from dagster._core.events import AssetMaterializationPlannedData, DagsterEvent
-
-    mine = [loc for loc in locs if in_date_layout(loc, output_root)]
-    register(context.instance, (key_of(loc) for loc in mine))
-    step = context.get_step_execution_context().step.key
-    for loc in mine:
-        event = DagsterEvent.build_asset_materialization_planned_event(
-            context.run.job_name, step, AssetMaterializationPlannedData(BATCH_FILES, partition=key_of(loc)),
-        )
-        context.instance.report_dagster_event(event, run_id=context.run.run_id)
+    """Register the run's files (in the date layout) as batch_files partitions."""
+    register(context.instance, (key_of(loc) for loc in locs if in_date_layout(loc, output_root)))
 
 
 def file_metadata(loc: BatchLocation, batch: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +73,49 @@ def file_metadata(loc: BatchLocation, batch: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def failure_metadata(loc: BatchLocation, batch: dict[str, Any]) -> dict[str, Any]:
+    """Why a file failed, for its page: the file-level error, each error code's count, the first
+    error lines' numbers and where errors.jsonl is (read from the file's own validation record)."""
+    try:
+        validation = storage.read_json(loc.work("validation.json"))
+    except FileNotFoundError:
+        validation = {}
+    first: list[int] = []
+    try:
+        with storage.open_read(loc.work("invalid.jsonl")) as lines:
+            for raw in lines:
+                if len(first) == FIRST_ERROR_LINES:
+                    break
+                first.append(int(json.loads(raw)["line"]))
+    except FileNotFoundError:
+        pass
+    error = validation.get("file_error") or {}
+    errors = (batch.get("errors") or {}).get("data") or []
+    reason = error.get("message") or (errors[0].get("message") if errors else "") or "file-level error"
+    counts = batch["request_counts"]
+    return {
+        "status": batch["status"],
+        "reason": f"{error.get('code', 'failed')}: {reason}",
+        "lines": validation.get("lines", counts["total"]),
+        "invalid": validation.get("invalid", counts["failed"]),
+        "error_codes": dg.MetadataValue.json(dict(validation.get("errors_by_code") or {})),
+        "first_error_lines": ", ".join(str(n) for n in first) or "-",
+        "errors": dg.MetadataValue.path(batch.get("error_file_id") or loc.out("errors.jsonl")),
+        "input": dg.MetadataValue.path(loc.input_uri),
+        "batch_id": batch["id"],
+    }
+
+
 def completed(context: dg.AssetExecutionContext, loc: BatchLocation, batch: dict[str, Any]) -> None:
     """Log the file's materialization (its batch_files partition turns green)."""
     context.log_event(dg.AssetMaterialization(BATCH_FILES, partition=key_of(loc), metadata=file_metadata(loc, batch),
                                               description=f"{loc.name} of {loc.partition}: {batch['status']}"))
+
+
+def failed(context: dg.AssetExecutionContext, loc: BatchLocation, batch: dict[str, Any]) -> dict[str, Any]:
+    """Log why the file failed as an observation of its partition (shown on its page, with this
+    run and job); returns that metadata."""
+    metadata = failure_metadata(loc, batch)
+    context.log_event(dg.AssetObservation(BATCH_FILES, partition=key_of(loc), metadata=metadata,
+                                          description=f"{loc.name} of {loc.partition} failed: {metadata['reason']}"))
+    return metadata
