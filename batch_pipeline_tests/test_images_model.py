@@ -17,7 +17,7 @@ import pytest
 from batch_pipeline.lib import engine_args, images, models, storage
 from batch_pipeline.lib.contract import CHAT_URL
 from batch_pipeline.lib.settings import EngineSettings
-from batch_pipeline.lib.vllm_adapter import build_llm, shutdown_llm
+from batch_pipeline_tests.conftest import _session_engine
 from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 from batch_pipeline_tests.tiny_vlm import IMAGE_SEQ_LEN, build_tiny_vlm
 
@@ -46,9 +46,10 @@ def _kwargs(path, **env_free_settings) -> dict:
 
 @pytest.fixture(scope="module")
 def vlm(vlm_dir):
-    llm = build_llm(_kwargs(vlm_dir))
-    yield llm
-    shutdown_llm(llm)
+    # A session engine, shut down with the others at the end: shutting an in-process engine down
+    # here tears down vLLM's process-wide parallel groups, which the other session engines of this
+    # worker still use ("pipeline model parallel group is not initialized" in later tests).
+    return _session_engine(_kwargs(vlm_dir))
 
 
 def test_engine_arguments_hold_images_to_max_images_per_request(vlm_dir, tiny_model_dir, monkeypatch):
