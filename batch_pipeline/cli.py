@@ -30,10 +30,10 @@ def _err(message: str) -> None:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from batch_pipeline.defs.resources import LLMResource
-    from batch_pipeline.lib import storage
-    from batch_pipeline.lib.ingest import validate_table
-    from batch_pipeline.lib.table_inputs import is_table
-    from batch_pipeline.lib.validation import validate_stream
+    from batch_pipeline.io import storage
+    from batch_pipeline.steps.ingest import validate_table
+    from batch_pipeline.io.table_inputs import is_table
+    from batch_pipeline.steps.validation import validate_stream
 
     settings = LLMResource().validation_settings()
     if args.served_model_name:
@@ -86,7 +86,7 @@ def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[s
     from batch_pipeline.defs.assets import BATCH_ASSETS
     from batch_pipeline.defs.jobs import batch_job, batch_run_config
     from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-    from batch_pipeline.lib.locations import batch_name
+    from batch_pipeline.io.locations import batch_name
 
     run_config = {
         **batch_run_config(input_uri, output_dir, shard=shard),
@@ -119,8 +119,8 @@ def _wrote_results(result: Any) -> bool:
 
 def _shards_waiting(input_uri: str, output_dir: str, partition: str, shard: Any) -> list[int]:
     """The shards of this batch that have not finished (numbered from 1)."""
-    from batch_pipeline.lib import locations
-    from batch_pipeline.lib.shards import shard_records, unfinished_shards
+    from batch_pipeline.io import locations
+    from batch_pipeline.io.shards import shard_records, unfinished_shards
 
     loc = locations.BatchLocation(locations.batch_name(input_uri), input_uri, output_dir, partition)
     return unfinished_shards(shard_records(loc, shard.count))
@@ -137,7 +137,7 @@ def _failure_reason(result: Any) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from batch_pipeline.lib import storage
+    from batch_pipeline.io import storage
 
     # vLLM's INFO and WARNING lines (config dumps, CPU tuning hints) drown the progress lines.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -147,9 +147,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         _err(f"input not found: {input_uri}")
         return EXIT_FAILED
     from batch_pipeline.defs.resources import LLMResource
-    from batch_pipeline.lib.engine_args import require_hardware
+    from batch_pipeline.engine.engine_args import require_hardware
 
-    from batch_pipeline.lib.shards import Shard
+    from batch_pipeline.io.shards import Shard
 
     shard = Shard.parse(args.shard, "--shard")
     require_hardware(LLMResource().settings())  # before any work: e.g. a GPU preset on a CPU machine
@@ -188,7 +188,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_model_prepare(args: argparse.Namespace) -> int:
-    from batch_pipeline.lib import models
+    from batch_pipeline.config import models
 
     path = models.prepare_bundled_model(log=lambda m: print(m, file=sys.stderr))
     models.embedding_model_dir()
@@ -197,7 +197,7 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from batch_pipeline.lib import doctor
+    from batch_pipeline import doctor
 
     results = doctor.run_checks(only=args.only or None)
     print(doctor.format_report(results))
@@ -269,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from batch_pipeline.lib.runtime import exit_without_teardown
+    from batch_pipeline.base.runtime import exit_without_teardown
 
     code = _main(argv)
     if argv is None:  # the `batch-pipeline` command itself, not a caller in the same process
@@ -285,7 +285,7 @@ def _main(argv: Sequence[str] | None) -> int:
         _err("interrupted")
         return 130
     except Exception as e:  # noqa: BLE001 - a one-line reason instead of a traceback for users
-        from batch_pipeline.lib.settings import ConfigError
+        from batch_pipeline.config.settings import ConfigError
 
         if isinstance(e, (ConfigError, FileNotFoundError, PermissionError)):
             _err(str(e))

@@ -18,7 +18,7 @@ import dagster as dg
 
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
-from batch_pipeline.lib import storage
+from batch_pipeline.io import storage
 from batch_pipeline_tests.cli_runs import jsonl_records
 from batch_pipeline_tests.conftest import TINY_NAME
 

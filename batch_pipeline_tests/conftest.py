@@ -33,10 +33,10 @@ os.environ["PARTITIONS_START"] = "2024-01-01"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from batch_pipeline.defs.resources import LLMResource  # noqa: E402
-from batch_pipeline.lib import models
+from batch_pipeline.config import models
 from batch_pipeline_tests.tiny_model import build_tiny_llama  # noqa: E402
-from batch_pipeline.lib.runtime import configure_runtime_env  # noqa: E402
-from batch_pipeline.lib.vllm_adapter import build_llm, shutdown_llm  # noqa: E402
+from batch_pipeline.base.runtime import configure_runtime_env  # noqa: E402
+from batch_pipeline.engine.vllm_adapter import build_llm, shutdown_llm  # noqa: E402
 
 pytest_plugins = [
     "batch_pipeline_tests.s3_server",

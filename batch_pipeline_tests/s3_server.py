@@ -175,7 +175,7 @@ def running_moto_server(seed: Mapping[str, Mapping[str, bytes]] | None = None) -
 
 def apply_env(monkeypatch: pytest.MonkeyPatch, server: MotoS3) -> dict[str, str]:
     """Point this process at ``server`` (undone by monkeypatch) and drop cached storage clients."""
-    from batch_pipeline.lib import storage
+    from batch_pipeline.io import storage
 
     for name in _FOREIGN_AWS_VARS:
         monkeypatch.delenv(name, raising=False)
@@ -195,7 +195,7 @@ def moto_server() -> Iterator[MotoS3]:
 @pytest.fixture
 def s3_env(moto_server: MotoS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     """The AWS environment for the test server, set for the duration of one test."""
-    from batch_pipeline.lib import storage
+    from batch_pipeline.io import storage
 
     env = apply_env(monkeypatch, moto_server)
     yield env

@@ -23,7 +23,7 @@ import pytest
 
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.defs.sensors import batch_upload_sensor
-from batch_pipeline.lib.uploads import UploadCursor
+from batch_pipeline.io.uploads import UploadCursor
 
 # In memory: the sensor only reads its cursor from the context (a SQLite instance costs ~1 s each).
 INSTANCE = dg.DagsterInstance.ephemeral()

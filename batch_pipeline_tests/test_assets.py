@@ -19,11 +19,11 @@ import pytest
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
-from batch_pipeline.lib import storage
-from batch_pipeline.lib.inference import infer_batch
-from batch_pipeline.lib.ingest import validate_batch
-from batch_pipeline.lib.locations import BatchLocation
-from batch_pipeline.lib.results import finalize_batch
+from batch_pipeline.io import storage
+from batch_pipeline.steps.inference import infer_batch
+from batch_pipeline.steps.ingest import validate_batch
+from batch_pipeline.io.locations import BatchLocation
+from batch_pipeline.steps.results import finalize_batch
 from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import REPO, TINY_NAME, SessionLLM
 

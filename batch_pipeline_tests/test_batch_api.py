@@ -377,7 +377,7 @@ def test_ready_and_metrics(service):
 def test_limit_settings_are_checked_naming_the_variable(tmp_path):
     import re
 
-    from batch_pipeline.lib.settings import ConfigError
+    from batch_pipeline.config.settings import ConfigError
     from batch_pipeline.service.app import completion_windows, load_limits, min_expiry_seconds
 
     tenants = {"team-a", "team-b"}

@@ -1,4 +1,4 @@
-"""Unit tests of lib/checkpoints.py: the line bitmap, the checkpoint key, and checkpoint parts written
+"""Unit tests of io/checkpoints.py: the line bitmap, the checkpoint key, and checkpoint parts written
 by count and by time (also while no answer arrives), with write failures raised, never swallowed.
 
 Local files in pytest's tmp_path only; no vLLM, Dagster or S3 (the S3 path of a part is one PUT,
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.lib import checkpoints, storage
-from batch_pipeline.lib.checkpoints import Checkpoint, LineSet, checkpoint_key
-from batch_pipeline.lib.locations import BatchLocation
-from batch_pipeline.lib.responses import Answer
+from batch_pipeline.io import checkpoints, storage
+from batch_pipeline.io.checkpoints import Checkpoint, LineSet, checkpoint_key
+from batch_pipeline.io.locations import BatchLocation
+from batch_pipeline.contract.lines import Answer
 
 
 def answer(line: int) -> Answer:

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.lib import placement
-from batch_pipeline.lib.doctor import run_checks
-from batch_pipeline.lib.ranks import RANK_TITLE
-from batch_pipeline.lib.settings import ConfigError, EngineSettings, engine_settings_from_env
+from batch_pipeline.engine import placement
+from batch_pipeline.doctor import run_checks
+from batch_pipeline.engine.ranks import RANK_TITLE
+from batch_pipeline.config.settings import ConfigError, EngineSettings, engine_settings_from_env
 from batch_pipeline_tests.cli_runs import (
     CLI,
     answered_once,

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import yaml
 
-from batch_pipeline.lib import placement
-from batch_pipeline.lib.settings import ENGINE_ENV, EngineSettings
+from batch_pipeline.engine import placement
+from batch_pipeline.config.settings import ENGINE_ENV, EngineSettings
 
 try:
     import tomllib

@@ -8,7 +8,8 @@ is the code's (EngineSettings' field defaults, the engine arguments filled in on
 the settings functions called with an empty environment), never a copy kept in this file. Every
 relative link and `#anchor` in README.md, docs/*.md, deploy/README.md and bench/README.md resolves to
 a file, and a heading in it, inside the repository. README.md stays a front door (at most 200 lines,
-`make` targets that exist); docs/DEVELOPMENT.md's module table lists every module; docs/OPERATIONS.md
+`make` targets that exist); docs/DEVELOPMENT.md's module table lists every module, and the layers
+README.md draws are the ones the imports keep (each package imports only those below it); docs/OPERATIONS.md
 lists every doctor check. deploy/'s manifests are checked by test_deploy.py, not here.
 
 Touches nothing outside tmp_path: reads files and imports modules. No engine, no storage, no Dagster
@@ -17,6 +18,7 @@ instance, no network (the Batch API's defaults come from building its service ob
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import re
@@ -25,8 +27,8 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from batch_pipeline.lib import settings as settings_module
-from batch_pipeline.lib.settings import ENGINE_ENV, ENGINE_ENV_ALIASES, EngineSettings
+from batch_pipeline.config import settings as settings_module
+from batch_pipeline.config.settings import ENGINE_ENV, ENGINE_ENV_ALIASES, EngineSettings
 from batch_pipeline_tests.conftest import REPO
 
 PACKAGE = REPO / "batch_pipeline"
@@ -256,8 +258,10 @@ def code_defaults(monkeypatch, tmp_path) -> dict[str, Any]:
     """Each variable's default as the code has it: EngineSettings' fields, what engine_args fills in
     on CPU where a field is None, the settings functions with nothing set, and the constants."""
     from batch_pipeline.defs import assets, partitions, schedules
-    from batch_pipeline.lib import engine_args, models, storage
-    from batch_pipeline.lib.validation import ValidationSettings
+    from batch_pipeline.engine import engine_args
+    from batch_pipeline.config import models
+    from batch_pipeline.io import storage
+    from batch_pipeline.steps.validation import ValidationSettings
     from batch_pipeline.service import app
 
     defaults: dict[str, Any] = {}
@@ -308,7 +312,7 @@ def code_defaults(monkeypatch, tmp_path) -> dict[str, Any]:
         "BATCH_API_MAX_IN_FLIGHT": service.max_in_flight,
         "BATCH_API_MIN_EXPIRY_SECONDS": service.min_expiry,
     })
-    from batch_pipeline.lib import images
+    from batch_pipeline.io import images
 
     image = images.image_settings_from_env({})
     defaults.update({
@@ -411,8 +415,51 @@ def test_module_map_lists_every_module():
         f"missing from docs/DEVELOPMENT.md: {sorted(modules - set(listed))}; gone: {sorted(set(listed) - modules)}")
 
 
+def _layers(path: Path) -> list[list[str]]:
+    """The layers of the package as a doc's picture draws them, top first: each line's names."""
+    text = path.read_text()
+    start = text.index("```\ndefinitions.py,")
+    picture = text[start + 4:text.index("```", start + 4)]
+    return [re.findall(r"([a-z_]+(?:\.py|/))[, ]", line.split("  ")[0] + " ") for line in picture.splitlines()]
+
+
+def _imports(path: Path) -> list[str]:
+    """Every module an import statement of a file names, at any depth of the file."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [f"{node.module}.{a.name}" for a in node.names]
+    return names
+
+
+def test_imports_point_down_the_layers_the_readme_draws():
+    layers = _layers(REPO / "README.md")
+    assert layers == _layers(DOCS / "DEVELOPMENT.md"), "README.md and docs/DEVELOPMENT.md draw the same layers"
+    rank = {name.rstrip("/").removesuffix(".py"): depth for depth, names in enumerate(layers) for name in names}
+    modules = sorted(p for p in PACKAGE.rglob("*.py"))
+    placed = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in modules} - {"__init__"}
+    assert placed == set(rank), f"the picture and the package's folders: {sorted(placed ^ set(rank))}"
+    wrong = []
+    for path in modules:
+        part = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        if part == "__init__":
+            continue
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] == "batch_pipeline" and len(parts) > 1 and parts[1] in rank:
+                if rank[parts[1]] < rank[part]:
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {name} (a layer above it)")
+            if rank[part] > 0 and parts[0] == "dagster":
+                wrong.append(f"{path.relative_to(PACKAGE)} imports Dagster below the entry points")
+            if rank[part] > rank["engine"] and parts[0] == "vllm":
+                wrong.append(f"{path.relative_to(PACKAGE)} imports vLLM below engine/")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_operations_lists_every_doctor_check():
-    from batch_pipeline.lib.doctor import CHECKS
+    from batch_pipeline.doctor import CHECKS
 
     listed = [row.cells[0].strip("`") for row in table_rows(DOCS / "OPERATIONS.md", "check")]
     assert listed == list(CHECKS), "docs/OPERATIONS.md's doctor table: every check, in CHECKS order"

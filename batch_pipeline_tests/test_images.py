@@ -1,4 +1,4 @@
-"""lib/images.py: finding image parts in chat and Responses bodies, fetching and decoding them, limits.
+"""io/images.py: finding image parts in chat and Responses bodies, fetching and decoding them, limits.
 
 Real files throughout: PNGs and JPEGs drawn with PIL in the test (none stored), data: URLs, objects
 on the repo's S3 test server (moto over HTTP, with the pipeline's storage client), and a refused
@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from batch_pipeline.lib import images, storage
-from batch_pipeline.lib.contract import CHAT_URL, RESPONSES_URL
-from batch_pipeline.lib.images import ImageError, ImageRef, ImageResolver, ImageSettings
-from batch_pipeline.lib.settings import ConfigError
+from batch_pipeline.io import images, storage
+from batch_pipeline.contract.contract import CHAT_URL, RESPONSES_URL
+from batch_pipeline.io.images import ImageError, ImageRef, ImageResolver, ImageSettings
+from batch_pipeline.config.settings import ConfigError
 from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 
 
@@ -237,7 +237,7 @@ def _line(body: dict, url: str = CHAT_URL) -> bytes:
      "body.input[0].content[0].file_id"),
 ])
 def test_a_text_only_model_refuses_image_parts_per_line_naming_the_model(url, body, where):
-    from batch_pipeline.lib.validation import InvalidLine, LineValidator, ValidationSettings
+    from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidationSettings
 
     result = LineValidator(ValidationSettings("served")).validate(7, _line(body, url))
     assert isinstance(result, InvalidLine) and result.code == "invalid_request"
@@ -245,7 +245,7 @@ def test_a_text_only_model_refuses_image_parts_per_line_naming_the_model(url, bo
 
 
 def test_text_lines_are_untouched_by_the_image_check():
-    from batch_pipeline.lib.validation import LineValidator, ValidLine, ValidationSettings
+    from batch_pipeline.steps.validation import LineValidator, ValidLine, ValidationSettings
 
     validator = LineValidator(ValidationSettings("served"))
     assert isinstance(validator.validate(1, _line({"model": "served", "messages": [{"role": "user", "content": "hi"}]})), ValidLine)
@@ -255,7 +255,8 @@ def test_text_lines_are_untouched_by_the_image_check():
 def test_doctor_and_models_say_whether_the_model_takes_images(tmp_path, monkeypatch):
     import json
 
-    from batch_pipeline.lib import doctor, models
+    from batch_pipeline import doctor
+    from batch_pipeline.config import models
     from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
 
     vlm = build_tiny_vlm(models.cache_root() / "test-models" / "tiny-idefics3")

@@ -2,7 +2,7 @@
 
 Runs the real engine in-process (built from engine_args.engine_kwargs, as runs build it) through
 `LLM.chat`, with OpenAI `image_url` parts carrying data URLs, and with images fetched and decoded
-ahead of the engine by lib/images.py (data URLs and objects on the repo's S3 test server) and handed
+ahead of the engine by io/images.py (data URLs and objects on the repo's S3 test server) and handed
 over decoded. Images are drawn with PIL here, never stored. Does not touch validation or the assets:
 the pipeline's run path does not pass images to the engine yet (issue 27).
 """
@@ -14,9 +14,11 @@ import io
 
 import pytest
 
-from batch_pipeline.lib import engine_args, images, models, storage
-from batch_pipeline.lib.contract import CHAT_URL
-from batch_pipeline.lib.settings import EngineSettings
+from batch_pipeline.engine import engine_args
+from batch_pipeline.io import images, storage
+from batch_pipeline.config import models
+from batch_pipeline.contract.contract import CHAT_URL
+from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline_tests.conftest import _session_engine
 from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 from batch_pipeline_tests.tiny_vlm import IMAGE_SEQ_LEN, build_tiny_vlm

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.lib import contract, storage
-from batch_pipeline.lib.settings import ConfigError
+from batch_pipeline.contract import contract
+from batch_pipeline.io import storage
+from batch_pipeline.config.settings import ConfigError
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import TINY_NAME
 

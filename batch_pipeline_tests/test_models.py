@@ -1,4 +1,4 @@
-"""Tests for batch_pipeline.lib.models: the folders of models the pipeline serves.
+"""Tests for batch_pipeline.config.models: the folders of models the pipeline serves.
 
 Covers the cache paths; the tiny random Llama (idempotent, deterministic, loads in transformers,
 ChatML template, byte-level tokenizer, rebuilt when damaged); the SmolLM2 checkpoint converted from
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.lib import models
+from batch_pipeline.config import models
 from batch_pipeline_tests.tiny_model import build_tiny_llama
 
 

@@ -1,4 +1,4 @@
-"""ORDER=planned (lib/ordering.py): the plan itself (prefix groups contiguous, long decodes first,
+"""ORDER=planned (steps/ordering.py): the plan itself (prefix groups contiguous, long decodes first,
 keys from the chat template or the request text), its memory at 1M lines, records read back in
 plan order from a local copy (a work file on S3), and the setting. No engine here except the tiny
 model's tokenizer; that the order changes nothing a user sees is tested on real runs in
@@ -17,8 +17,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from batch_pipeline.lib import ordering
-from batch_pipeline.lib.settings import ConfigError, EngineSettings, engine_settings_from_env
+from batch_pipeline.steps import ordering
+from batch_pipeline.config.settings import ConfigError, EngineSettings, engine_settings_from_env
 
 CHAT = "/v1/chat/completions"
 
@@ -149,7 +149,7 @@ def test_the_planner_holds_a_million_lines_in_little_memory():
     line) and the sort, not by the prompts (about 200 MB of records pass through)."""
     script = textwrap.dedent("""
         import json, time
-        from batch_pipeline.lib import ordering
+        from batch_pipeline.steps import ordering
         def peak_mb():  # VmHWM: this process's peak resident memory (ru_maxrss may be the parent's after exec)
             status = open("/proc/self/status").read()
             return int(status.split("VmHWM:")[1].split()[0]) / 1024
@@ -207,7 +207,7 @@ def test_the_plan_of_nothing_is_empty():
 
 
 def test_prefix_caching_is_on_unless_set_off(tmp_path):
-    from batch_pipeline.lib.engine_args import engine_kwargs
+    from batch_pipeline.engine.engine_args import engine_kwargs
 
     assert engine_kwargs(EngineSettings(), str(tmp_path), "m", "generate")["enable_prefix_caching"] is True
     off = engine_settings_from_env({"ENABLE_PREFIX_CACHING": "false"})
@@ -232,7 +232,7 @@ class _FakeRank:
 
 
 def test_data_parallel_ranks_get_whole_prefix_groups_where_they_can():
-    from batch_pipeline.lib.ranks import _Feeder
+    from batch_pipeline.engine.ranks import _Feeder
 
     # 6 documents x 6 questions, planned; ranks ask for 16 at a time (ranks.WANT).
     bodies = docs_and_questions(docs=6, questions=6)
@@ -259,7 +259,7 @@ def test_data_parallel_ranks_get_whole_prefix_groups_where_they_can():
 
 
 def test_without_a_plan_the_feeder_hands_out_what_is_asked():
-    from batch_pipeline.lib.ranks import _Feeder
+    from batch_pipeline.engine.ranks import _Feeder
 
     rank = _FakeRank()
     rank.wants.extend([5, 5])

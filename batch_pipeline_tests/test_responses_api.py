@@ -18,8 +18,10 @@ import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from batch_pipeline.lib import contract, ids, storage
-from batch_pipeline.lib.validation import InvalidLine, LineValidator, ValidationSettings
+from batch_pipeline.contract import contract
+from batch_pipeline.base import ids
+from batch_pipeline.io import storage
+from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidationSettings
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.thinking_llm import REGEX, TAGS, THINKING

@@ -1,4 +1,4 @@
-"""How a `batch-pipeline` process ends (lib/runtime.exit_without_teardown), in plain Python
+"""How a `batch-pipeline` process ends (base/runtime.exit_without_teardown), in plain Python
 subprocesses: no engine, no server. The real command on each kind of batch file is tested in
 test_cli.py (test_the_command_exits_soon_after_its_results)."""
 
@@ -14,7 +14,7 @@ EXITS_WITHIN = 8.0  # seconds; a hang is what is tested for, and the join grace 
 def run_exiting(body: str, join_seconds: float = 1.0) -> tuple[subprocess.CompletedProcess, float]:
     script = (
         "import concurrent.futures, threading, time\n"
-        "from batch_pipeline.lib.runtime import exit_without_teardown\n"
+        "from batch_pipeline.base.runtime import exit_without_teardown\n"
         f"{body}\n"
         "print('before exit', flush=True)\n"
         f"exit_without_teardown(3, join_seconds={join_seconds})\n"

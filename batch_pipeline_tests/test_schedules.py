@@ -165,7 +165,7 @@ def test_the_nightly_run_takes_every_file_of_the_date(tiny_llm, tmp_path: Path) 
 
 def test_nightly_cron_is_configurable_when_definitions_load(monkeypatch):
     from batch_pipeline.definitions import defs
-    from batch_pipeline.lib.settings import ConfigError
+    from batch_pipeline.config.settings import ConfigError
 
     monkeypatch.setenv("NIGHTLY_CRON", "30 4 * * *")
     assert defs().resolve_schedule_def("nightly_batch_schedule").cron_schedule == "30 4 * * *"

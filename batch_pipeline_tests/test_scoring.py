@@ -13,7 +13,8 @@ import math
 from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.lib import contract, storage
+from batch_pipeline.contract import contract
+from batch_pipeline.io import storage
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import EMBED_NAME, TINY_NAME
 
@@ -110,7 +111,7 @@ def build_tiny_cross_encoder(dest) -> str:
     import torch
     from transformers import BertConfig, BertForSequenceClassification
 
-    from batch_pipeline.lib import models
+    from batch_pipeline.config import models
 
     def build(tmp) -> dict:
         source = models.embedding_model_dir()
@@ -134,7 +135,7 @@ def test_a_cross_encoder_set_by_score_model_path_reads_each_pair(tiny_llm, tmp_p
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from batch_pipeline.lib import models
+    from batch_pipeline.config import models
 
     path = build_tiny_cross_encoder(models.cache_root() / "test-models" / "tiny-cross-encoder")
     llm = tiny_llm.rebuilt(score_model_path=path)

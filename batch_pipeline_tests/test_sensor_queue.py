@@ -24,9 +24,9 @@ import pytest
 
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline.lib import notifications
-from batch_pipeline.lib import storage as store
-from batch_pipeline.lib.uploads import BASELINE_SLACK_SECONDS, UploadCursor
+from batch_pipeline.io import notifications
+from batch_pipeline.io import storage as store
+from batch_pipeline.io.uploads import BASELINE_SLACK_SECONDS, UploadCursor
 from batch_pipeline_tests.s3_server import MotoS3
 from batch_pipeline_tests.sensor_ticks import by_uri, evaluate, files_of
 from batch_pipeline_tests.sqs_queue import notifying_queue, queue_depth

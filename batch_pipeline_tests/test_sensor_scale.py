@@ -34,9 +34,9 @@ import pytest
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.defs.sensors import partition_range
-from batch_pipeline.lib import storage as store
-from batch_pipeline.lib.settings import ConfigError, sensor_settings_from_env
-from batch_pipeline.lib.uploads import BASELINE_SLACK_SECONDS, LOOKBACK_SECONDS, UploadCursor
+from batch_pipeline.io import storage as store
+from batch_pipeline.config.settings import ConfigError, sensor_settings_from_env
+from batch_pipeline.io.uploads import BASELINE_SLACK_SECONDS, LOOKBACK_SECONDS, UploadCursor
 from batch_pipeline_tests.fault_proxy import FaultProxy, start_proxy
 from batch_pipeline_tests.s3_server import MotoS3, apply_env, running_moto_server
 from batch_pipeline_tests.sensor_ticks import by_uri, evaluate, write
@@ -276,7 +276,7 @@ def test_files_over_the_cap_wait_for_later_ticks(tmp_path: Path, monkeypatch) ->
 def test_a_cursor_from_before_the_window_reruns_nothing(tmp_path: Path) -> None:
     """A v1 cursor (mark + ids of the last 24 h) keeps its meaning: files it saw, and files older
     than its look-back, do not run again; a file uploaded since does."""
-    from batch_pipeline.lib.uploads import version_id
+    from batch_pipeline.io.uploads import version_id
 
     storage = local_storage(tmp_path)
     ancient = write(tmp_path / "in" / day(1) / "ancient.jsonl", age_seconds=LOOKBACK_SECONDS + 7200)

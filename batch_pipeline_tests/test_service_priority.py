@@ -221,7 +221,7 @@ def test_one_tenants_backlog_does_not_hold_another_tenant_back(queue):
 
 @pytest.mark.server  # `batch-pipeline serve` in its own process (no fixture says so)
 def test_priority_settings_are_checked_naming_the_variable(tmp_path):
-    from batch_pipeline.lib.settings import ConfigError
+    from batch_pipeline.config.settings import ConfigError
     from batch_pipeline.service.app import load_priority_caps
 
     tenants = {"team-a", "team-b"}

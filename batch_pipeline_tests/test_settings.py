@@ -1,4 +1,4 @@
-"""Configuration by environment variable (lib/settings.py) and the resources that expose it.
+"""Configuration by environment variable (config/settings.py) and the resources that expose it.
 
 Pure unit tests: no engine is built, no storage is touched.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from batch_pipeline.defs.resources import LLMResource, StorageResource
-from batch_pipeline.lib.engine_args import engine_kwargs
-from batch_pipeline.lib.settings import (
+from batch_pipeline.engine.engine_args import engine_kwargs
+from batch_pipeline.config.settings import (
     ConfigError,
     EngineSettings,
     engine_settings_from_env,
@@ -107,7 +107,7 @@ def test_checkpoint_settings_default_to_5_seconds_and_take_the_old_name():
 
 
 def test_a_gpu_preset_is_refused_without_gpus_and_names_the_preset():
-    from batch_pipeline.lib.engine_args import hardware_problem
+    from batch_pipeline.engine.engine_args import hardware_problem
 
     h100 = engine_settings_from_env({"ENGINE_PRESET": "h100-8b"})
     assert h100.preset == "h100-8b" and h100.dtype == "bfloat16"
@@ -121,7 +121,7 @@ def test_a_gpu_preset_is_refused_without_gpus_and_names_the_preset():
 
 
 def test_cpu_kv_cache_default_is_1_gib_and_the_context_fits_it():
-    from batch_pipeline.lib.engine_args import CPU_KV_CACHE_BYTES
+    from batch_pipeline.engine.engine_args import CPU_KV_CACHE_BYTES
 
     kwargs = engine_kwargs(EngineSettings(), "/m", "m", "generate")
     assert CPU_KV_CACHE_BYTES == 2**30 and kwargs["kv_cache_memory_bytes"] == 2**30
@@ -137,7 +137,7 @@ def test_partitions_start_from_the_environment_with_a_recent_default():
     import sys
 
     from batch_pipeline.defs.partitions import DEFAULT_PARTITIONS_START, partitions_start
-    from batch_pipeline.lib.settings import ConfigError
+    from batch_pipeline.config.settings import ConfigError
 
     assert partitions_start({}) == DEFAULT_PARTITIONS_START
     assert dt.date.today() - dt.date.fromisoformat(DEFAULT_PARTITIONS_START) < dt.timedelta(days=400)  # recent
@@ -160,7 +160,7 @@ def test_the_sensor_interval_is_a_setting_read_when_the_definitions_load():
     import subprocess
     import sys
 
-    from batch_pipeline.lib.settings import ConfigError, sensor_interval_from_env
+    from batch_pipeline.config.settings import ConfigError, sensor_interval_from_env
 
     assert sensor_interval_from_env({}) == 30 and sensor_interval_from_env({"SENSOR_INTERVAL_SECONDS": "300"}) == 300
     for raw in ("4", "3601", "soon"):
@@ -174,7 +174,7 @@ def test_the_sensor_interval_is_a_setting_read_when_the_definitions_load():
 
 
 def test_every_engine_setting_is_a_launchpad_field_naming_its_variable():
-    from batch_pipeline.lib.settings import ENGINE_ENV
+    from batch_pipeline.config.settings import ENGINE_ENV
 
     described = {f.description.split(":")[0] for f in LLMResource.model_fields.values()}
     assert set(ENGINE_ENV) | {"ENGINE_PRESET"} <= described, set(ENGINE_ENV) - described
@@ -182,8 +182,8 @@ def test_every_engine_setting_is_a_launchpad_field_naming_its_variable():
 
 
 def test_a_preset_and_engine_args_picked_in_the_launchpad(monkeypatch):
-    from batch_pipeline.lib.presets import preset
-    from batch_pipeline.lib.settings import ConfigError
+    from batch_pipeline.config.presets import preset
+    from batch_pipeline.config.settings import ConfigError
 
     monkeypatch.delenv("ENGINE_PRESET", raising=False)
     monkeypatch.delenv("ENGINE_ARGS", raising=False)
@@ -200,7 +200,7 @@ def test_a_preset_and_engine_args_picked_in_the_launchpad(monkeypatch):
 
 @pytest.mark.parametrize("raw,expected", [("", 0.10), ("0.25", 0.25), (" 0 ", 0.0), ("1", 1.0)])
 def test_max_failed_line_rate_is_a_share(raw, expected):
-    from batch_pipeline.lib.settings import max_failed_line_rate_from_env
+    from batch_pipeline.config.settings import max_failed_line_rate_from_env
 
     assert max_failed_line_rate_from_env({"MAX_FAILED_LINE_RATE": raw}) == expected
 
@@ -208,7 +208,7 @@ def test_max_failed_line_rate_is_a_share(raw, expected):
 @pytest.mark.parametrize("raw,message", [("ten", "MAX_FAILED_LINE_RATE='ten' is not a valid number"),
                                          ("10", "MAX_FAILED_LINE_RATE='10' is out of range (0 to 1")])
 def test_a_bad_max_failed_line_rate_names_the_variable(raw, message):
-    from batch_pipeline.lib.settings import ConfigError, max_failed_line_rate_from_env
+    from batch_pipeline.config.settings import ConfigError, max_failed_line_rate_from_env
 
     with pytest.raises(ConfigError) as refused:
         max_failed_line_rate_from_env({"MAX_FAILED_LINE_RATE": raw})

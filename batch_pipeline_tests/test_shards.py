@@ -23,8 +23,8 @@ import pytest
 from batch_pipeline.cli import run_batch
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline.lib import shards
-from batch_pipeline.lib.settings import ConfigError, shards_from_env
+from batch_pipeline.io import shards
+from batch_pipeline.config.settings import ConfigError, shards_from_env
 from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl
 from batch_pipeline_tests.asset_runs import write_batch as write_date_batch
 from batch_pipeline_tests.cli_runs import CLI, answered_once, read_results, write_batch

@@ -1,4 +1,4 @@
-"""Tests for batch_pipeline.lib.storage: one API over local folders, file:// URIs and s3:// URIs.
+"""Tests for batch_pipeline.io.storage: one API over local folders, file:// URIs and s3:// URIs.
 
 Covers: join/basename/local_path, write/read/exists/describe/delete round trips, byte-exact streaming
 of lines (CRLF, no final newline) and bounded read-ahead, resuming a broken S3 read (and refusing
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.lib import storage
+from batch_pipeline.io import storage
 from batch_pipeline_tests.s3_server import MotoS3
 
 KINDS = ["local", "file", "s3"]

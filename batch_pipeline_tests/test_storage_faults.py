@@ -29,10 +29,10 @@ from typing import Any
 
 import pytest
 
-from batch_pipeline.lib import storage
-from batch_pipeline.lib.ingest import validate_batch
-from batch_pipeline.lib.locations import BatchLocation
-from batch_pipeline.lib.validation import ValidationSettings
+from batch_pipeline.io import storage
+from batch_pipeline.steps.ingest import validate_batch
+from batch_pipeline.io.locations import BatchLocation
+from batch_pipeline.steps.validation import ValidationSettings
 from batch_pipeline_tests.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
 from batch_pipeline_tests.s3_server import MotoS3, apply_env
 

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
-from batch_pipeline.lib import table_inputs, tables
+from batch_pipeline.io import table_inputs, tables
 from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.sensor_ticks import evaluate, turned_on

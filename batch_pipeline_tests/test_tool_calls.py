@@ -1,4 +1,4 @@
-"""Tool (function) calling on chat lines (lib/tool_calls.py) with a real engine and SmolLM2.
+"""Tool (function) calling on chat lines (engine/tool_calls.py) with a real engine and SmolLM2.
 
 A named tool_choice and `required` are constrained by structured outputs, so even a 135M model's
 calls parse and match the schema. `auto` reads the calls with vLLM's own tool parser
@@ -16,9 +16,9 @@ import re
 import pytest
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.lib import contract
-from batch_pipeline.lib.engines import Engines
-from batch_pipeline.lib.tool_calls import ToolParserConfigError, required_schema
+from batch_pipeline.contract import contract
+from batch_pipeline.engine.engines import Engines
+from batch_pipeline.engine.tool_calls import ToolParserConfigError, required_schema
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 
 try:

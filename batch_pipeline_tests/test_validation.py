@@ -1,4 +1,4 @@
-"""Validation of input lines against the batch contract (lib/validation.py, lib/contract.py).
+"""Validation of input lines against the batch contract (steps/validation.py, contract/contract.py).
 
 Pure unit tests: no model, no Dagster, no storage. Each rule of BATCH_CONTRACT.md has a case that
 must be accepted or rejected with the right code, line number and field in the message.
@@ -13,9 +13,9 @@ import tracemalloc
 
 import pytest
 
-from batch_pipeline.lib import contract
-from batch_pipeline.lib import fastpath
-from batch_pipeline.lib.validation import (
+from batch_pipeline.contract import contract
+from batch_pipeline.contract import fastpath
+from batch_pipeline.steps.validation import (
     InvalidLine,
     LineValidator,
     ValidLine,
@@ -395,7 +395,7 @@ def test_validation_memory_does_not_grow_with_file_size():
 
 
 def test_id_set_finds_every_repeat_across_growth():
-    from batch_pipeline.lib.validation import IdSet
+    from batch_pipeline.steps.validation import IdSet
 
     ids = IdSet(capacity=8)
     assert all(ids.add(f"id-{i}") for i in range(5000))

@@ -1,4 +1,4 @@
-"""Pins what lib/vllm_adapter.py relies on in the installed vLLM build, on the real engine.
+"""Pins what engine/vllm_adapter.py relies on in the installed vLLM build, on the real engine.
 
 The streaming loop uses a few engine-level calls beyond vLLM's documented offline API (how the ids
 `enqueue` returns map to the ids of step() outputs, step/abort/has_unfinished, the scheduler's
@@ -12,8 +12,8 @@ import gc
 
 import pytest
 
-from batch_pipeline.lib import vllm_adapter
-from batch_pipeline.lib.engine_args import engine_kwargs
+from batch_pipeline.engine import vllm_adapter
+from batch_pipeline.engine.engine_args import engine_kwargs
 from batch_pipeline_tests.conftest import TINY_MAX_MODEL_LEN, TINY_NAME
 
 
@@ -129,7 +129,7 @@ def test_llm_finds_its_logging_configuration_applied_and_applies_nothing(tiny_mo
 def test_the_heartbeat_does_not_log_while_logging_is_set_up():
     import time
 
-    from batch_pipeline.lib.progress import LOGGING_SETUP, heartbeat
+    from batch_pipeline.base.progress import LOGGING_SETUP, heartbeat
 
     said: list[str] = []
     with heartbeat(said.append, "loading", every=0.01):

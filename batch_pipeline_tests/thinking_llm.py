@@ -23,7 +23,7 @@ TAGS = {str(THINK_OPEN): 50, str(THINK_CLOSE): 50}
 
 @pytest.fixture(scope="module")
 def thinking_model_dir(bundled_model_dir):
-    from batch_pipeline.lib import models
+    from batch_pipeline.config import models
 
     return build_thinking_smollm2(bundled_model_dir, models.cache_root() / "test-models" / THINKING)
 

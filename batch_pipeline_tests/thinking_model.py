@@ -14,7 +14,7 @@ import os
 import shutil
 from pathlib import Path
 
-from batch_pipeline.lib.models import build_once
+from batch_pipeline.config.models import build_once
 
 THINKING_FORMAT = 1
 RENAMED = {"<issue_start>": "<think>", "<issue_comment>": "</think>"}

@@ -13,7 +13,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from batch_pipeline.lib.models import CHATML_TEMPLATE, build_once
+from batch_pipeline.config.models import CHATML_TEMPLATE, build_once
 
 TINY_FORMAT = 1
 TINY_SEED = 0

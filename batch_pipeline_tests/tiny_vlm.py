@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from batch_pipeline.lib.models import build_once
+from batch_pipeline.config.models import build_once
 from batch_pipeline_tests.tiny_model import _seeded, _write_tiny_tokenizer
 
 TINY_VLM_FORMAT = 1

@@ -105,7 +105,7 @@ def main() -> int:
     os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
     import openai
 
-    from batch_pipeline.lib import models
+    from batch_pipeline.config import models
     from batch_pipeline_tests.conftest import TINY_NAME
     from batch_pipeline_tests.dagster_server import free_port, pipeline_env, start_dagster_dev, wait_for
     from batch_pipeline_tests.tiny_model import build_tiny_llama

@@ -12,7 +12,7 @@ wall time (process start to exit), model load, inference phase, output tokens/s 
 `requests_per_rank` from metrics.json; then, per rank count, the best wall time and its ratio to
 one engine's.
 
-On a machine without GPUs each rank is pinned to its own CPU cores (lib/placement.py), so on a
+On a machine without GPUs each rank is pinned to its own CPU cores (engine/placement.py), so on a
 2-core machine 2 ranks split the same 2 cores one engine had: no speed-up is expected there; the
 figures show the cost of the extra process and the balance. On a GPU server each rank has its own
 GPU and the inference phase shrinks about linearly (docs/GPU.md).

@@ -42,8 +42,9 @@ def say(message: str) -> None:
 
 def build() -> Any:
     from batch_pipeline.defs.resources import LLMResource
-    from batch_pipeline.lib import models, vllm_adapter
-    from batch_pipeline.lib.engine_args import engine_kwargs
+    from batch_pipeline.config import models
+    from batch_pipeline.engine import vllm_adapter
+    from batch_pipeline.engine.engine_args import engine_kwargs
 
     resource = LLMResource()
     settings = resource.settings()
@@ -60,7 +61,7 @@ def one(llm: Any, batch: int, steps: int, round_: int) -> dict[str, Any]:
     """B prompts decoded together: the decode steps' times (the prefill steps left out)."""
     from vllm import SamplingParams
 
-    from batch_pipeline.lib import vllm_adapter
+    from batch_pipeline.engine import vllm_adapter
 
     params = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     # Distinct prompts (a round and an index in each) so nothing comes from the prefix cache.

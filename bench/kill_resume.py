@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_bench import REPO, DEFAULT_CACHE, prepare_chat_workload, say  # noqa: E402
 
-LOADED_MARK = "loaded in"  # "generate model <name> loaded in 12.3s" (lib/engines.py)
+LOADED_MARK = "loaded in"  # "generate model <name> loaded in 12.3s" (engine/engines.py)
 
 
 def run_cli(cmd: list[str], env: dict[str, str], log: Path, kill_after: float | None, timeout: float) -> dict[str, Any]:

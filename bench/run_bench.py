@@ -17,7 +17,7 @@ What it does (see bench/README.md for the caveats):
    mixed-lengths (max_tokens drawn from 8..256, ignore_eos).
 2. Runs it through each system, each as a fresh subprocess timed from start to exit:
      llm_chat          raw vLLM: a tiny script that builds `vllm.LLM` with exactly the engine arguments
-                       the pipeline would use (`batch_pipeline.lib.engine_args.engine_kwargs`) and makes
+                       the pipeline would use (`batch_pipeline.engine.engine_args.engine_kwargs`) and makes
                        ONE `llm.chat(all_conversations, params)` call, the lines in file order;
      run_batch         `python -m vllm.entrypoints.launchers.run_batch -i IN -o OUT --model ...` with the
                        same engine arguments as command-line flags;
@@ -37,7 +37,7 @@ What it does (see bench/README.md for the caveats):
 
 `--validate-only` instead times, in this process and alternating, `json.loads` of every line of a
 generated file (>= 100k lines) against the pipeline's validator
-(`batch_pipeline.lib.validation.validate_stream` with callbacks that discard), plus what the pipeline
+(`batch_pipeline.steps.validation.validate_stream` with callbacks that discard), plus what the pipeline
 does around it (writing the valid requests; re-parsing them before inference).
 
 Every subprocess gets the same environment: HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1,
@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from batch_pipeline.lib.runtime import runtime_env  # the same cache/offline variables as the pipeline
+from batch_pipeline.base.runtime import runtime_env  # the same cache/offline variables as the pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CACHE = REPO / ".cache"
@@ -136,10 +136,10 @@ PREFLIGHT = r"""
 import json, sys
 from pathlib import Path
 from batch_pipeline.defs.resources import LLMResource
-from batch_pipeline.lib import models
-from batch_pipeline.lib.engine_args import engine_kwargs
-from batch_pipeline.lib.runtime import is_cpu
-from batch_pipeline.lib.vllm_adapter import vllm_version
+from batch_pipeline.config import models
+from batch_pipeline.engine.engine_args import engine_kwargs
+from batch_pipeline.base.runtime import is_cpu
+from batch_pipeline.engine.vllm_adapter import vllm_version
 
 res = LLMResource()                      # what `batch-pipeline run` uses: env vars, then defaults
 settings = res.settings()
@@ -1062,9 +1062,9 @@ def validate_bench(args: argparse.Namespace) -> dict[str, Any]:
     source = pipeline_source(args, work, {})
     if "path" in source:
         sys.path.insert(0, source["path"])  # before batch_pipeline is first imported
-    from batch_pipeline.lib import contract
-    from batch_pipeline.lib import validation
-    from batch_pipeline.lib.validation import ValidationSettings, validate_stream
+    from batch_pipeline.contract import contract
+    from batch_pipeline.steps import validation
+    from batch_pipeline.steps.validation import ValidationSettings, validate_stream
 
     say(f"validator from {Path(validation.__file__).parent.parent}")
     # What validate_batch writes per valid request and how infer_batch reads it back differs between

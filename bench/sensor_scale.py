@@ -64,9 +64,9 @@ from botocore.config import Config
 
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.defs.sensors import batch_upload_sensor, partition_range
-from batch_pipeline.lib import notifications
-from batch_pipeline.lib import storage as store
-from batch_pipeline.lib.uploads import BASELINE_SLACK_SECONDS
+from batch_pipeline.io import notifications
+from batch_pipeline.io import storage as store
+from batch_pipeline.io.uploads import BASELINE_SLACK_SECONDS
 from batch_pipeline_tests.s3_server import (
     _FOREIGN_AWS_VARS,
     REGION,

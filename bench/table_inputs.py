@@ -1,6 +1,6 @@
 """Peak memory of validating a Parquet batch file of 1M rows, against 100k rows, each in a fresh process.
 
-Validation reads a table input in record batches (lib/table_inputs.py), so its peak memory must stay
+Validation reads a table input in record batches (io/table_inputs.py), so its peak memory must stay
 flat as the row count grows: the figure is the ratio of the 1M-row peak to the 100k-row peak
 (1.0 = flat); the process's peak before it validates anything (imports only) is printed beside it.
 Also prints rows/s. Each size runs in its own subprocess, so one peak does not hide another.
@@ -21,10 +21,10 @@ from pathlib import Path
 CHILD = r"""
 import json, resource, sys, time
 from pathlib import Path
-from batch_pipeline.lib import storage
-from batch_pipeline.lib.ingest import validate_batch
-from batch_pipeline.lib.locations import BatchLocation
-from batch_pipeline.lib.validation import ValidationSettings
+from batch_pipeline.io import storage
+from batch_pipeline.steps.ingest import validate_batch
+from batch_pipeline.io.locations import BatchLocation
+from batch_pipeline.steps.validation import ValidationSettings
 
 def rss_mb():
     # VmHWM: this program's peak since exec (ru_maxrss would include the parent's RSS at fork).

@@ -12,16 +12,19 @@ import dagster as dg
 from batch_pipeline.defs import file_status
 from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-from batch_pipeline.lib import checkpoints, contract, locations, metrics, progress, tables
-from batch_pipeline.lib.engine_args import require_hardware
-from batch_pipeline.lib.ingest import validate_batch
-from batch_pipeline.lib.inference import answered_in_full, infer_batches
-from batch_pipeline.lib.locations import BatchLocation, RunBatches
-from batch_pipeline.lib.results import finalize_batch
-from batch_pipeline.lib.settings import DEFAULT_MAX_FAILED_LINE_RATE, ConfigError, max_failed_line_rate_from_env
-from batch_pipeline.lib.shards import Shard, merge_if_complete, reusable_validation
-from batch_pipeline.lib.storage import join as storage_join
-from batch_pipeline.lib.storage import read_json
+from batch_pipeline.io import checkpoints, locations, tables
+from batch_pipeline.contract import contract
+from batch_pipeline.steps import metrics
+from batch_pipeline.base import progress
+from batch_pipeline.engine.engine_args import require_hardware
+from batch_pipeline.steps.ingest import validate_batch
+from batch_pipeline.steps.inference import answered_in_full, infer_batches
+from batch_pipeline.io.locations import BatchLocation, RunBatches
+from batch_pipeline.steps.results import finalize_batch
+from batch_pipeline.config.settings import DEFAULT_MAX_FAILED_LINE_RATE, ConfigError, max_failed_line_rate_from_env
+from batch_pipeline.io.shards import Shard, merge_if_complete, reusable_validation
+from batch_pipeline.io.storage import join as storage_join
+from batch_pipeline.io.storage import read_json
 
 DEFAULT_MAX_FAILED_RATE = DEFAULT_MAX_FAILED_LINE_RATE
 # A crashed engine fails the answering step; it is retried twice, RETRY_DELAY_SECONDS after the

@@ -25,9 +25,10 @@ from batch_pipeline.defs.assets import (
 )
 from batch_pipeline.defs.partitions import batch_file_partitions, daily_partitions, split_file_key
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-from batch_pipeline.lib import locations, metrics
-from batch_pipeline.lib.shards import Shard
-from batch_pipeline.lib.storage import read_json
+from batch_pipeline.io import locations
+from batch_pipeline.steps import metrics
+from batch_pipeline.io.shards import Shard
+from batch_pipeline.io.storage import read_json
 
 
 @dg.asset(

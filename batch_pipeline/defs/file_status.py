@@ -23,8 +23,8 @@ from typing import Any
 import dagster as dg
 
 from batch_pipeline.defs.partitions import batch_file_partitions, file_key
-from batch_pipeline.lib import locations, storage
-from batch_pipeline.lib.locations import BatchLocation
+from batch_pipeline.io import locations, storage
+from batch_pipeline.io.locations import BatchLocation
 
 BATCH_FILES = dg.AssetKey("batch_files")
 FIRST_ERROR_LINES = 5  # the first error lines' numbers shown on a failed file's page

@@ -5,7 +5,7 @@ import os
 
 import dagster as dg
 
-from batch_pipeline.lib.settings import ConfigError
+from batch_pipeline.config.settings import ConfigError
 
 # A recent date, so that the UI's "missing" partitions mean dates that could have had files; set
 # PARTITIONS_START to the first date you have batch files for (read when the definitions load).

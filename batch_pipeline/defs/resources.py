@@ -15,15 +15,15 @@ from typing import Any, Optional
 import dagster as dg
 from pydantic import Field
 
-from batch_pipeline.lib import models
-from batch_pipeline.lib.engine_args import engine_kwargs, require_hardware
-from batch_pipeline.lib.engines import Engines
-from batch_pipeline.lib.placement import plan_ranks
-from batch_pipeline.lib.ranks import RankedEngines
-from batch_pipeline.lib.runtime import configure_runtime_env, gpu_count
-from batch_pipeline.lib.vllm_adapter import build_llm, vllm_version
-from batch_pipeline.lib.presets import PRESETS
-from batch_pipeline.lib.settings import (
+from batch_pipeline.config import models
+from batch_pipeline.engine.engine_args import engine_kwargs, require_hardware
+from batch_pipeline.engine.engines import Engines
+from batch_pipeline.engine.placement import plan_ranks
+from batch_pipeline.engine.ranks import RankedEngines
+from batch_pipeline.base.runtime import configure_runtime_env, gpu_count
+from batch_pipeline.engine.vllm_adapter import build_llm, vllm_version
+from batch_pipeline.config.presets import PRESETS
+from batch_pipeline.config.settings import (
     ConfigError,
     EngineSettings,
     StorageSettings,
@@ -31,7 +31,7 @@ from batch_pipeline.lib.settings import (
     storage_settings_from_env,
     validation_limits_from_env,
 )
-from batch_pipeline.lib.validation import ValidationSettings
+from batch_pipeline.steps.validation import ValidationSettings
 
 BUNDLED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
 
@@ -197,7 +197,7 @@ class LLMResource(dg.ConfigurableResource):
     @contextmanager
     def open(self, log: Callable[[str], None]) -> Iterator["Engines | RankedEngines"]:
         """Engines built on first use and always shut down (a leaked engine core hangs the process).
-        With DATA_PARALLEL_SIZE > 1, one engine per rank process (lib/ranks.py)."""
+        With DATA_PARALLEL_SIZE > 1, one engine per rank process (engine/ranks.py)."""
         configure_runtime_env(models.cache_root())
         s = self.settings()
         require_hardware(s)  # e.g. a GPU preset without a GPU: refused before any model is loaded

@@ -1,6 +1,6 @@
 """`nightly_batch_schedule`: every night, run yesterday's partition (all of that date's batch files).
 
-The run has blank config, so it takes every file of the date (`lib.batches.partition_inputs`): the
+The run has blank config, so it takes every file of the date (`io/locations.resolve_batches`): the
 `<input>/<date>/` folder plus the files directly under the input folder uploaded that day (UTC).
 Files that batch_upload_sensor (or an earlier run) already completed are left as they are. A date without
 files finishes in seconds: no step loads the model when there is nothing to answer.
@@ -15,7 +15,7 @@ import dagster as dg
 
 from batch_pipeline.defs.jobs import batch_job
 from batch_pipeline.defs.partitions import daily_partitions
-from batch_pipeline.lib.settings import ConfigError
+from batch_pipeline.config.settings import ConfigError
 
 # 02:00 UTC leaves two hours for late uploads of the day before. NIGHTLY_CRON overrides it; it is
 # read when the definitions load (the cron is part of them, shown in the UI), never at import.

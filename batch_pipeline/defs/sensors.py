@@ -1,8 +1,8 @@
 """`batch_upload_sensor`: `batch_job` runs for new or changed batch files under STORAGE_INPUT_PATH.
 
 Two ways to find them (docs/TRIGGERS.md): listing (the top of the input folder and the date
-folders of the last SENSOR_WINDOW_DAYS dates; lib/uploads.py) or, for big buckets, draining the
-SQS queue the bucket notifies on ObjectCreated (INPUT_QUEUE_URL; lib/notifications.py). Either way
+folders of the last SENSOR_WINDOW_DAYS dates; io/uploads.py) or, for big buckets, draining the
+SQS queue the bucket notifies on ObjectCreated (INPUT_QUEUE_URL; io/notifications.py). Either way
 the new file versions of one date found in one tick become one run (one model load: the `batch`
 resource's input_uris, run key `<input>/<date>@files-<digest>`); a lone new file keeps its run key
 `<uri>@<etag>`, and with SHARDS=n each file gets n runs `<uri>@<etag>#shard-i-of-n`. A version that a
@@ -25,16 +25,16 @@ import dagster as dg
 from batch_pipeline.defs.jobs import batch_job, batch_run_config
 from batch_pipeline.defs.partitions import batch_file_partitions, daily_partitions, file_key
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline.lib import locations, notifications
-from batch_pipeline.lib.storage import describe
-from batch_pipeline.lib.settings import (
+from batch_pipeline.io import locations, notifications
+from batch_pipeline.io.storage import describe
+from batch_pipeline.config.settings import (
     ConfigError,
     SensorSettings,
     sensor_interval_from_env,
     sensor_settings_from_env,
     shards_from_env,
 )
-from batch_pipeline.lib.uploads import (
+from batch_pipeline.io.uploads import (
     BASELINE_SLACK_SECONDS,
     NewBatch,
     PartitionRange,
@@ -70,7 +70,7 @@ def partition_range() -> PartitionRange:
 
 
 def run_requests(new: NewBatch, shards: int = 1) -> list[dg.RunRequest]:
-    """One run for the file, or with SHARDS=n, one run per line-range shard (lib/shards.py): n runs
+    """One run for the file, or with SHARDS=n, one run per line-range shard (io/shards.py): n runs
     that queue for the `gpu` pool like any other and, on Kubernetes, land on n GPU pods."""
     uri = new.info.uri
     tags = {"batch_pipeline/input_uri": uri, "batch_pipeline/batch_name": locations.batch_name(uri)}

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
-from batch_pipeline.lib import contract, storage
-from batch_pipeline.lib.checkpoints import LineSet, iter_answers
-from batch_pipeline.lib.locations import BatchLocation
-from batch_pipeline.lib.settings import ConfigError, storage_settings_from_env
+from batch_pipeline.contract import contract
+from batch_pipeline.io import storage
+from batch_pipeline.io.checkpoints import LineSet, iter_answers
+from batch_pipeline.io.locations import BatchLocation
+from batch_pipeline.config.settings import ConfigError, storage_settings_from_env
 from batch_pipeline.service.audit import AuditLog, AuditMiddleware, audit_log_from_env
 from batch_pipeline.service.store import Store, new_id
 

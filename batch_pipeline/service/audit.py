@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
-from batch_pipeline.lib.settings import ConfigError
+from batch_pipeline.config.settings import ConfigError
 
 VARIABLE = "BATCH_API_AUDIT_LOG"
 REQUEST_ID_HEADER = "x-request-id"

@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from batch_pipeline.lib import storage
+from batch_pipeline.io import storage
 
 FOLDER = "_batch_api"
 # A batch's result files are files of the API too, with ids derived from the batch's.

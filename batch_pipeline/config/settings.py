@@ -1,0 +1,390 @@
+"""Configuration by the names users know from deployment guides, resolved when a run starts.
+
+Every knob has an environment variable (the table in docs/CONFIGURATION.md) and a typed default. Dagster
+resources expose the same fields in the launchpad; a value set there wins over the environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from batch_pipeline.base.errors import ConfigError
+from batch_pipeline.config.presets import preset
+
+# Environment variable -> EngineSettings field.
+ENGINE_ENV = {
+    "MODEL_PATH": "model_path",
+    "SERVED_MODEL_NAME": "served_model_name",
+    "TENSOR_PARALLEL_SIZE": "tensor_parallel_size",
+    "DATA_PARALLEL_SIZE": "data_parallel_size",
+    "MAX_MODEL_LEN": "max_model_len",
+    "BATCH_SIZE": "batch_size",
+    "DTYPE": "dtype",
+    "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
+    "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
+    "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
+    "SEED": "seed",
+    "KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes",
+    "ENFORCE_EAGER": "enforce_eager",
+    "ENGINE_ARGS": "extra_engine_args",
+    "EMBEDDING_MODEL_PATH": "embedding_model_path",
+    "EMBEDDING_SERVED_MODEL_NAME": "embedding_served_model_name",
+    "REASONING_PARSER": "reasoning_parser",
+    "TOOL_CALL_PARSER": "tool_call_parser",
+    "SCORE_MODEL_PATH": "score_model_path",
+    "SCORE_SERVED_MODEL_NAME": "score_served_model_name",
+    "LORA_MODULES": "lora_modules",
+    "MODELS_FILE": "models_file",
+    "MAX_LORA_RANK": "max_lora_rank",
+    "CHECKPOINT_ANSWERS": "checkpoint_answers",
+    "CHECKPOINT_SECONDS": "checkpoint_seconds",
+    "ORDER": "order",
+}
+# ORDER's values (steps/ordering.py plans the "planned" one).
+ORDERS = ("input", "planned")
+DEFAULT_ORDER = "planned"
+# Older names still read (the new name wins when both are set).
+ENGINE_ENV_ALIASES = {"SHARD_SIZE": "CHECKPOINT_ANSWERS"}
+
+
+RANGES = {
+    "TENSOR_PARALLEL_SIZE": " (at least 1)",
+    "DATA_PARALLEL_SIZE": " (at least 1)",
+    "MAX_MODEL_LEN": " (at least 16)",
+    "BATCH_SIZE": " (at least 1)",
+    "GPU_MEMORY_UTILIZATION": " (above 0, at most 1)",
+    "MAX_NUM_BATCHED_TOKENS": " (at least 1)",
+    "CHECKPOINT_ANSWERS": " (at least 1)",
+    "CHECKPOINT_SECONDS": " (0.5 to 3600 seconds)",
+}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything needed to build the engines; empty/None means "the default for this machine"."""
+
+    model_path: str = ""  # empty: the bundled SmolLM2-135M-Instruct checkpoint
+    served_model_name: str = ""  # empty: the model folder's name
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine ranks, each on its own TENSOR_PARALLEL_SIZE GPUs (placement.py)
+    max_model_len: int | None = None
+    batch_size: int | None = None  # vLLM's max_num_seqs
+    dtype: str = "auto"  # auto: float32 on CPU (bfloat16 ran ~10x slower there), the model's dtype on GPU
+    gpu_memory_utilization: float = 0.90
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool | None = None
+    seed: int = 0
+    kv_cache_memory_bytes: int | None = None  # CPU default set in engine.py
+    enforce_eager: bool | None = None  # None: eager on CPU (compiled mode took ~50 s to start here)
+    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    embedding_model_path: str = ""  # empty: the bundled all-MiniLM-L6-v2
+    embedding_served_model_name: str = ""
+    reasoning_parser: str = ""  # vLLM's reasoning parser name (deepseek_r1, qwen3, ...); empty: none
+    tool_call_parser: str = ""  # vLLM's tool parser name (hermes, llama3_json, ...) for tool_choice auto; empty: none
+    score_model_path: str = ""  # /v1/score and /v1/rerank: a cross-encoder; empty: the embedding model
+    score_served_model_name: str = ""
+    # LoRA adapters served on the generation model: "name=path name2=path2" (commas work too); a
+    # line selects one by naming it in body.model.
+    lora_modules: str = ""
+    max_lora_rank: int | None = None  # None: the largest rank among the adapters
+    # More generation models (YAML: served name -> folder, preset, engine settings): each line runs
+    # on the model its body.model names (engine/engines.py loads one at a time).
+    models_file: str = ""
+    # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
+    # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
+    checkpoint_answers: int = 256
+    checkpoint_seconds: float = 5.0
+    # The order requests are fed to the engine: "planned" (shared prompt prefixes together, long
+    # decodes first: steps/ordering.py) or "input" (file order). Only the speed depends on it.
+    order: str = DEFAULT_ORDER
+    preset: str = ""  # ENGINE_PRESET that filled in the defaults, if any
+
+    def __post_init__(self) -> None:
+        checks = {
+            "TENSOR_PARALLEL_SIZE": self.tensor_parallel_size >= 1,
+            "DATA_PARALLEL_SIZE": self.data_parallel_size >= 1,
+            "MAX_MODEL_LEN": self.max_model_len is None or self.max_model_len >= 16,
+            "BATCH_SIZE": self.batch_size is None or self.batch_size >= 1,
+            "GPU_MEMORY_UTILIZATION": 0 < self.gpu_memory_utilization <= 1,
+            "MAX_NUM_BATCHED_TOKENS": self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "CHECKPOINT_ANSWERS": self.checkpoint_answers >= 1,
+            "CHECKPOINT_SECONDS": 0.5 <= self.checkpoint_seconds <= 3600,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                value = getattr(self, ENGINE_ENV[name])
+                raise ConfigError(f"{name}={value!r} is out of range{RANGES.get(name, '')}")
+        if self.order not in ORDERS:
+            raise ConfigError(f"ORDER={self.order!r} is not one of {', '.join(ORDERS)}")
+        self.lora_adapters()  # a malformed LORA_MODULES fails here, naming the variable
+
+    def model_registry(self) -> dict[str, "EngineSettings"]:
+        """MODELS_FILE as {served name: that model's EngineSettings}, in file order (empty: unset).
+
+        Each entry is a folder (`path`) and optionally a `preset` (ENGINE_PRESET's names) and any
+        engine setting by its field name (max_model_len, batch_size, dtype, reasoning_parser, tool_call_parser,
+        lora_modules, engine_args, ...). An entry starts from this deployment's settings (BATCH_SIZE,
+        KV cache, ...), then its preset, then its own fields; the default model's MODEL_PATH,
+        LORA_MODULES, REASONING_PARSER and TOOL_CALL_PARSER are not carried over to it.
+        """
+        if not self.models_file:
+            return {}
+        where = f"MODELS_FILE={self.models_file}"
+        entries = _read_models_file(self.models_file)
+        base = {k: v for k, v in asdict(self).items() if k not in _NOT_INHERITED}
+        registry: dict[str, EngineSettings] = {}
+        for name, entry in entries.items():
+            if isinstance(entry, str):
+                entry = {"path": entry}
+            if not isinstance(entry, dict) or not str(entry.get("path") or "").strip():
+                raise ConfigError(f"{where}: model {name!r} needs a path (the model folder)")
+            if self.served_model_name and name == self.served_model_name:
+                raise ConfigError(f"{where}: {name!r} is already the served model (SERVED_MODEL_NAME)")
+            values = dict(base)
+            entry = dict(entry)
+            path = str(entry.pop("path"))
+            named = str(entry.pop("preset", "") or "")
+            if named:
+                values.update(preset(named), preset=named)
+            if "engine_args" in entry:
+                entry["extra_engine_args"] = entry.pop("engine_args")
+            unknown = set(entry) - _ENTRY_FIELDS
+            if unknown:
+                raise ConfigError(f"{where}: model {name!r} has unknown setting(s) {', '.join(sorted(unknown))}; "
+                                  f"known: path, preset, {', '.join(sorted(_ENTRY_FIELDS))}")
+            values.update(entry, model_path=path, served_model_name=str(name), models_file="")
+            try:
+                registry[str(name)] = EngineSettings(**values)
+            except (ConfigError, TypeError) as e:
+                raise ConfigError(f"{where}: model {name!r}: {e}") from None
+        return registry
+
+    def lora_adapters(self) -> dict[str, str]:
+        """LORA_MODULES as {served name: adapter folder}, in the order given."""
+        adapters: dict[str, str] = {}
+        for item in self.lora_modules.replace(",", " ").split():
+            name, sep, path = item.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ConfigError(f"LORA_MODULES={self.lora_modules!r}: {item!r} is not name=path")
+            if name in adapters or name in (self.served_model_name,):
+                raise ConfigError(f"LORA_MODULES={self.lora_modules!r}: the name {name!r} is used twice")
+            adapters[name] = path
+        return adapters
+
+    def score_model(self) -> tuple[str, str] | None:
+        """(folder, served name) of SCORE_MODEL_PATH, or None: the embedding model scores."""
+        if not self.score_model_path:
+            return None
+        return self.score_model_path, self.score_served_model_name or Path(self.score_model_path).name
+
+    def with_overrides(self, **overrides: Any) -> "EngineSettings":
+        values = asdict(self)
+        values.update({k: v for k, v in overrides.items() if v is not None and v != ""})
+        return EngineSettings(**values)
+
+
+# What a MODELS_FILE entry may set, and what it does not take over from the default model.
+_NOT_INHERITED = {"model_path", "served_model_name", "lora_modules", "max_lora_rank", "reasoning_parser", "models_file",
+                  "preset", "tool_call_parser"}
+_ENTRY_FIELDS = {"tensor_parallel_size", "max_model_len", "batch_size", "dtype", "gpu_memory_utilization",
+                 "max_num_batched_tokens", "enable_prefix_caching", "seed", "kv_cache_memory_bytes", "enforce_eager",
+                 "extra_engine_args", "reasoning_parser", "lora_modules", "max_lora_rank", "tool_call_parser"}
+
+
+def _read_models_file(path: str) -> dict[str, Any]:
+    import yaml
+
+    where = f"MODELS_FILE={path}"
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"{where} cannot be read: {e}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if isinstance(data, dict) and isinstance(data.get("models"), dict):
+        data = data["models"]
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of served model name -> {{path, preset, settings}}")
+    return data
+
+
+def _coerce(name: str, raw: str, target: Any) -> Any:
+    try:
+        if target in (int, "int", "int | None"):
+            return int(raw)
+        if target in (float, "float", "float | None"):
+            return float(raw)
+        if target in (bool, "bool", "bool | None"):
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if target == "dict[str, Any]":
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError("not a JSON object")
+            return value
+    except ValueError as e:
+        kind = str(getattr(target, "__name__", target)).replace(" | None", "")
+        kind = {"int": "integer", "float": "number", "bool": "boolean (true/false)", "dict[str, Any]": "JSON object"}.get(kind, kind)
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from e
+    return raw
+
+
+def engine_settings_from_env(env: dict[str, str] | None = None, **overrides: Any) -> EngineSettings:
+    """Read ENGINE_ENV from the environment (at run time, never at import), then apply overrides."""
+    env = os.environ if env is None else env
+    types = {f.name: f.type for f in fields(EngineSettings)}
+    values: dict[str, Any] = {}
+    if env.get("ENGINE_PRESET", "").strip():
+        name = env["ENGINE_PRESET"].strip()
+        values.update(preset(name), preset=name)
+    for var, attr in ENGINE_ENV.items():
+        raw = env.get(var, "")
+        old = next((alias for alias, new in ENGINE_ENV_ALIASES.items() if new == var), None)
+        if not raw.strip() and old:
+            var, raw = old, env.get(old, "")
+        if raw.strip():
+            values[attr] = _coerce(var, raw.strip(), types[attr])
+    return EngineSettings(**values).with_overrides(**overrides)
+
+
+@dataclass(frozen=True)
+class StorageSettings:
+    input_path: str
+    output_path: str
+
+
+def storage_settings_from_env(env: dict[str, str] | None = None) -> StorageSettings:
+    env = os.environ if env is None else env
+    return StorageSettings(
+        input_path=env.get("STORAGE_INPUT_PATH") or str(Path("data/input").absolute()),
+        output_path=env.get("STORAGE_OUTPUT_PATH") or str(Path("data/output").absolute()),
+    )
+
+
+def shards_from_env(env: dict[str, str] | None = None) -> int:
+    """SHARDS: how many runs the upload sensor starts for each new batch file (default 1)."""
+    env = os.environ if env is None else env
+    raw = env.get("SHARDS", "").strip()
+    if not raw:
+        return 1
+    value = _coerce("SHARDS", raw, int)
+    if not 1 <= value <= 1024:
+        raise ConfigError(f"SHARDS={raw!r} is out of range (1 to 1024)")
+    return value
+
+
+def validation_limits_from_env(env: dict[str, str] | None = None) -> dict[str, int]:
+    """MAX_LINE_BYTES and MAX_CUSTOM_ID_LENGTH, where set (ValidationSettings keeps the defaults)."""
+    env = os.environ if env is None else env
+    limits = {}
+    for var, key in (("MAX_LINE_BYTES", "max_line_bytes"), ("MAX_CUSTOM_ID_LENGTH", "max_custom_id_length")):
+        raw = env.get(var, "").strip()
+        if raw:
+            value = _coerce(var, raw, int)
+            if value < 1:
+                raise ConfigError(f"{var}={raw!r} is out of range")
+            limits[key] = value
+    return limits
+
+
+BACKLOG_POLICIES = ("run", "skip")
+
+
+@dataclass(frozen=True)
+class SensorSettings:
+    """How `batch_upload_sensor` finds new files (docs/TRIGGERS.md; io/uploads.py)."""
+
+    window_days: int | None = 3  # date folders listed each tick: the last N dates up to today; None: all
+    backlog: str = "run"  # files already in the window when the sensor is turned on: "run" (one run per date) or "skip"
+    max_runs_per_tick: int = 25  # run requests per tick; the rest wait for the next ticks
+    queue_url: str = ""  # SQS queue the input bucket notifies on ObjectCreated; set: drain it instead of listing
+    queue_visibility_seconds: int = 600  # a received message stays hidden this long unless deleted
+
+    def describe(self) -> str:
+        if self.queue_url:
+            how = f"drains the S3 event queue {self.queue_url} (no listing after the first tick)"
+        elif self.window_days is None:
+            how = "lists every date folder (SENSOR_WINDOW_DAYS=all)"
+        else:
+            how = f"lists the top of the input folder and the date folders of the last {self.window_days} day(s)"
+        return (
+            f"{how}; SENSOR_BACKLOG={self.backlog}; at most {self.max_runs_per_tick} runs per tick "
+            "(SENSOR_MAX_RUNS_PER_TICK)"
+        )
+
+
+DEFAULT_SENSOR_INTERVAL_SECONDS = 30
+
+
+def sensor_interval_from_env(env: dict[str, str] | None = None) -> int:
+    """SENSOR_INTERVAL_SECONDS (5-3600, default 30): how often batch_upload_sensor ticks. Read when
+    the definitions load (a decorator argument); ConfigError naming the variable."""
+    env = os.environ if env is None else env
+    value = _int_in_range(env, "SENSOR_INTERVAL_SECONDS", 5, 3600, " seconds")
+    return DEFAULT_SENSOR_INTERVAL_SECONDS if value is None else value
+
+
+def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSettings:
+    """SENSOR_WINDOW_DAYS, SENSOR_BACKLOG, SENSOR_MAX_RUNS_PER_TICK, INPUT_QUEUE_URL and
+    INPUT_QUEUE_VISIBILITY_SECONDS, validated; a bad value raises ConfigError naming the variable."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    raw = env.get("SENSOR_WINDOW_DAYS", "").strip()
+    if raw.lower() == "all":
+        values["window_days"] = None
+    elif raw:
+        values["window_days"] = _int_in_range(env, "SENSOR_WINDOW_DAYS", 1, 3660, " days, or 'all'")
+    raw = env.get("SENSOR_BACKLOG", "").strip()
+    if raw:
+        if raw.lower() not in BACKLOG_POLICIES:
+            raise ConfigError(f"SENSOR_BACKLOG={raw!r} is not one of {', '.join(BACKLOG_POLICIES)}")
+        values["backlog"] = raw.lower()
+    cap = _int_in_range(env, "SENSOR_MAX_RUNS_PER_TICK", 1, 1000)
+    if cap is not None:
+        values["max_runs_per_tick"] = cap
+    raw = env.get("INPUT_QUEUE_URL", "").strip()
+    if raw:
+        if not raw.startswith(("https://", "http://")):
+            raise ConfigError(f"INPUT_QUEUE_URL={raw!r} is not an SQS queue URL (https://sqs.<region>.amazonaws.com/<account>/<queue>)")
+        values["queue_url"] = raw
+    seconds = _int_in_range(env, "INPUT_QUEUE_VISIBILITY_SECONDS", 5, 43200, ", SQS's limit")
+    if seconds is not None:
+        values["queue_visibility_seconds"] = seconds
+    return SensorSettings(**values)
+
+
+DEFAULT_MAX_FAILED_LINE_RATE = 0.10
+
+
+def max_failed_line_rate_from_env(env: dict[str, str] | None = None) -> float:
+    """MAX_FAILED_LINE_RATE (0 to 1, default 0.10): the share of failed lines above which the
+    failed_line_rate check warns; ConfigError naming the variable when it is not such a number."""
+    env = os.environ if env is None else env
+    raw = env.get("MAX_FAILED_LINE_RATE", "").strip()
+    if not raw:
+        return DEFAULT_MAX_FAILED_LINE_RATE
+    value = _coerce("MAX_FAILED_LINE_RATE", raw, float)
+    if not 0 <= value <= 1:
+        raise ConfigError(f"MAX_FAILED_LINE_RATE={raw!r} is out of range (0 to 1, a share: 0.1 is 10%)")
+    return value
+
+
+def _int_in_range(env: Any, name: str, low: int, high: int, note: str = "") -> int | None:
+    """The integer variable `name`, or None when unset; ConfigError naming it when out of range."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return None
+    value = _coerce(name, raw, int)
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={raw!r} is out of range ({low} to {high}{note})")
+    return value
