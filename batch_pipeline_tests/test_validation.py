@@ -1,4 +1,4 @@
-"""Validation of input lines against the batch contract (steps/validation.py, contract/contract.py).
+"""Validation of input lines against the batch contract (steps/validation.py, the models under contract/).
 
 Pure unit tests: no model, no Dagster, no storage. Each rule of BATCH_CONTRACT.md has a case that
 must be accepted or rejected with the right code, line number and field in the message.

@@ -1,6 +1,6 @@
 """A fast accept-only check of input lines, in C (msgspec), for the common case: a valid line.
 
-The rules mirror contract.py. A line this schema accepts is valid; a line it rejects goes to the
+The rules mirror the body models under contract/. A line this schema accepts is valid; a line it rejects goes to the
 pydantic validation in validation.py, which is authoritative and says exactly what is wrong. So
 the fast path may be stricter than the contract (then the slow path decides), never more lenient
 (test_validation.py checks every invalid case against it). Measured on 100k chat lines: the pydantic
