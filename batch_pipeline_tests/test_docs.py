@@ -2,7 +2,7 @@
 
 Covers: docs/CONFIGURATION.md names every environment variable the package reads (ENGINE_ENV and its
 old names, the settings functions, and every name read through `os.environ`, `env.get`,
-`_int_in_range`, `_seconds_env` or `EnvVar` anywhere under batch_pipeline/) and no other, apart from a
+`int_in_range`, `number_in_range` (base/env.py), `_seconds_env` or `EnvVar` anywhere under batch_pipeline/) and no other, apart from a
 short list that the libraries underneath read, kept in a table of its own; every default stated there
 is the code's (EngineSettings' field defaults, the engine arguments filled in on CPU, constants, and
 the settings functions called with an empty environment), never a copy kept in this file. Every
@@ -51,7 +51,7 @@ NAME = r'"([A-Z][A-Z0-9_]+)"'
 READS = [
     re.compile(r"(?:os\.environ|\benv)\.get\(\s*" + NAME),
     re.compile(r"(?:os\.environ|\benv)\[\s*" + NAME + r"\s*\](?!\s*=[^=])"),
-    re.compile(r"_int_in_range\(\s*env,\s*" + NAME),
+    re.compile(r"(?:int|number)_in_range\(\s*(?:env|os\.environ),\s*" + NAME),
     re.compile(r"_seconds_env\(\s*" + NAME),
     re.compile(r"EnvVar\(\s*" + NAME),
 ]
@@ -185,7 +185,7 @@ def config_rows() -> list[Row]:
 def test_the_scan_finds_variables_read_in_each_way():
     found = code_variables()
     # One of each way of reading: env.get in a settings function, os.environ.get, a name kept in a
-    # tuple (MAX_LINE_BYTES), _seconds_env, _int_in_range, ENGINE_ENV, an old name.
+    # tuple (MAX_LINE_BYTES), _seconds_env, int_in_range, ENGINE_ENV, an old name.
     assert {"STORAGE_INPUT_PATH", "DAGSTER_WEBSERVER_URL", "MAX_LINE_BYTES", "AWS_READ_TIMEOUT",
             "SENSOR_MAX_RUNS_PER_TICK", "ORDER", "SHARD_SIZE", "ENGINE_PRESET"} <= found
     assert "VLLM_LOGGING_LEVEL" not in found  # only set by the CLI (setdefault), never read

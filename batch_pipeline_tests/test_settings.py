@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from batch_pipeline.base import env as env_parse
 from batch_pipeline.defs.resources import LLMResource, StorageResource
 from batch_pipeline.engine.engine_args import engine_kwargs
 from batch_pipeline.config.settings import (
@@ -213,3 +214,47 @@ def test_a_bad_max_failed_line_rate_names_the_variable(raw, message):
     with pytest.raises(ConfigError) as refused:
         max_failed_line_rate_from_env({"MAX_FAILED_LINE_RATE": raw})
     assert message in str(refused.value)
+
+
+# ------------------------------------------------------------------ base/env.py, the one parser
+
+
+@pytest.mark.parametrize("reader,env,expected", [
+    (lambda e: env_parse.int_in_range(e, "N", 1, 10), {}, None),
+    (lambda e: env_parse.int_in_range(e, "N", 1, 10), {"N": " 7 "}, 7),
+    (lambda e: env_parse.int_in_range(e, "N", 1, 10), {"N": "10"}, 10),
+    (lambda e: env_parse.number_in_range(e, "T", 0, 5, above_low=True), {"T": "0.5"}, 0.5),
+    (lambda e: env_parse.number_in_range(e, "T", 0, 5), {"T": "0"}, 0.0),
+    (lambda e: env_parse.coerce("B", "off", bool), {}, False),
+    (lambda e: env_parse.coerce("J", '{"a": 1}', "dict[str, Any]"), {}, {"a": 1}),
+])
+def test_env_parser_reads_each_kind(reader, env, expected):
+    assert reader(env) == expected
+
+
+@pytest.mark.parametrize("reader,env,message", [
+    (lambda e: env_parse.int_in_range(e, "N", 1, 10, " files"), {"N": "11"}, r"N='11' is out of range \(1 to 10 files\)"),
+    (lambda e: env_parse.int_in_range(e, "N", 1, 10), {"N": "1.5"}, "N='1.5' is not a valid integer"),
+    (lambda e: env_parse.number_in_range(e, "T", 0, 5, " seconds", above_low=True), {"T": "0"},
+     r"T='0' is out of range \(above 0 to 5 seconds\)"),
+    (lambda e: env_parse.number_in_range(e, "T", 0, 5), {"T": "nan"}, "T='nan' is out of range"),
+    (lambda e: env_parse.number_in_range(e, "T", 0, 5), {"T": "soon"}, "T='soon' is not a valid number"),
+    (lambda e: env_parse.coerce("B", "maybe", bool), {}, "B='maybe' is not a valid boolean"),
+    (lambda e: env_parse.coerce("J", "[1]", "dict[str, Any]"), {}, "J='\\[1\\]' is not a valid JSON object"),
+])
+def test_env_parser_errors_name_the_variable_and_value(reader, env, message):
+    with pytest.raises(ConfigError, match=message):
+        reader(env)
+
+
+def test_every_reader_fails_the_same_way():
+    # Settings, images and storage all read through base/env.py: the same wording for the same mistake.
+    from batch_pipeline.config.settings import max_failed_line_rate_from_env
+    from batch_pipeline.io.images import image_settings_from_env
+
+    with pytest.raises(ConfigError, match="MAX_FAILED_LINE_RATE='2' is out of range"):
+        max_failed_line_rate_from_env({"MAX_FAILED_LINE_RATE": "2"})
+    with pytest.raises(ConfigError, match="IMAGE_FETCH_TIMEOUT='0' is out of range"):
+        image_settings_from_env({"IMAGE_FETCH_TIMEOUT": "0"})
+    with pytest.raises(ConfigError, match="MAX_IMAGE_BYTES='many' is not a valid integer"):
+        image_settings_from_env({"MAX_IMAGE_BYTES": "many"})

@@ -6,12 +6,12 @@ resources expose the same fields in the launchpad; a value set there wins over t
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from batch_pipeline.base.env import coerce, int_in_range, number_in_range
 from batch_pipeline.base.errors import ConfigError
 from batch_pipeline.config.presets import preset
 
@@ -214,31 +214,6 @@ def _read_models_file(path: str) -> dict[str, Any]:
     return data
 
 
-def _coerce(name: str, raw: str, target: Any) -> Any:
-    try:
-        if target in (int, "int", "int | None"):
-            return int(raw)
-        if target in (float, "float", "float | None"):
-            return float(raw)
-        if target in (bool, "bool", "bool | None"):
-            lowered = raw.strip().lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        if target == "dict[str, Any]":
-            value = json.loads(raw)
-            if not isinstance(value, dict):
-                raise ValueError("not a JSON object")
-            return value
-    except ValueError as e:
-        kind = str(getattr(target, "__name__", target)).replace(" | None", "")
-        kind = {"int": "integer", "float": "number", "bool": "boolean (true/false)", "dict[str, Any]": "JSON object"}.get(kind, kind)
-        raise ConfigError(f"{name}={raw!r} is not a valid {kind}") from e
-    return raw
-
-
 def engine_settings_from_env(env: dict[str, str] | None = None, **overrides: Any) -> EngineSettings:
     """Read ENGINE_ENV from the environment (at run time, never at import), then apply overrides."""
     env = os.environ if env is None else env
@@ -253,7 +228,7 @@ def engine_settings_from_env(env: dict[str, str] | None = None, **overrides: Any
         if not raw.strip() and old:
             var, raw = old, env.get(old, "")
         if raw.strip():
-            values[attr] = _coerce(var, raw.strip(), types[attr])
+            values[attr] = coerce(var, raw.strip(), types[attr])
     return EngineSettings(**values).with_overrides(**overrides)
 
 
@@ -277,7 +252,7 @@ def shards_from_env(env: dict[str, str] | None = None) -> int:
     raw = env.get("SHARDS", "").strip()
     if not raw:
         return 1
-    value = _coerce("SHARDS", raw, int)
+    value = coerce("SHARDS", raw, int)
     if not 1 <= value <= 1024:
         raise ConfigError(f"SHARDS={raw!r} is out of range (1 to 1024)")
     return value
@@ -290,7 +265,7 @@ def validation_limits_from_env(env: dict[str, str] | None = None) -> dict[str, i
     for var, key in (("MAX_LINE_BYTES", "max_line_bytes"), ("MAX_CUSTOM_ID_LENGTH", "max_custom_id_length")):
         raw = env.get(var, "").strip()
         if raw:
-            value = _coerce(var, raw, int)
+            value = coerce(var, raw, int)
             if value < 1:
                 raise ConfigError(f"{var}={raw!r} is out of range")
             limits[key] = value
@@ -330,7 +305,7 @@ def sensor_interval_from_env(env: dict[str, str] | None = None) -> int:
     """SENSOR_INTERVAL_SECONDS (5-3600, default 30): how often batch_upload_sensor ticks. Read when
     the definitions load (a decorator argument); ConfigError naming the variable."""
     env = os.environ if env is None else env
-    value = _int_in_range(env, "SENSOR_INTERVAL_SECONDS", 5, 3600, " seconds")
+    value = int_in_range(env, "SENSOR_INTERVAL_SECONDS", 5, 3600, " seconds")
     return DEFAULT_SENSOR_INTERVAL_SECONDS if value is None else value
 
 
@@ -343,13 +318,13 @@ def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSetting
     if raw.lower() == "all":
         values["window_days"] = None
     elif raw:
-        values["window_days"] = _int_in_range(env, "SENSOR_WINDOW_DAYS", 1, 3660, " days, or 'all'")
+        values["window_days"] = int_in_range(env, "SENSOR_WINDOW_DAYS", 1, 3660, " days, or 'all'")
     raw = env.get("SENSOR_BACKLOG", "").strip()
     if raw:
         if raw.lower() not in BACKLOG_POLICIES:
             raise ConfigError(f"SENSOR_BACKLOG={raw!r} is not one of {', '.join(BACKLOG_POLICIES)}")
         values["backlog"] = raw.lower()
-    cap = _int_in_range(env, "SENSOR_MAX_RUNS_PER_TICK", 1, 1000)
+    cap = int_in_range(env, "SENSOR_MAX_RUNS_PER_TICK", 1, 1000)
     if cap is not None:
         values["max_runs_per_tick"] = cap
     raw = env.get("INPUT_QUEUE_URL", "").strip()
@@ -357,7 +332,7 @@ def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSetting
         if not raw.startswith(("https://", "http://")):
             raise ConfigError(f"INPUT_QUEUE_URL={raw!r} is not an SQS queue URL (https://sqs.<region>.amazonaws.com/<account>/<queue>)")
         values["queue_url"] = raw
-    seconds = _int_in_range(env, "INPUT_QUEUE_VISIBILITY_SECONDS", 5, 43200, ", SQS's limit")
+    seconds = int_in_range(env, "INPUT_QUEUE_VISIBILITY_SECONDS", 5, 43200, ", SQS's limit")
     if seconds is not None:
         values["queue_visibility_seconds"] = seconds
     return SensorSettings(**values)
@@ -370,21 +345,5 @@ def max_failed_line_rate_from_env(env: dict[str, str] | None = None) -> float:
     """MAX_FAILED_LINE_RATE (0 to 1, default 0.10): the share of failed lines above which the
     failed_line_rate check warns; ConfigError naming the variable when it is not such a number."""
     env = os.environ if env is None else env
-    raw = env.get("MAX_FAILED_LINE_RATE", "").strip()
-    if not raw:
-        return DEFAULT_MAX_FAILED_LINE_RATE
-    value = _coerce("MAX_FAILED_LINE_RATE", raw, float)
-    if not 0 <= value <= 1:
-        raise ConfigError(f"MAX_FAILED_LINE_RATE={raw!r} is out of range (0 to 1, a share: 0.1 is 10%)")
-    return value
-
-
-def _int_in_range(env: Any, name: str, low: int, high: int, note: str = "") -> int | None:
-    """The integer variable `name`, or None when unset; ConfigError naming it when out of range."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return None
-    value = _coerce(name, raw, int)
-    if not low <= value <= high:
-        raise ConfigError(f"{name}={raw!r} is out of range ({low} to {high}{note})")
-    return value
+    value = number_in_range(env, "MAX_FAILED_LINE_RATE", 0, 1, ", a share: 0.1 is 10%")
+    return DEFAULT_MAX_FAILED_LINE_RATE if value is None else value

@@ -34,8 +34,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from batch_pipeline.base.env import int_in_range, number_in_range
+from batch_pipeline.base.errors import ConfigError
+from batch_pipeline.contract.common import CHAT_URL, RESPONSES_URL
 from batch_pipeline.io import storage
-from batch_pipeline.contract.contract import CHAT_URL, RESPONSES_URL
 
 DEFAULT_MAX_IMAGE_BYTES = 20 * 2**20  # OpenAI's documented per-image limit
 # 50 megapixels: a 7000 x 7000 photo passes; a PNG that claims 100000 x 100000 (a few KB on disk,
@@ -70,21 +72,16 @@ class ImageSettings:
 
 def image_settings_from_env(env: Mapping[str, str] | None = None) -> ImageSettings:
     """The image limits from the environment (docs/CONFIGURATION.md); ConfigError naming a bad variable."""
-    from batch_pipeline.config.settings import ConfigError, _coerce, _int_in_range
-
     env = os.environ if env is None else env
     ints = {
-        "max_image_bytes": _int_in_range(env, "MAX_IMAGE_BYTES", 1, 2**31),
-        "max_image_pixels": _int_in_range(env, "MAX_IMAGE_PIXELS", 1, 2**31),
-        "max_images_per_request": _int_in_range(env, "MAX_IMAGES_PER_REQUEST", 1, 1024),
-        "concurrency": _int_in_range(env, "IMAGE_FETCH_CONCURRENCY", 1, 256),
+        "max_image_bytes": int_in_range(env, "MAX_IMAGE_BYTES", 1, 2**31),
+        "max_image_pixels": int_in_range(env, "MAX_IMAGE_PIXELS", 1, 2**31),
+        "max_images_per_request": int_in_range(env, "MAX_IMAGES_PER_REQUEST", 1, 1024),
+        "concurrency": int_in_range(env, "IMAGE_FETCH_CONCURRENCY", 1, 256),
     }
     values: dict[str, Any] = {k: v for k, v in ints.items() if v is not None}
-    raw = env.get("IMAGE_FETCH_TIMEOUT", "").strip()
-    if raw:
-        timeout = _coerce("IMAGE_FETCH_TIMEOUT", raw, float)
-        if not 0 < timeout <= 3600:
-            raise ConfigError(f"IMAGE_FETCH_TIMEOUT={raw!r} is out of range (above 0, at most 3600 seconds)")
+    timeout = number_in_range(env, "IMAGE_FETCH_TIMEOUT", 0, 3600, " seconds", above_low=True)
+    if timeout is not None:
         values["timeout_seconds"] = timeout
     hosts = [h.strip().lower() for h in env.get("IMAGE_URL_ALLOWED_HOSTS", "").split(",") if h.strip()]
     for host in hosts:

@@ -57,6 +57,8 @@ from boto3.exceptions import Boto3Error, RetriesExceededError, S3UploadFailedErr
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
+from batch_pipeline.base.env import int_in_range, number_in_range
+
 __all__ = [
     "ObjectInfo",
     "StorageError",
@@ -202,20 +204,13 @@ _client_pid: int | None = None
 
 
 def _seconds_env(name: str, default: float) -> float:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
-    return value
+    value = number_in_range(os.environ, name, 0, 86400, " seconds", above_low=True)
+    return default if value is None else value
 
 
 def _max_attempts() -> int:
-    return max(1, int(os.environ.get("AWS_MAX_ATTEMPTS") or DEFAULT_MAX_ATTEMPTS))
+    value = int_in_range(os.environ, "AWS_MAX_ATTEMPTS", 1, 100)
+    return DEFAULT_MAX_ATTEMPTS if value is None else value
 
 
 def _client_config() -> Config:
