@@ -303,6 +303,8 @@ def code_defaults(monkeypatch, tmp_path) -> dict[str, Any]:
         "SENSOR_WINDOW_DAYS": sensor.window_days,
         "SENSOR_BACKLOG": sensor.backlog,
         "SENSOR_MAX_RUNS_PER_TICK": sensor.max_runs_per_tick,
+        "SCHEDULE_RUN_PRIORITY": settings_module.schedule_run_priority_from_env({}),
+        "SENSOR_RUN_PRIORITY": settings_module.sensor_run_priority_from_env({}),
         "INPUT_QUEUE_URL": sensor.queue_url,
         "INPUT_QUEUE_VISIBILITY_SECONDS": sensor.queue_visibility_seconds,
         "BATCH_PIPELINE_CACHE": models.cache_root(),

@@ -171,3 +171,23 @@ def test_nightly_cron_is_configurable_when_definitions_load(monkeypatch):
     assert defs().resolve_schedule_def("nightly_batch_schedule").cron_schedule == "30 4 * * *"
     with pytest.raises(ConfigError, match="NIGHTLY_CRON='every night' is not a valid cron"):
         nightly_schedule_for("every night")
+
+
+def test_nightly_runs_take_a_configurable_priority_on_the_batch_apis_scale(monkeypatch) -> None:
+    from batch_pipeline.config.settings import RUN_PRIORITY_BOUND
+    from batch_pipeline.defs.jobs import PRIORITY_BOUND, PRIORITY_TAG, TURN_SPAN
+
+    assert RUN_PRIORITY_BOUND == PRIORITY_BOUND  # the settings' bound is the queue's
+    when = dt.datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
+    default = tick(when)
+    assert PRIORITY_TAG not in default.tags  # Dagster's queue reads no tag as priority 0
+    monkeypatch.setenv("SCHEDULE_RUN_PRIORITY", "-3")  # below API batches of priority 0
+    low = tick(when)
+    assert int(low.tags[PRIORITY_TAG]) == -3 * TURN_SPAN
+    # An API batch of priority 0 waiting its 5th turn still starts before it; one of -4 after it.
+    assert -3 * TURN_SPAN < 0 * TURN_SPAN - 5 and -4 * TURN_SPAN - 0 < int(low.tags[PRIORITY_TAG])
+    monkeypatch.setenv("SCHEDULE_RUN_PRIORITY", "1001")
+    from batch_pipeline.config.settings import ConfigError
+
+    with pytest.raises(ConfigError, match=r"SCHEDULE_RUN_PRIORITY='1001' is out of range \(-1000 to 1000"):
+        tick(when)

@@ -320,3 +320,24 @@ def test_new_files_of_one_date_in_one_tick_share_one_run(tmp_path: Path, whole_h
     [added] = result.dynamic_partitions_requests
     assert added.partitions_def_name == "batch_files"
     assert list(added.partition_keys) == ["2025-03-14/a", "2025-03-14/b", "2025-03-14/c", "2025-03-15/d"]
+
+
+def test_sensor_runs_take_a_configurable_priority(tmp_path: Path, whole_history, monkeypatch) -> None:
+    from batch_pipeline.defs.jobs import PRIORITY_TAG, TURN_SPAN
+
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
+    on = turned_on(storage)
+    write(tmp_path / "in" / "2025-03-14" / "a.jsonl")
+    write(tmp_path / "in" / "2025-03-15" / "b.jsonl")
+    assert all(PRIORITY_TAG not in r.tags for r in evaluate(storage, on).run_requests)  # default: priority 0
+    monkeypatch.setenv("SENSOR_RUN_PRIORITY", "7")
+    result = evaluate(storage, on)
+    assert len(result.run_requests) == 2
+    for request in result.run_requests:
+        assert request.tags[PRIORITY_TAG] == str(7 * TURN_SPAN)
+        assert request.tags["batch_pipeline/priority"] == "7"
+        assert request.tags["batch_pipeline/input_uri"]  # the sensor's own tags are kept
+    assert result.cursor  # and so is the rest of the tick's result
+    monkeypatch.setenv("SENSOR_RUN_PRIORITY", "high")
+    with pytest.raises(Exception, match="SENSOR_RUN_PRIORITY='high' is not a valid integer"):
+        evaluate(storage, result.cursor)

@@ -13,9 +13,9 @@ import os
 
 import dagster as dg
 
-from batch_pipeline.defs.jobs import batch_job
+from batch_pipeline.config.settings import ConfigError, schedule_run_priority_from_env
+from batch_pipeline.defs.jobs import batch_job, priority_tags
 from batch_pipeline.defs.partitions import daily_partitions
-from batch_pipeline.config.settings import ConfigError
 
 # 02:00 UTC leaves two hours for late uploads of the day before. NIGHTLY_CRON overrides it; it is
 # read when the definitions load (the cron is part of them, shown in the UI), never at import.
@@ -52,7 +52,10 @@ def _nightly_schedule(cron: str) -> dg.ScheduleDefinition:
         day = previous_day(scheduled)
         if not daily_partitions.has_partition_key(day):
             return dg.SkipReason(f"{day} is outside the partitions (from {daily_partitions.get_first_partition_key()})")
-        return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day)
+        # Read at each evaluation, so a bad value fails the tick naming the variable, not the code location.
+        priority = schedule_run_priority_from_env()
+        return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day,
+                             tags=priority_tags(priority) if priority else None)  # no tag: 0
 
     return nightly_batch_schedule
 

@@ -22,18 +22,23 @@ import time
 
 import dagster as dg
 
-from batch_pipeline.defs.jobs import batch_job, batch_run_config
-from batch_pipeline.defs.partitions import batch_file_partitions, daily_partitions, file_key
-from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline.io import locations, notifications
-from batch_pipeline.io.storage import describe
 from batch_pipeline.config.settings import (
     ConfigError,
     SensorSettings,
     sensor_interval_from_env,
+    sensor_run_priority_from_env,
     sensor_settings_from_env,
     shards_from_env,
 )
+from batch_pipeline.defs.jobs import batch_job, batch_run_config, priority_tags
+from batch_pipeline.defs.partitions import (
+    batch_file_partitions,
+    daily_partitions,
+    file_key,
+)
+from batch_pipeline.defs.resources import StorageResource
+from batch_pipeline.io import locations, notifications
+from batch_pipeline.io.storage import describe
 from batch_pipeline.io.uploads import (
     BASELINE_SLACK_SECONDS,
     NewBatch,
@@ -332,9 +337,21 @@ def batch_upload_sensor(context: dg.SensorEvaluationContext, storage: StorageRes
     exclude = output if output.startswith(folder_prefix(root)) else ""
     shards = shards_from_env()  # a bad SHARDS fails the tick, naming the variable
     settings = sensor_settings_from_env()  # so does a bad SENSOR_* / INPUT_QUEUE_* value
+    priority = sensor_run_priority_from_env()  # and a bad SENSOR_RUN_PRIORITY
     if settings.queue_url:
         if not root.startswith("s3://"):
             raise ConfigError(f"INPUT_QUEUE_URL is set but STORAGE_INPUT_PATH={root} is not on S3: only a bucket "
                               "sends ObjectCreated events; unset INPUT_QUEUE_URL to list the folder")
-        return _queue_tick(context, root, paths.output_path, exclude, settings, shards)
-    return _listing_tick(context, root, paths.output_path, exclude, settings, shards)
+        result = _queue_tick(context, root, paths.output_path, exclude, settings, shards)
+    else:
+        result = _listing_tick(context, root, paths.output_path, exclude, settings, shards)
+    if not priority:
+        return result  # Dagster's queue reads a run without the tag as priority 0
+    # Every run the tick asks for, on the Batch API's priority scale (defs/jobs.py).
+    tags = priority_tags(priority)
+    return dg.SensorResult(
+        run_requests=[r.with_replaced_attrs(tags={**r.tags, **tags}) for r in result.run_requests or []],
+        dynamic_partitions_requests=result.dynamic_partitions_requests,
+        skip_reason=result.skip_reason,
+        cursor=result.cursor,
+    )
