@@ -1,0 +1,154 @@
+"""The one client of the Dagster web server: submit a batch's run, find the run carrying a batch,
+terminate it, count the queued runs, and the batch's turn in the run queue.
+
+Each batch is one `batch_job` run, tagged with the batch id and tenant, so the UI shows API batches
+beside scheduled and sensor runs. A batch's priority is `metadata["priority"]`; its run's
+`dagster/priority` tag is that priority x TURN_SPAN minus the batch's turn among the API's runs of
+its priority (`turn`), so Dagster's run queue starts higher priorities first and, within one
+priority, serves the tenants in turn; the `gpu` pool orders the steps waiting for it the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import urllib.request
+from typing import Any
+from urllib.parse import urlparse
+
+log = logging.getLogger("batch_pipeline.service")
+
+LOCATION, REPOSITORY, JOB = "batch_pipeline", "__repository__", "batch_job"
+# Set on every run submitted for a batch; Dagster copies it into the runs it re-launches from one.
+BATCH_ID_TAG = "batch_pipeline/api_batch_id"
+TENANT_TAG = "batch_pipeline/tenant"
+# Dagster tags a failed run it is going to retry (run_retries) with this, "true".
+WILL_RETRY_TAG = "dagster/will_retry"
+# Dagster's run priority: its run queue (QueuedRunCoordinator) dequeues higher values first (first come
+# first served among equals), and concurrency pools hand a free slot to the waiting step of the
+# highest-priority run. Set to priority x TURN_SPAN - turn (see `turn`).
+PRIORITY_TAG = "dagster/priority"
+# The batch's own priority and its turn, beside the composite dagster/priority, for people and `turn`.
+BATCH_PRIORITY_TAG, TURN_TAG = "batch_pipeline/priority", "batch_pipeline/turn"
+TRIGGER_TAG, TRIGGER = "batch_pipeline/trigger", "batch api"
+# Turns take TURN_SPAN values under one priority, so the composite stays within +-1e9 (priorities are
+# within +-1000): Dagster stores it in a 32-bit integer column (the pools' pending steps).
+TURN_SPAN = 1_000_000
+
+
+class DagsterClient:
+    """The Dagster web server at `url`: its GraphQL API, and dagster_graphql's client for submit and
+    terminate. Every call raises what went wrong unless it says otherwise."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._client: Any = None
+
+    def _graphql_client(self) -> Any:
+        if self._client is None:
+            from dagster_graphql import DagsterGraphQLClient
+
+            parsed = urlparse(self.url)
+            self._client = DagsterGraphQLClient(parsed.hostname or "127.0.0.1", port_number=parsed.port,
+                                                use_https=parsed.scheme == "https", timeout=30)
+        return self._client
+
+    def graphql(self, query: str, variables: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The `data` of a query to the Dagster web server's GraphQL API; raises what went wrong."""
+        request = urllib.request.Request(f"{self.url.rstrip('/')}/graphql",
+                                         data=json.dumps({"query": query, "variables": variables or {}}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = json.loads(response.read())
+        if body.get("errors") or not body.get("data"):
+            raise RuntimeError(f"the query failed: {str(body.get('errors'))[:200]}")
+        return body["data"]
+
+    def submit(self, record: dict[str, Any]) -> str:
+        """Queue the batch's `batch_job` run; its id. Sets `record["turn"]` (kept in the service's record)."""
+        from batch_pipeline.defs.jobs import batch_run_config
+
+        # The pipeline itself refuses lines of another url and stops at the deadline, so both hold
+        # whether or not this service is up while the run goes.
+        config = batch_run_config(input_uri=record["input_uri"], output_uri=record["output_uri"],
+                                  endpoint=record["endpoint"], expires_at=record["expires_at"])
+        tags = {"dagster/partition": record["date"], BATCH_ID_TAG: record["id"],
+                TENANT_TAG: record["tenant"], TRIGGER_TAG: TRIGGER, "batch_pipeline/batch_name": record["id"]}
+        priority = record.get("priority", 0)
+        record["turn"] = self.turn(record["tenant"], priority)
+        tags.update({PRIORITY_TAG: str(priority * TURN_SPAN - record["turn"]), BATCH_PRIORITY_TAG: str(priority),
+                     TURN_TAG: str(record["turn"])})
+        return self._graphql_client().submit_job_execution(JOB, repository_location_name=LOCATION,
+                                                           repository_name=REPOSITORY, run_config=config, tags=tags)
+
+    def terminate_run(self, run_id: str) -> None:
+        self._graphql_client().terminate_run(run_id)
+
+    def turn(self, tenant: str, priority: int) -> int:
+        """The new batch's turn among the API's runs of its priority (start-time fair queuing, one batch a
+        unit): the turn now being served (the highest of the runs in progress, else the lowest queued)
+        when the tenant has none queued or running, else one after the tenant's last. Two tenants'
+        backlogs so alternate, and a tenant arriving later waits behind no backlog. 0 when nothing of
+        the priority is queued or running. Raises what went wrong reading the runs (the web server not
+        answering)."""
+        data = self.graphql("query Runs($tags: [ExecutionTag!]) { runsOrError(filter: {statuses: "
+                            "[QUEUED, NOT_STARTED, STARTING, STARTED], tags: $tags}) { __typename ... on Runs { "
+                            "results { status tags { key value } } } ... on PythonError { message } } }",
+                            {"tags": [{"key": TRIGGER_TAG, "value": TRIGGER}]})["runsOrError"]
+        if "results" not in data:
+            raise RuntimeError(f"the runs query failed: {str(data.get('message'))[:200]}")
+        queued, running, last = [], [], None
+        for run in data["results"]:
+            tags = {t["key"]: t["value"] for t in run["tags"]}
+            if tags.get(BATCH_PRIORITY_TAG) != str(priority) or not (tags.get(TURN_TAG) or "").isdigit():
+                continue
+            turn = int(tags[TURN_TAG])
+            (queued if run["status"] == "QUEUED" else running).append(turn)
+            if tags.get(TENANT_TAG) == tenant:
+                last = turn if last is None else max(last, turn)
+        serving = max(running) if running else min(queued) if queued else 0
+        # Past TURN_SPAN - 1 (a backlog that never empties for a million rounds) turns stop counting: FIFO.
+        return min(serving if last is None else max(serving, last + 1), TURN_SPAN - 1)
+
+    def count_queued_runs(self) -> int:
+        """Runs waiting in the Dagster instance's queue (every job's, not only this API's; the daemon
+        launches them as the `gpu` pool frees), read from the instance's run storage through the web
+        server; raises what went wrong (the web server or its database not answering)."""
+        runs = self.graphql("{ runsOrError(filter: {statuses: [QUEUED]}) { __typename ... on Runs { count } "
+                            "... on PythonError { message } } }")["runsOrError"]
+        if "count" not in runs:
+            raise RuntimeError(f"the runs query failed: {str(runs.get('message'))[:200]}")
+        return int(runs["count"])
+
+    def queued_runs(self) -> int | None:
+        """count_queued_runs, or None when it cannot be read."""
+        try:
+            return self.count_queued_runs()
+        except Exception as e:  # noqa: BLE001 - a figure left out, not an error of /metrics
+            log.warning("queued runs unknown (%s)", type(e).__name__)
+            return None
+
+    def current_run(self, record: dict[str, Any]) -> tuple[str, str | None]:
+        """(run id, Dagster run status) of the run now carrying a batch: the newest run with its batch
+        id tag. That is the run submitted for it until Dagster re-launches it: an automatic run retry
+        (run_retries in the instance's dagster.yaml) or a re-execution from the UI copies the tag into
+        the new run, which carries on from the checkpoints. A failed run Dagster is about to retry
+        (tagged dagster/will_retry=true) is reported QUEUED: the batch is not over. Status None: the
+        web server did not answer (the submitted run's id is returned then)."""
+        fields = "... on Runs { results { runId status tags { key value } } }"
+        query = ("query Batch($tags: [ExecutionTag!], $id: String!) { "
+                 f"tagged: runsOrError(filter: {{tags: $tags}}, limit: 1) {{ {fields} }} "
+                 f"submitted: runsOrError(filter: {{runIds: [$id]}}) {{ {fields} }} }}")
+        try:
+            data = self.graphql(query, {"tags": [{"key": BATCH_ID_TAG, "value": record["id"]}], "id": record["run_id"]})
+        except Exception as e:  # noqa: BLE001 - the web server unreachable: say what is known
+            log.warning("batch %s: run status unknown (%s)", record["id"], type(e).__name__)
+            return record["run_id"], None
+        runs = [*(data.get("tagged") or {}).get("results", []), *(data.get("submitted") or {}).get("results", [])]
+        if not runs:
+            return record["run_id"], None
+        run = runs[0]
+        tags = {t["key"]: t["value"] for t in run.get("tags") or []}
+        if run["status"] == "FAILURE" and tags.get(WILL_RETRY_TAG) == "true":
+            return run["runId"], "QUEUED"
+        return run["runId"], run["status"]

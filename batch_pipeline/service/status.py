@@ -1,0 +1,91 @@
+"""A batch's status as OpenAI's Batch object: the pipeline's batch.json once written, else derived
+from the Dagster run carrying it and, while it runs, live request counts from its checkpoints."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from batch_pipeline.io import storage
+from batch_pipeline.io.checkpoints import LineSet, iter_answers
+from batch_pipeline.io.locations import BatchLocation
+from batch_pipeline.service.settings import COMPLETION_WINDOWS
+
+TERMINAL_STATUSES = ("completed", "failed", "cancelled", "expired")
+# Dagster run status -> Batch status, while the pipeline has not written its Batch object.
+RUN_STATUS = {"QUEUED": "validating", "NOT_STARTED": "validating", "STARTING": "validating", "STARTED": "in_progress",
+              "CANCELING": "cancelling", "CANCELED": "cancelled", "FAILURE": "failed", "SUCCESS": "finalizing"}
+# What the Batch object takes from the pipeline's batch.json beside status and counts.
+_FROM_PIPELINE = ("model", "usage", "errors", "in_progress_at", "finalizing_at", "completed_at", "failed_at",
+                  "cancelling_at", "cancelled_at", "expired_at")
+
+RunOf = Callable[[dict[str, Any]], tuple[str, str | None]]
+
+
+def read_json(uri: str) -> dict[str, Any] | None:
+    try:
+        return storage.read_json(uri)
+    except FileNotFoundError:
+        return None
+
+
+def pipeline_batch(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The Batch object the pipeline wrote for the batch (batch.json), None until it has."""
+    return read_json(storage.join(record["output_uri"], "batch.json"))
+
+
+def batch_object(record: dict[str, Any], run_of: RunOf) -> dict[str, Any]:
+    """The OpenAI Batch object of a service record: the pipeline's batch.json once written, else the
+    status of the run `run_of(record)` reports ((run id, Dagster status or None when unknown))."""
+    pipeline = pipeline_batch(record)
+    base: dict[str, Any] = {
+        "id": record["id"], "object": "batch", "endpoint": record["endpoint"], "input_file_id": record["input_file_id"],
+        "completion_window": record["completion_window"], "created_at": record["created_at"],
+        "expires_at": record.get("expires_at", record["created_at"] + COMPLETION_WINDOWS["24h"]),
+        "metadata": record["metadata"], "errors": None,
+        "output_file_id": None, "error_file_id": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+    }
+    if pipeline is not None:
+        base.update({k: pipeline.get(k) for k in _FROM_PIPELINE})
+        base.update(status=pipeline["status"], request_counts=pipeline["request_counts"],
+                    output_file_id=f"file-{record['id']}-output", error_file_id=f"file-{record['id']}-errors")
+        base["cancelling_at"] = base.get("cancelling_at") or record.get("cancelling_at")
+        return base
+    if record.get("submit_error"):
+        return {**base, "status": "failed", "failed_at": record["created_at"],
+                "errors": {"object": "list", "data": [{"code": "not_queued", "message": "the run could not be submitted"}]}}
+    run_id, run_status = run_of(record)
+    status = RUN_STATUS.get(run_status or "", "validating")
+    counts = live_counts(record)
+    if counts is not None:  # validated: the lines so far (answers as their checkpoints are written)
+        base["request_counts"] = counts
+        if status == "validating":
+            status = "in_progress"
+    if record.get("cancelling_at") and status not in ("cancelled", "failed"):
+        status = "cancelling"
+    base["status"] = status
+    if status == "cancelling":
+        base["cancelling_at"] = record.get("cancelling_at")
+    if status == "failed":
+        base["failed_at"] = int(time.time())
+        base["errors"] = {"object": "list", "data": [{"code": "run_failed", "message":
+                          f"Dagster run {run_id} failed before writing results; see it in the UI"}]}
+    return base
+
+
+def live_counts(record: dict[str, Any]) -> dict[str, int] | None:
+    """request_counts of a batch still running: its lines, the bad ones, the answers checkpointed."""
+    loc = BatchLocation(record["id"], record["input_uri"], record["output_uri"], record["date"])
+    validation = read_json(loc.work("validation.json"))
+    if validation is None:
+        return None
+    counts = {"total": validation["lines"], "completed": 0, "failed": validation["lines"] - validation["valid"]}
+    inference = read_json(loc.work("inference.json"))
+    if inference and inference.get("checkpoint_key"):
+        seen = LineSet()
+        for answer in iter_answers(loc, inference["checkpoint_key"]):
+            if seen.add(answer["line"]):  # a line two overlapping attempts both wrote counts once
+                counts["completed" if answer["kind"] == "output" else "failed"] += 1
+    return counts
