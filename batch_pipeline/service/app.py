@@ -16,6 +16,7 @@ This module holds the HTTP routes, `create_app` and `service_from_env`; what eac
 status in `status.py`, the Prometheus figures in `metrics.py`.
 """
 
+import logging
 from typing import Any
 
 from batch_pipeline.config.settings import storage_settings_from_env
@@ -26,7 +27,10 @@ from batch_pipeline.service.metrics import prometheus
 from batch_pipeline.service.operations import Service
 from batch_pipeline.service.settings import (completion_windows, dagster_url, file_limits, load_keys, load_limits,
                                              load_priority_caps, min_expiry_seconds)
+from batch_pipeline.service.status import TERMINAL_STATUSES, pipeline_batch
 from batch_pipeline.service.store import Store
+
+log = logging.getLogger("batch_pipeline.service")
 
 
 def readiness(service: Service) -> list[str]:
@@ -48,6 +52,12 @@ def figures(service: Service) -> str:
     """/metrics: every tenant's batches (each one's Batch object), the files kept, the queued runs."""
     batches = [service.batch_object(record) for record in service.store.all_batches()]
     return prometheus(batches, service.store.count_files(), service.dagster.queued_runs())
+
+
+def _seen_finished(record: dict[str, Any]) -> bool:
+    """A record whose batch is over by what storage says (its batch.json, or a run never submitted)."""
+    batch = pipeline_batch(record)
+    return bool(record.get("submit_error")) or (batch is not None and batch["status"] in TERMINAL_STATUSES)
 
 
 def _public(record: dict[str, Any]) -> dict[str, Any]:
@@ -161,12 +171,18 @@ def create_app(service: Service) -> Any:
 
 
 def service_from_env() -> Service:
+    """The service the environment describes; a store kept before the open-batch index is indexed once
+    (its records and batch.json files read), so the limit check at create reads only open batches."""
     keys = load_keys()
     max_in_flight, tenant_limits = load_limits(set(keys.values()))
     max_priority, tenant_max_priority = load_priority_caps(set(keys.values()))
     max_file_bytes, max_file_requests = file_limits()
+    store = Store(storage_settings_from_env().output_path)
+    indexed = store.index_open_batches(_seen_finished)
+    if indexed:
+        log.info("open-batch index: %d batches of an older store indexed", indexed)
     return Service(
-        store=Store(storage_settings_from_env().output_path),
+        store=store,
         keys=keys,
         dagster_url=dagster_url(),
         windows=completion_windows(),

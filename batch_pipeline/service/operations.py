@@ -125,7 +125,7 @@ class Service:
         if limit is None:
             return
         in_flight = 0
-        for record in self.store.batches(tenant):
+        for record in self.store.open_batches(tenant):  # not every batch it ever made: flat in its history
             if self.batch_object(record)["status"] not in TERMINAL_STATUSES:
                 in_flight += 1
                 if in_flight >= limit:
@@ -180,7 +180,7 @@ class Service:
                   "expires_at": int(now) + self.windows[window],
                   "date": date, "output_uri": storage.join(self.store.output_root, date, batch_id), "run_id": None}
         record.update(options)
-        self.store.save_batch(record)  # first: a crash before the run is submitted leaves a failed batch, not none
+        self.store.add_batch(record)  # first: a crash before the run is submitted leaves a failed batch, not none
         try:
             record["run_id"] = self.dagster.submit(record)
         except Exception as e:  # noqa: BLE001
@@ -246,8 +246,12 @@ class Service:
         return run_id, run_status
 
     def batch_object(self, record: dict[str, Any]) -> dict[str, Any]:
-        """The OpenAI Batch object: the pipeline's batch.json once written, else the run's status."""
-        return status.batch_object(record, self.run_of)
+        """The OpenAI Batch object: the pipeline's batch.json once written, else the run's status. A batch
+        seen finished for the first time leaves its tenant's open batches (the limit check's index)."""
+        batch = status.batch_object(record, self.run_of)
+        if batch["status"] in TERMINAL_STATUSES:
+            self.store.close_batch(record)
+        return batch
 
 
 def _json_object(line: bytes) -> bool:

@@ -5,6 +5,10 @@ restart of the service, every replica sees the same ones, and nothing but the st
 An uploaded file's content is stored beside its record; a batch's results are the pipeline's own
 files in `STORAGE_OUTPUT_PATH/<date>/<batch id>/`, served as the batch's output and error files.
 
+Batches that may still be unfinished are indexed per tenant (`_batch_api/open/<tenant hash>/<batch
+id>`): a marker written when the batch is created and deleted once the service sees it finished, so
+the limit check at create reads a tenant's open batches only, however long its history.
+
 Expiry (files' `expires_after`, batches' `output_expires_after`) is swept lazily: a file past its
 `expires_at` has its content deleted from storage the first time it is read, listed or counted, and
 is from then on unknown (404). Nothing runs in the background, so an expired file nobody asks for
@@ -13,9 +17,11 @@ stays in storage until then.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from batch_pipeline.io import storage
@@ -29,12 +35,21 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:24]}"
 
 
+# Written once the open-batch index covers every record (a store kept before the index had none).
+INDEXED_MARKER = "INDEXED"
+
+
 @dataclass
 class Store:
     output_root: str  # STORAGE_OUTPUT_PATH
+    reads: int = field(default=0, compare=False)  # batch records read so far (the limit check's cost, in tests)
 
     def _uri(self, *parts: str) -> str:
         return storage.join(self.output_root, FOLDER, *parts)
+
+    def _read_batch(self, uri: str) -> dict[str, Any]:
+        self.reads += 1
+        return storage.read_json(uri)
 
     # -- files -------------------------------------------------------------------------------
 
@@ -103,22 +118,66 @@ class Store:
     def save_batch(self, record: dict[str, Any]) -> None:
         storage.write_json(self._uri("batches", f"{record['id']}.json"), record)
 
+    def add_batch(self, record: dict[str, Any]) -> None:
+        """A new batch: its record (`open`), and its marker among its tenant's open batches."""
+        record["open"] = True
+        self.save_batch(record)
+        storage.write_json(self._open_uri(record["tenant"], record["id"]), {"id": record["id"]})
+
+    def close_batch(self, record: dict[str, Any]) -> None:
+        """The batch is finished: out of the open index. Only a record marked `open` has anything to
+        close, so reading a finished batch again writes nothing."""
+        if record.get("open"):
+            storage.delete(self._open_uri(record["tenant"], record["id"]))
+            record["open"] = False
+            self.save_batch(record)
+
+    def open_batches(self, tenant: str) -> list[dict[str, Any]]:
+        """The tenant's batches not yet seen finished: one listing and a record read each."""
+        found = []
+        for marker in storage.list_objects(self._open_folder(tenant) + "/", suffix=".json"):
+            record = self.batch(tenant, storage.basename(marker.uri).removesuffix(".json"))
+            if record is not None:
+                found.append(record)
+        return found
+
+    def index_open_batches(self, finished: Callable[[dict[str, Any]], bool]) -> int:
+        """Once per store: index the batches of a store kept before the open index existed (those without
+        an `open` mark that `finished` does not say are over); the number indexed. A store with the
+        index reads nothing."""
+        done = self._uri("open", INDEXED_MARKER)
+        if storage.exists(done):
+            return 0
+        indexed = 0
+        for record in self.all_batches():
+            if "open" not in record and not finished(record):
+                self.add_batch(record)
+                indexed += 1
+        storage.write_json(done, {"at": int(time.time())})
+        return indexed
+
+    def _open_folder(self, tenant: str) -> str:
+        # Tenants are the operator's free text: hashed into a safe folder name.
+        return self._uri("open", hashlib.sha256(tenant.encode()).hexdigest()[:32])
+
+    def _open_uri(self, tenant: str, batch_id: str) -> str:
+        return storage.join(self._open_folder(tenant), f"{batch_id}.json")
+
     def batch(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
         path = self._uri("batches", f"{batch_id}.json")
         if not _safe_id(batch_id) or not storage.exists(path):
             return None
-        record = storage.read_json(path)
+        record = self._read_batch(path)
         return record if record.get("tenant") == tenant else None
 
     def batches(self, tenant: str) -> list[dict[str, Any]]:
-        records = [storage.read_json(o.uri) for o in storage.list_objects(self._uri("batches") + "/", suffix=".json")]
+        records = [self._read_batch(o.uri) for o in storage.list_objects(self._uri("batches") + "/", suffix=".json")]
         return sorted((r for r in records if r.get("tenant") == tenant), key=lambda r: (r["created_at"], r["id"]),
                       reverse=True)
 
-
     def all_batches(self) -> list[dict[str, Any]]:
         """Every tenant's batch records (for the service's own figures)."""
-        return [storage.read_json(o.uri) for o in storage.list_objects(self._uri("batches") + "/", suffix=".json")]
+        return [self._read_batch(o.uri) for o in storage.list_objects(self._uri("batches") + "/", suffix=".json")]
 
     def count_files(self) -> int:
         return sum(1 for o in storage.list_objects(self._uri("files") + "/", suffix=".json")
