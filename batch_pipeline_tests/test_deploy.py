@@ -637,12 +637,12 @@ def test_definitions_load_from_an_installed_package_without_the_source_tree(tmp_
         "from batch_pipeline.definitions import defs\n"
         "d = defs()\n"
         "print(sorted(k.to_user_string() for k in d.resolve_asset_graph().get_all_asset_keys()))\n"
-        "print([s.name for s in d.sensors], [s.name for s in d.schedules])\n"
+        "print(sorted(s.name for s in d.sensors), [s.name for s in d.schedules])\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(str(site / "batch_pipeline"))  # the copy, not the editable source tree
     assert "['batch_files', 'batch_outputs', 'inference_results', 'throughput_metrics', 'validated_requests']" in proc.stdout
-    assert "['batch_upload_sensor'] ['nightly_batch_schedule']" in proc.stdout
+    assert "['batch_upload_sensor', 'run_failure_alert_sensor'] ['nightly_batch_schedule']" in proc.stdout
     assert "dg.toml" in (REPO / "pyproject.toml").read_text()  # shipped as package data
