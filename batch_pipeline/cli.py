@@ -3,6 +3,7 @@
     batch-pipeline validate INPUT
     batch-pipeline run INPUT --output-dir DIR [--date YYYY-MM-DD]
     batch-pipeline serve [--host 127.0.0.1] [--port 8000]
+    batch-pipeline usage --since YYYY-MM-DD [--tenant T] [--csv]
     batch-pipeline model prepare
     batch-pipeline doctor
 
@@ -223,6 +224,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_usage(args: argparse.Namespace) -> int:
+    from batch_pipeline.config.settings import storage_settings_from_env
+    from batch_pipeline.service.store import Store
+    from batch_pipeline.service.usage import as_csv, as_table, usage_rows
+
+    try:
+        since = dt.date.fromisoformat(args.since)
+    except ValueError:
+        _err(f"--since {args.since!r} is not a date (YYYY-MM-DD)")
+        return EXIT_FAILED
+    rows = usage_rows(Store(storage_settings_from_env().output_path), since, args.tenant or None)
+    print(as_csv(rows) if args.csv else as_table(rows), end="")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="batch-pipeline", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -260,6 +276,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ssl-certfile", default=None, help="TLS certificate (PEM); or run behind a TLS proxy")
     p.add_argument("--ssl-keyfile", default=None, help="TLS private key (PEM)")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("usage", help="what the Batch API's finished batches cost, per tenant and model "
+                       "(GPU- and engine-seconds, model load, tokens), from the service's records")
+    p.add_argument("--since", required=True, help="batches created on or after this date (YYYY-MM-DD, UTC)")
+    p.add_argument("--tenant", default="", help="only this tenant's batches")
+    p.add_argument("--csv", action="store_true", help="CSV (a header, then a row per tenant and model) instead of a table")
+    p.set_defaults(func=cmd_usage)
 
     p = sub.add_parser("model", help="manage the bundled model")
     model_sub = p.add_subparsers(dest="model_command", required=True)

@@ -50,7 +50,7 @@ def readiness(service: Service) -> list[str]:
 
 def figures(service: Service) -> str:
     """/metrics: every tenant's batches (each one's Batch object), the files kept, the queued runs."""
-    batches = [service.batch_object(record) for record in service.store.all_batches()]
+    batches = [(record["tenant"], service.batch_object(record)) for record in service.store.all_batches()]
     return prometheus(batches, service.store.count_files(), service.dagster.queued_runs())
 
 

@@ -1,5 +1,6 @@
-"""A batch's status as OpenAI's Batch object: the pipeline's batch.json once written, else derived
-from the Dagster run carrying it and, while it runs, live request counts from its checkpoints."""
+"""A batch's status as OpenAI's Batch object: the pipeline's batch.json once written (with what the
+batch cost in its metadata), else derived from the Dagster run carrying it and, while it runs, live
+request counts from its checkpoints."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from batch_pipeline.io import storage
 from batch_pipeline.io.checkpoints import LineSet, iter_answers
 from batch_pipeline.io.locations import BatchLocation
 from batch_pipeline.service.settings import COMPLETION_WINDOWS
+from batch_pipeline.steps.metrics import COST_PREFIX
 
 TERMINAL_STATUSES = ("completed", "failed", "cancelled", "expired")
 # Dagster run status -> Batch status, while the pipeline has not written its Batch object.
@@ -49,6 +51,9 @@ def batch_object(record: dict[str, Any], run_of: RunOf) -> dict[str, Any]:
     }
     if pipeline is not None:
         base.update({k: pipeline.get(k) for k in _FROM_PIPELINE})
+        # The cost the pipeline recorded (cost_gpu_seconds, ...), beside the metadata the batch was made with.
+        base["metadata"] = {**record["metadata"], **{k: v for k, v in (pipeline.get("metadata") or {}).items()
+                                                     if k.startswith(COST_PREFIX)}}
         base.update(status=pipeline["status"], request_counts=pipeline["request_counts"],
                     output_file_id=f"file-{record['id']}-output", error_file_id=f"file-{record['id']}-errors")
         base["cancelling_at"] = base.get("cancelling_at") or record.get("cancelling_at")

@@ -9,6 +9,38 @@ from batch_pipeline.io import storage
 from batch_pipeline.io.locations import BatchLocation
 
 
+# A batch's cost, as batch.json's metadata keeps it (strings, as the openai SDK keeps metadata).
+COST_PREFIX = "cost_"
+COST_FIELDS = ("gpus", "engine_seconds", "gpu_seconds", "model_load_seconds", "input_tokens", "output_tokens")
+
+
+def batch_cost(inference: dict[str, Any], usage: dict[str, Any]) -> dict[str, float | int]:
+    """What a batch cost, from its inference record and its Batch object's usage: engine-seconds (the
+    model load and the answering, this batch's share of them when answered with others), the GPUs
+    the run held (those its process sees through NVML: in a container or pod, the ones it was given;
+    0 on the CPU), GPU-seconds (engine-seconds x GPUs), the model load on its own, tokens in and out.
+    Only the attempt that finished the batch is counted: one that crashed part way is not."""
+    load = float(inference.get("model_load_seconds", 0.0))
+    engine = load + float(inference.get("inference_seconds", 0.0))
+    gpus = int((inference.get("gpu") or {}).get("gpu_count", 0))
+    return {"gpus": gpus, "engine_seconds": round(engine, 3), "gpu_seconds": round(engine * gpus, 3),
+            "model_load_seconds": round(load, 3), "input_tokens": int(usage.get("input_tokens", 0)),
+            "output_tokens": int(usage.get("output_tokens", 0))}
+
+
+def cost_metadata(cost: dict[str, float | int]) -> dict[str, str]:
+    """batch_cost as Batch metadata entries: `cost_gpu_seconds`: "12.5", ..."""
+    return {COST_PREFIX + name: str(cost[name]) for name in COST_FIELDS}
+
+
+def cost_of_metadata(metadata: dict[str, Any] | None) -> dict[str, float] | None:
+    """batch_cost back from Batch metadata (None when it holds none: a batch written before costs were)."""
+    metadata = metadata or {}
+    if not all(COST_PREFIX + name in metadata for name in COST_FIELDS):
+        return None
+    return {name: float(metadata[COST_PREFIX + name]) for name in COST_FIELDS}
+
+
 def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
     """Throughput figures of one batch from its result and work files, written to metrics.json.
 
@@ -45,6 +77,7 @@ def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
         "planning_seconds": float(inference.get("planning_seconds", 0.0)),
         **({"engine_idle_share": float(inference["engine_idle_share"])} if "engine_idle_share" in inference else {}),
         "inference_seconds": infer_s,
+        **{k: v for k, v in batch_cost(inference, usage).items() if k in ("gpus", "engine_seconds", "gpu_seconds")},
         "writing_seconds": float(finalize["seconds"]),
         "requests_per_second": per_second(counts["completed"]),
         "input_tokens_per_second": per_second(usage["input_tokens"]),
@@ -123,6 +156,7 @@ _SUMMED = (
     "model_load_seconds", "validation_seconds", "planning_seconds", "inference_seconds", "writing_seconds",
     "cached_tokens",
     "checkpoint_parts", "checkpoint_write_seconds",
+    "engine_seconds", "gpu_seconds",
 )
 _RATES = (
     ("requests_per_second", "requests_completed"),
@@ -151,6 +185,7 @@ def aggregate_metrics(per_batch: list[dict[str, Any]]) -> dict[str, Any]:
         totals["gpu_utilization_mean_pct"] = round(sum(gpu_util) / len(gpu_util), 1)
         totals["gpu_memory_peak_mb"] = max(m["gpu_memory_peak_mb"] for m in per_batch if "gpu_memory_peak_mb" in m)
     totals["peak_memory_mb"] = max(m["peak_memory_mb"] for m in per_batch)
+    totals["gpus"] = max(int(m.get("gpus", 0)) for m in per_batch)
     totals["data_parallel_size"] = max(int(m.get("data_parallel_size", 1)) for m in per_batch)
     totals["shards"] = max(int(m.get("shards", 1)) for m in per_batch)
     per_rank = [0] * totals["data_parallel_size"]

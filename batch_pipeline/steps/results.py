@@ -14,6 +14,7 @@ from batch_pipeline.io.locations import BatchLocation
 from batch_pipeline.contract.lines import cancelled_line, expired_line
 from batch_pipeline.io.table_inputs import PASSTHROUGH_NAME
 from batch_pipeline.io.tables import RESULTS_NAME, ResultsTable
+from batch_pipeline.steps.metrics import batch_cost, cost_metadata
 from batch_pipeline.steps.validation import InvalidLine
 
 EXPIRY_SECONDS = 24 * 3600  # OpenAI's completion window, recorded as expires_at
@@ -120,6 +121,9 @@ def finalize_batch(loc: BatchLocation, extra_metadata: dict[str, str] | None = N
             "input_etag": validation.get("input_etag", ""),
             **({"checkpoint_key": inference["checkpoint_key"]} if inference else {}),
             **({k: str(v) for k, v in inference["engine"].items()} if inference else {}),
+            # What it cost (GPU- and engine-seconds, model load, tokens): strings, as the SDK keeps metadata.
+            **cost_metadata(batch_cost(attempt, {"input_tokens": counts["input_tokens"],
+                                                 "output_tokens": counts["output_tokens"]})),
             **(extra_metadata or {}),
         },
     )
