@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from batch_pipeline.contract.common import CHAT_URL, LenientModel, ReasoningEffort, SamplingBody, StrictModel
 
@@ -12,6 +12,34 @@ from batch_pipeline.contract.common import CHAT_URL, LenientModel, ReasoningEffo
 class TextPart(StrictModel):
     type: Literal["text"]
     text: str
+
+
+class ImageUrl(StrictModel):
+    # A data: URL (base64), s3:// or an allowed https:// host: io/images.py fetches and checks it.
+    url: str = Field(min_length=1)
+    # Accepted and ignored: the model's own processor decides the resolution.
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(StrictModel):
+    """An image in a user message (docs/CONTRACT.md, "Images"); only a model that takes images gets one."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+def _part_kind(value: Any) -> str:
+    # Tags with a "-", which error locations leave out (validation._clean_loc): an error in a part
+    # names body.messages[i].content[j].<field>. Any other type is taken for text, whose `type` then
+    # says what is expected.
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "part-image_url" if kind == "image_url" else "part-text"
+
+
+ContentPart = Annotated[
+    Union[Annotated[TextPart, Tag("part-text")], Annotated[ImagePart, Tag("part-image_url")]],
+    Discriminator(_part_kind),
+]
 
 
 # ------------------------------------------------------------------------ tool (function) calling
@@ -67,7 +95,7 @@ class ToolCall(LenientModel):
 
 class ChatMessage(LenientModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[ContentPart], None] = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant turns: the calls it made
     tool_call_id: str | None = None  # tool turns: the call this is the result of
@@ -77,13 +105,18 @@ class ChatMessage(LenientModel):
         # Only an assistant turn that carries tool calls may omit its content.
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError("content is required")
+        if self.role != "user" and self.images():
+            raise ValueError(f"content: image parts are taken in user messages only, not in a {self.role} message")
         return self
 
     def text(self) -> str:
         """The message content as one string (text parts joined by newlines, as vLLM does)."""
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
         return self.content or ""
+
+    def images(self) -> list[ImagePart]:
+        return [part for part in self.content if isinstance(part, ImagePart)] if isinstance(self.content, list) else []
 
 
 class JsonSchemaSpec(LenientModel):

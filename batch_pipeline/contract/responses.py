@@ -24,17 +24,67 @@ class ResponsesTextPart(LenientModel):
     text: str
 
 
+class ResponsesImagePart(LenientModel):
+    """An `input_image` part of a user message: run as the chat's `image_url` part (io/images.py
+    fetches it). A `file_id` names a file uploaded to OpenAI's Files API, which an offline batch
+    cannot read."""
+
+    type: Literal["input_image"]
+    image_url: str | None = Field(default=None, min_length=1)
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None  # accepted and ignored, as on chat lines
+
+    @model_validator(mode="after")
+    def _url_given(self) -> "ResponsesImagePart":
+        if self.image_url is None:
+            if self.file_id is not None:
+                raise ValueError("file_id: file ids are not supported; give image_url")
+            raise ValueError("image_url: an image needs a url (a data: URL, s3:// or https://)")
+        return self
+
+    def as_chat_part(self) -> dict[str, Any]:
+        return {"type": "image_url", "image_url": {"url": self.image_url, **({"detail": self.detail} if self.detail else {})}}
+
+
+def _part_kind(value: Any) -> str:
+    # As _input_item_kind: tags with a "-"; any other type is taken for text, which names what is expected.
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "part-input_image" if kind == "input_image" else "part-text"
+
+
+ResponsesContentPart = Annotated[
+    Union[Annotated[ResponsesTextPart, Tag("part-text")], Annotated[ResponsesImagePart, Tag("part-input_image")]],
+    Discriminator(_part_kind),
+]
+
+
 class ResponsesMessage(LenientModel):
     """An input item: a message (`type` may be left out, as OpenAI's "easy input message")."""
 
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: Union[str, list[ResponsesTextPart]]
+    content: Union[str, list[ResponsesContentPart]]
+
+    @model_validator(mode="after")
+    def _images_from_the_user(self) -> "ResponsesMessage":
+        if self.role != "user" and self.images():
+            raise ValueError(f"content: input_image parts are taken in user messages only, not in a {self.role} message")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.text for part in self.content if isinstance(part, ResponsesTextPart))
         return self.content
+
+    def images(self) -> list[ResponsesImagePart]:
+        return [p for p in self.content if isinstance(p, ResponsesImagePart)] if isinstance(self.content, list) else []
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content of the chat message it runs as: its text, or with images its parts in order."""
+        if not self.images():
+            return self.text()
+        return [p.as_chat_part() if isinstance(p, ResponsesImagePart) else {"type": "text", "text": p.text}
+                for p in self.content]
 
 
 class ResponsesFunctionCall(LenientModel):
@@ -236,7 +286,7 @@ class ResponsesBody(LenientModel):
             elif isinstance(item, ResponsesFunctionCallOutput):
                 messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
             else:
-                messages.append({"role": item.role, "content": item.text()})
+                messages.append({"role": item.role, "content": item.chat_content()})
         return messages
 
     def as_chat(self) -> ChatBody:

@@ -152,13 +152,18 @@ class LLMResource(dg.ConfigurableResource):
         return str(path), s.embedding_served_model_name or BUNDLED_EMBEDDING_NAME
 
     def validation_settings(self) -> ValidationSettings:
-        _, served = self.generation_model()
+        path, served = self.generation_model()
         _, embedding = self.embedding_model()
-        score = self.settings().score_model()
+        s = self.settings()
+        score = s.score_model()
+        adapters, registry = tuple(s.lora_adapters()), s.model_registry()
+        # Image parts go only to models that take them (a vision_config; the bundled model does not);
+        # LoRA adapters run on the generation model, so they take what it takes.
+        takes = [*((served, *adapters) if path and models.takes_images(Path(path)) else ()),
+                 *(name for name, m in registry.items() if models.takes_images(Path(m.model_path)))]
         return ValidationSettings(served_model_name=served, embedding_model_name=embedding,
-                                  score_model_name=score[1] if score else None,
-                                  adapter_names=tuple(self.settings().lora_adapters()),
-                                  other_models=tuple(self.settings().model_registry()), **validation_limits_from_env())
+                                  score_model_name=score[1] if score else None, adapter_names=adapters,
+                                  other_models=tuple(registry), image_models=tuple(takes), **validation_limits_from_env())
 
     def identity(self) -> dict[str, Any]:
         """What answers depend on: recorded in batch.json and used to key checkpoints."""

@@ -5,20 +5,28 @@ rendering), and so does a `/v1/responses` line, as the chat it amounts to (Respo
 completions through `LLM.enqueue` (the form of `LLM.generate`). Prompts are measured with the
 model's own tokenizer first, so an over-long prompt becomes a `context_length_exceeded`
 line instead of an exception, and `max_tokens` beyond the room left in the context is clamped to it.
+
+A line's images (chat `image_url`, Responses `input_image`) are fetched and decoded ahead of the
+engine by io/images.py's ImageResolver, a bounded window of lines ahead of their turn, and handed to
+vLLM decoded (`image_pil` parts), so the engine never fetches. While the next line's images are
+still loading, the engine steps what it holds; it waits on images only with nothing else to do
+(EngineClock.image_wait). A bad image is that line's error line, naming the line and the part.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import copy
 import json
 import time
+from collections import deque
 
 from batch_pipeline.contract import contract, lines
 from batch_pipeline.engine import bodies, tool_calls, vllm_adapter
+from batch_pipeline.io import images
 from batch_pipeline.engine.reasoning import Reasoning, template_takes
 from batch_pipeline.contract.lines import Answer
 
@@ -43,11 +51,18 @@ class EngineClock:
 
     busy: float = 0.0
     active: float = 0.0
+    # Of the idle time: waiting on a line's images with nothing else in the engine to step.
+    image_wait: float = 0.0
 
     def idle_share(self, since: "EngineClock | None" = None) -> float | None:
         busy = self.busy - (since.busy if since else 0.0)
         active = self.active - (since.active if since else 0.0)
         return round(max(active - busy, 0.0) / active, 4) if active > 0 else None
+
+    def image_wait_share(self, since: "EngineClock | None" = None) -> float | None:
+        waited = self.image_wait - (since.image_wait if since else 0.0)
+        active = self.active - (since.active if since else 0.0)
+        return round(waited / active, 4) if active > 0 else None
 
 
 @dataclass
@@ -69,9 +84,12 @@ class GenerationEngine(vllm_adapter.ServedModel):
 
     def __init__(self, llm: Any, served_model_name: str, model_path: str, queue_factor: int = 4, queue_floor: int = 64,
                  reasoning_parser: str = "", lora_modules: dict[str, str] | None = None,
-                 tool_call_parser: str = "", clock: EngineClock | None = None):
+                 tool_call_parser: str = "", clock: EngineClock | None = None,
+                 image_settings: images.ImageSettings | None = None):
         super().__init__(llm, served_model_name, model_path)
         self.clock = clock or EngineClock()
+        # The image limits (MAX_IMAGE_BYTES, ...); None: read from the environment at the first image.
+        self.image_settings = image_settings
         self._defaults = vllm_adapter.default_sampling_values(llm)
         self.queue_factor, self.queue_floor = queue_factor, queue_floor
         # REASONING_PARSER: vLLM's parser splits each chat answer's thinking from its content.
@@ -91,7 +109,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
 
     def _count_chat(self, conversation: list[dict[str, Any]], template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict[str, Any]] | None = None) -> int:
-        text = self.tokenizer.apply_chat_template(_as_rendered(conversation), tokenize=False, add_generation_prompt=True,
+        text = self.tokenizer.apply_chat_template(_as_rendered(_text_only(conversation)), tokenize=False, add_generation_prompt=True,
                                                   tools=tools, **(template_kwargs or {}))
         return len(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -139,8 +157,11 @@ class GenerationEngine(vllm_adapter.ServedModel):
         room = self.max_model_len - prompt_len
         return room if requested is None else min(requested, room)
 
-    def prepare(self, batch_id: str, req: contract.BatchRequest) -> Prepared | Answer:
-        """Parse, measure and build sampling params; an Answer when the request cannot run."""
+    def prepare(self, batch_id: str, req: contract.BatchRequest, loaded: tuple[Any, ...] = ()) -> Prepared | Answer:
+        """Parse, measure and build sampling params; an Answer when the request cannot run.
+        `loaded`: the line's images, decoded (ImageResolver), in the order of its image parts. They
+        are not in the measured length (their tokens are the model processor's to count): vLLM
+        refuses a prompt that overflows with them, and stops decoding at the context's end."""
         try:
             body = source = req.parsed_body()
             template_kwargs, plan = None, None
@@ -164,7 +185,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
                     return lines.contract_error(batch_id, req, contract.INVALID_REQUEST, f"body.{e}")
                 conversation = [_message(m) for m in body.messages]
                 lengths = [self._count_chat(conversation, template_kwargs, plan.tools)]
-                prompts: list[Any] = [conversation]
+                prompts: list[Any] = [images.chat_messages_with_images(conversation, loaded) if loaded else conversation]
                 logprobs = (body.top_logprobs or 0) if body.logprobs else None
             else:
                 prompts = body.prompts()
@@ -214,20 +235,24 @@ class GenerationEngine(vllm_adapter.ServedModel):
         window = self.window()
         pending: dict[str, tuple[Prepared, int, str]] = {}  # output id -> (item, prompt index, enqueued id)
         collected: dict[tuple[str, int], list[Any]] = {}  # (batch, input line) -> outputs per prompt
-        source = iter(requests)
-        exhausted = False
         clock, began = self.clock, time.perf_counter()
+        source = _images_ahead(iter(requests), self._images, lambda: bool(pending), clock)
+        exhausted = False
         try:
             while True:
                 while not exhausted and len(pending) < window:
-                    req = next(source, None)
-                    if req is None:
+                    got = next(source, None)
+                    if got is None:
                         exhausted = True
                         break
-                    if req is NOTHING_YET:
+                    if got is NOTHING_YET:
                         break
+                    req, loaded = got
                     of = req.batch_id or batch_id
-                    prepared = self.prepare(of, req)
+                    if loaded is not None and loaded.error is not None:  # a bad image: this line's error alone
+                        yield lines.contract_error(of, req, contract.INVALID_REQUEST, str(loaded.error))
+                        continue
+                    prepared = self.prepare(of, req, loaded.images if loaded is not None else ())
                     if isinstance(prepared, Answer):
                         yield prepared
                         continue
@@ -260,9 +285,15 @@ class GenerationEngine(vllm_adapter.ServedModel):
                         del collected[(of, item.req.line)]
                         yield self._answer(of, item, slots, created)
         finally:
+            source.close()  # the image fetches still running are waited for, those not started dropped
             clock.active += time.perf_counter() - began
             if pending:  # interrupted: do not leave half-done requests running in the engine
                 vllm_adapter.abort(self.llm, [enqueued_id for _, _, enqueued_id in pending.values()])
+
+    def _images(self) -> images.ImageResolver:
+        if self.image_settings is None:
+            self.image_settings = images.image_settings_from_env()
+        return images.ImageResolver(self.image_settings)
 
     def _answer(self, batch_id: str, item: Prepared, outputs: list[Any], created: int) -> Answer:
         if item.req.url == contract.RESPONSES_URL:
@@ -279,14 +310,73 @@ class GenerationEngine(vllm_adapter.ServedModel):
         )
 
 
+def _images_ahead(requests: Iterator[Any], resolver: Callable[[], images.ImageResolver], busy: Callable[[], bool],
+                  clock: EngineClock) -> Iterator[Any]:
+    """The requests in their order, each as (request, its LineImages or None when it has no image),
+    the images of the next lines loading meanwhile on the resolver's pool (a window of 4 x
+    IMAGE_FETCH_CONCURRENCY lines ahead). When the next line's images are not ready and the engine
+    holds work (`busy`), NOTHING_YET: the engine steps instead of waiting; otherwise the wait is
+    counted in `clock.image_wait`. The resolver is made at the first image, and closed at the end."""
+    pool: images.ImageResolver | None = None
+    ahead: deque[tuple[Any, Any]] = deque()  # (request, Future[LineImages] or None)
+    exhausted = False
+    try:
+        while True:
+            lookahead = 4 * pool.settings.concurrency if pool is not None else 1
+            while not exhausted and len(ahead) < lookahead:
+                req = next(requests, None)
+                if req is None:
+                    exhausted = True
+                    break
+                if req is NOTHING_YET:
+                    break
+                future = None
+                if req.url in CHAT_URLS and isinstance(req.body, dict) and images.has_images(req.url, req.body):
+                    pool = pool or resolver()
+                    future = pool.submit(req.line, req.url, req.body)
+                ahead.append((req, future))
+                lookahead = 4 * pool.settings.concurrency if pool is not None else 1
+            if not ahead:
+                if exhausted:
+                    return
+                yield NOTHING_YET
+                continue
+            req, future = ahead[0]
+            if future is not None and not future.done():
+                if busy():
+                    yield NOTHING_YET
+                    continue
+                waited = time.perf_counter()
+                future.result()
+                clock.image_wait += time.perf_counter() - waited
+            ahead.popleft()
+            yield req, future.result() if future is not None else None
+    finally:
+        if pool is not None:
+            pool.close()
+
+
 def _message(m: contract.ChatMessage) -> dict[str, Any]:
-    """A chat message as it goes to vLLM (OpenAI's shape): tool calls and tool results kept."""
+    """A chat message as it goes to vLLM (OpenAI's shape): tool calls and tool results kept; with
+    images, its content parts in order (each image part to be replaced by the decoded image)."""
     message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.images():
+        message["content"] = [{"type": "image_url", "image_url": {"url": p.image_url.url}} if isinstance(p, contract.ImagePart)
+                              else {"type": "text", "text": p.text} for p in m.content]
     if m.tool_calls:
         message["tool_calls"] = [call.model_dump() for call in m.tool_calls]
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
     return message
+
+
+def _text_only(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation with each message's content parts joined into its text (how it is measured:
+    a chat template may take a string only, and the images' tokens are the processor's to count)."""
+    if not any(isinstance(m.get("content"), list) for m in conversation):
+        return conversation
+    return [{**m, "content": "\n".join(p["text"] for p in m["content"] if p.get("type") == "text")}
+            if isinstance(m.get("content"), list) else m for m in conversation]
 
 
 def _as_rendered(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -44,8 +44,8 @@ class ValidationSettings:
     # The batch's endpoint (the Batch API's `endpoint`): lines with another url are url_mismatch
     # errors, as OpenAI reports them. None: every supported url.
     endpoint: str | None = None
-    # Served generation models that take images (models.takes_images). Empty until the engine
-    # path for images lands (issue 27): every line with an image part is refused naming its model.
+    # Served generation models that take images (models.takes_images, LLMResource.validation_settings):
+    # a line with an image part for any other model is refused naming the part and the model.
     image_models: tuple[str, ...] = ()
 
     def models_for(self, url: str) -> tuple[str, ...]:

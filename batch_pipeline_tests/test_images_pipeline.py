@@ -1,0 +1,277 @@
+"""Images through the whole pipeline: the contract, validation, the engine stream and the assets.
+
+The contract half needs no engine: chat `image_url` parts and Responses `input_image` items are
+valid lines for a model that takes images (a model folder whose config.json has a `vision_config`,
+as LLMResource.validation_settings reads it), refused per line naming the part otherwise; a
+Responses line runs as the chat it amounts to, images included.
+
+The engine half runs the real tiny Idefics3 (tiny_vlm.py) as a session engine, through `run_batch`
+(what `batch-pipeline run` runs) with images as data URLs and on the repo's S3 test server (moto),
+and `batch-pipeline run` itself in its own process, killed with SIGKILL mid-batch. Images are drawn
+with PIL here, never stored. Does not touch the Batch API or the sensor.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+
+from batch_pipeline.cli import run_batch
+from batch_pipeline.config import models
+from batch_pipeline.contract import contract
+from batch_pipeline.defs.resources import LLMResource, StorageResource
+from batch_pipeline.io import images, storage
+from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidLine
+from batch_pipeline_tests.cli_runs import answered_once, read_results
+from batch_pipeline_tests.conftest import SessionLLM
+from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
+
+VLM = "tiny-idefics3"
+CHAT, RESPONSES = contract.CHAT_URL, contract.RESPONSES_URL
+
+
+def png(color: Any = "red", size: tuple[int, int] = (80, 60), fmt: str = "PNG") -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
+
+
+def chat_body(*urls: str, text: str = "describe", model: str = VLM, **extra: Any) -> dict:
+    parts = [{"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": u}} for u in urls)]
+    return {"model": model, "messages": [{"role": "user", "content": parts}], **extra}
+
+
+def responses_body(*urls: str, text: str = "describe", model: str = VLM, **extra: Any) -> dict:
+    parts = [{"type": "input_text", "text": text}, *({"type": "input_image", "image_url": u} for u in urls)]
+    return {"model": model, "input": [{"role": "user", "content": parts}], **extra}
+
+
+def line(custom_id: str, body: dict, url: str = CHAT) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+# ----------------------------------------------------------------------------- the contract
+
+
+@pytest.fixture
+def vision_folder(tmp_path: Path) -> Path:
+    """A model folder that says it takes images (config.json only: nothing is loaded here)."""
+    folder = tmp_path / "some-vlm"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Idefics3ForConditionalGeneration"],
+                                                    "vision_config": {"hidden_size": 64}}))
+    return folder
+
+
+def test_a_model_that_takes_images_is_named_in_the_validation_settings(vision_folder, monkeypatch):
+    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "MODELS_FILE", "LORA_MODULES"):
+        monkeypatch.delenv(var, raising=False)
+    settings = LLMResource(model_path=str(vision_folder), served_model_name=VLM).validation_settings()
+    assert settings.image_models == (VLM,)
+    text_only = vision_folder.parent / "text-model"
+    text_only.mkdir()
+    (text_only / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert LLMResource(model_path=str(text_only)).validation_settings().image_models == ()
+    # MODELS_FILE: each model by its own folder.
+    registry = vision_folder.parent / "models.yaml"
+    registry.write_text(f"models:\n  other-vlm:\n    path: {vision_folder}\n")
+    settings = LLMResource(model_path=str(text_only), models_file=str(registry)).validation_settings()
+    assert settings.image_models == ("other-vlm",)
+
+
+def _validator(vision_folder: Path) -> LineValidator:
+    return LineValidator(LLMResource(model_path=str(vision_folder), served_model_name=VLM).validation_settings())
+
+
+@pytest.mark.parametrize("url, body", [
+    (CHAT, chat_body("data:image/png;base64,AAAA")),
+    (CHAT, chat_body("s3://bucket/a.png", "https://img.example.com/b.jpg")),
+    (CHAT, {"model": VLM, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "s3://b/a.png", "detail": "low"}}]}]}),
+    (RESPONSES, responses_body("s3://bucket/a.png")),
+    (RESPONSES, {"model": VLM, "instructions": "be brief", "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "s3://b/a.png", "detail": "high"}, {"type": "input_text", "text": "what"}]}]}),
+])
+def test_image_parts_are_valid_lines_for_a_model_that_takes_images(vision_folder, monkeypatch, url, body):
+    monkeypatch.delenv("MODELS_FILE", raising=False)
+    assert isinstance(_validator(vision_folder).validate(3, line("c", body, url).encode()), ValidLine)
+
+
+@pytest.mark.parametrize("url, body, message", [
+    (CHAT, {"model": VLM, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "body.messages[0].content[0].image_url.url: required field is missing"),
+    (CHAT, chat_body("s3://b/a.png") | {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "s3://b/a.png", "detail": "huge"}}]}]},
+     "body.messages[0].content[0].image_url.detail: Input should be 'auto', 'low' or 'high'"),
+    (CHAT, {"model": VLM, "messages": [{"role": "system", "content": [
+        {"type": "image_url", "image_url": {"url": "s3://b/a.png"}}]}, {"role": "user", "content": "hi"}]},
+     "body.messages[0]: content: image parts are taken in user messages only, not in a system message"),
+    (CHAT, {"model": VLM, "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "body.messages[0].content[0].type: Input should be 'text'"),
+    (RESPONSES, {"model": VLM, "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+     "body.input[0].content[0]: file_id: file ids are not supported; give image_url"),
+    (RESPONSES, {"model": VLM, "input": [{"role": "assistant", "content": [
+        {"type": "input_image", "image_url": "s3://b/a.png"}]}]},
+     "body.input[0]: content: input_image parts are taken in user messages only, not in a assistant message"),
+])
+def test_bad_image_parts_are_refused_naming_the_part(vision_folder, monkeypatch, url, body, message):
+    monkeypatch.delenv("MODELS_FILE", raising=False)
+    result = _validator(vision_folder).validate(3, line("c", body, url).encode())
+    assert isinstance(result, InvalidLine) and result.code == "invalid_request"
+    assert result.message.startswith(f"line 3: {message}"), result.message
+
+
+def test_a_responses_line_runs_as_the_chat_with_its_images_in_place():
+    body = contract.ResponsesBody.model_validate({"model": VLM, "instructions": "be brief", "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "first"},
+                                     {"type": "input_image", "image_url": "s3://b/1.png", "detail": "low"},
+                                     {"type": "input_text", "text": "then"},
+                                     {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]})
+    chat = body.as_chat()
+    assert [m.role for m in chat.messages] == ["system", "user"]
+    user = chat.messages[1]
+    assert user.text() == "first\nthen"
+    assert [p.image_url.url for p in user.images()] == ["s3://b/1.png", "data:image/png;base64,AAAA"]
+    assert [p.type for p in user.content] == ["text", "image_url", "text", "image_url"]
+    # The images are found in the same order in the Responses line and in the chat it runs as.
+    source = body.model_dump(exclude_none=True)
+    assert [r.url for r in images.image_refs(RESPONSES, source)] == [
+        r.url for r in images.image_refs(CHAT, chat.model_dump(exclude_none=True))]
+    # A text-only Responses line is the same chat as before images existed.
+    plain = contract.ResponsesBody.model_validate({"model": VLM, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}]}).as_chat()
+    assert plain.messages[0].content == "a\nb"
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+@pytest.fixture(scope="module")
+def vlm_dir() -> Path:
+    from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(models.cache_root() / "test-models" / VLM)
+
+
+@pytest.fixture
+def vlm_llm(vlm_dir, monkeypatch) -> SessionLLM:
+    """The LLM resource on the tiny VLM, its engine the session's (as test_images_model.py builds it)."""
+    for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "MAX_MODEL_LEN", "MODELS_FILE", "LORA_MODULES", "CHECKPOINT_ANSWERS",
+                "CHECKPOINT_SECONDS", "ORDER", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "MAX_IMAGES_PER_REQUEST",
+                "IMAGE_URL_ALLOWED_HOSTS", "IMAGE_FETCH_CONCURRENCY", "IMAGE_FETCH_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KV_CACHE_MEMORY_BYTES", str(64 * 2**20))
+    return SessionLLM(model_path=str(vlm_dir), served_model_name=VLM, max_model_len=512, seed=0)
+
+
+def run(llm: SessionLLM, batch: Path, out: Path, instance: Any = None) -> tuple[Any, list[str]]:
+    """run_batch (what `batch-pipeline run` runs) on the session's engine; its result and log lines."""
+    storage_resource = StorageResource(input_path=str(batch.parent), output_path=str(out))
+    with dg.instance_for_test() if instance is None else _same(instance) as used:
+        result = run_batch(str(batch), str(out), "2026-11-30", resources={"llm": llm, "storage": storage_resource},
+                           instance=used)
+        messages = [str(r.user_message) for r in used.all_logs(result.run_id)]
+    return result, messages
+
+
+class _same:
+    def __init__(self, instance: Any):
+        self.instance = instance
+
+    def __enter__(self) -> Any:
+        return self.instance
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_images_reach_the_model_through_the_pipeline_and_bad_ones_fail_their_line_only(vlm_llm, s3_bucket, tmp_path,
+                                                                                    monkeypatch):
+    red, blue = png("red"), png("blue")
+    storage.write_bytes(f"s3://{s3_bucket}/red.png", red)
+    monkeypatch.setenv("MAX_IMAGE_BYTES", "20000")
+    monkeypatch.setenv("MAX_IMAGE_PIXELS", "100000")
+    monkeypatch.setenv("MAX_IMAGES_PER_REQUEST", "2")
+    monkeypatch.setenv("IMAGE_URL_ALLOWED_HOSTS", "127.0.0.1")
+    monkeypatch.setenv("IMAGE_FETCH_TIMEOUT", "2")
+    greedy = {"max_tokens": 8, "temperature": 0}
+    where = "body.messages[0].content[1].image_url"
+    good = [
+        line("red", chat_body(data_url(red), **greedy)),
+        line("blue", chat_body(data_url(blue), **greedy)),
+        line("red-s3", chat_body(f"s3://{s3_bucket}/red.png", **greedy)),
+        line("red-responses", responses_body(data_url(red), max_output_tokens=8, temperature=0), RESPONSES),
+        line("two", chat_body(data_url(red), data_url(png("white", (30, 90))), **greedy)),
+        line("text", {"model": VLM, "messages": [{"role": "user", "content": "describe"}], **greedy}),
+    ]
+    bad = {  # custom_id: (line, where, reason)
+        "bad-base64": (chat_body("data:image/png;base64,@@not base64@@"), where, "the data: URL is not valid base64"),
+        "not-an-image": (chat_body(data_url(b"plain text, not an image")), where, "not an image format that can be read"),
+        "too-big": (chat_body(data_url(png("red", (200, 200), "BMP"), "image/bmp")), where,
+                    "image is larger than MAX_IMAGE_BYTES=20000"),
+        "too-many-pixels": (chat_body(data_url(png("red", (400, 300)))), where,
+                            "image is 400x300 pixels, more than MAX_IMAGE_PIXELS=100000"),
+        "too-many-images": (chat_body(*[data_url(red)] * 3), "body.messages[0].content[3].image_url",
+                            "3 images in one request, more than MAX_IMAGES_PER_REQUEST=2"),
+        "not-allowed": (chat_body("https://images.example.com/a.png"), where,
+                        "https images from images.example.com are not allowed (IMAGE_URL_ALLOWED_HOSTS: 127.0.0.1)"),
+        "unreachable": (chat_body(f"https://127.0.0.1:{_closed_port()}/a.png"), where,
+                        "could not fetch the image from 127.0.0.1"),
+        "missing-s3": (chat_body(f"s3://{s3_bucket}/missing.png"), where, f"no such S3 object: s3://{s3_bucket}/missing.png"),
+        "responses-missing": (responses_body(f"s3://{s3_bucket}/gone.png"), "body.input[0].content[1].image_url",
+                              f"no such S3 object: s3://{s3_bucket}/gone.png"),
+    }
+    lines = good[:3] + [line(i, b, RESPONSES if i.startswith("responses") else CHAT) for i, (b, _, _) in bad.items()] + good[3:]
+    batch = tmp_path / "in" / "images.jsonl"
+    batch.parent.mkdir()
+    batch.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+
+    result, messages = run(vlm_llm, batch, out)
+    assert result.success
+    outputs, errors, batch_obj = read_results(out)
+    ids = [json.loads(x)["custom_id"] for x in lines]
+    answered_once(outputs, errors, ids)
+    assert batch_obj["request_counts"] == {"total": len(lines), "completed": len(good), "failed": len(bad)}
+    number = {custom_id: n for n, custom_id in enumerate(ids, start=1)}
+    for error in errors:
+        custom_id = error["custom_id"]
+        _, part, reason = bad[custom_id]
+        assert error["response"] is None and error["error"]["code"] == "invalid_request"
+        assert error["error"]["message"].startswith(f"line {number[custom_id]}: {part}: {reason}"), error["error"]
+
+    by_id = {o["custom_id"]: o["response"]["body"] for o in outputs}
+
+    def text(custom_id: str) -> str:
+        body = by_id[custom_id]
+        return body["choices"][0]["message"]["content"] if body["object"] == "chat.completion" else body["output"][0]["content"][0]["text"]
+
+    assert text("red") != text("blue")  # the image decides the greedy answer
+    assert text("red") == text("red-s3") == text("red-responses")  # wherever the same image comes from
+    # Usage counts the image's tokens in the prompt, as vLLM counts them.
+    from batch_pipeline_tests.tiny_vlm import IMAGE_SEQ_LEN
+
+    prompt = {i: (b.get("usage") or {}).get("prompt_tokens", (b.get("usage") or {}).get("input_tokens")) for i, b in by_id.items()}
+    assert prompt["red"] >= prompt["text"] + IMAGE_SEQ_LEN
+    assert prompt["two"] >= prompt["red"] + IMAGE_SEQ_LEN
+    assert prompt["red"] == prompt["red-s3"] == prompt["red-responses"]
+    assert batch_obj["usage"]["input_tokens"] == sum(prompt.values())
