@@ -14,9 +14,15 @@ with PIL here, never stored. Does not touch the Batch API or the sensor.
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import io
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -275,3 +281,140 @@ def test_images_reach_the_model_through_the_pipeline_and_bad_ones_fail_their_lin
     assert prompt["two"] >= prompt["red"] + IMAGE_SEQ_LEN
     assert prompt["red"] == prompt["red-s3"] == prompt["red-responses"]
     assert batch_obj["usage"]["input_tokens"] == sum(prompt.values())
+    # Progress and the record count the images answered (5 lines, 6 images; failed lines' images not).
+    inference = json.loads((out / "_work" / "inference.json").read_text())
+    assert inference["images"] == 6 and 0 <= inference["image_wait_share"] < 1
+    assert any("requests (100%), 6 images (" in m for m in messages), messages
+    assert any("6 images; the engine waited on image preparation" in m for m in messages), messages
+
+
+class _InterruptedAfter:
+    """The real engine, whose step() raises as a terminated Dagster step does after `steps` steps."""
+
+    def __init__(self, llm: Any, steps: int):
+        self._llm, self._left = llm, steps
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    @property
+    def llm_engine(self) -> Any:
+        outer = self
+
+        class _Engine:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(outer._llm.llm_engine, name)
+
+            def step(self) -> Any:
+                outer._left -= 1
+                if outer._left < 0:
+                    raise dg.DagsterExecutionInterruptedError("terminated from the UI")
+                return outer._llm.llm_engine.step()
+
+        return _Engine()
+
+
+class InterruptedVLM(SessionLLM):
+    def build_engine(self, kwargs: dict[str, Any]) -> Any:
+        return _InterruptedAfter(super().build_engine(kwargs), steps=15)
+
+
+def _counting_fetches(monkeypatch) -> list[str]:
+    fetched: list[str] = []
+    real = images.fetch_bytes
+
+    def fetch(ref: images.ImageRef, settings: images.ImageSettings) -> bytes:
+        fetched.append(ref.url)
+        return real(ref, settings)
+
+    monkeypatch.setattr(images, "fetch_bytes", fetch)
+    return fetched
+
+
+def test_a_resumed_run_fetches_only_the_images_of_lines_not_answered(vlm_llm, s3_bucket, tmp_path, monkeypatch):
+    ids = [f"img-{i:02d}" for i in range(16)]
+    urls = {}
+    for n, custom_id in enumerate(ids):
+        urls[custom_id] = f"s3://{s3_bucket}/{custom_id}.png"
+        storage.write_bytes(urls[custom_id], png((n * 15, 255 - n * 15, 90)))
+    # Short lines finish within the first steps, long ones are still running when the "terminate" comes.
+    lines = [line(i, chat_body(urls[i], max_tokens=2 if n % 2 else 60, ignore_eos=True)) for n, i in enumerate(ids)]
+    batch = tmp_path / "in" / "resume.jsonl"
+    batch.parent.mkdir()
+    batch.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    fetched = _counting_fetches(monkeypatch)
+
+    interrupted = vlm_llm.rebuilt(InterruptedVLM, checkpoint_answers=2, order="input")
+    first, _ = run(interrupted, batch, out)
+    assert not first.success
+    outputs, errors, batch_obj = read_results(out)
+    assert batch_obj["status"] == "cancelled"
+    answered = {o["custom_id"] for o in outputs}
+    assert answered and len(answered) < len(ids), answered
+    assert len(fetched) == len(set(fetched))  # each image fetched once in the run
+
+    fetched.clear()
+    second, messages = run(vlm_llm.rebuilt(order="input"), batch, out)
+    assert second.success
+    # Only the images of the lines left, each once: the answered lines' images are not fetched again.
+    assert sorted(fetched) == sorted(urls[i] for i in ids if i not in answered)
+    assert any(f"{len(answered)} of {len(ids)} requests already answered; resuming" in m for m in messages), messages
+    outputs2, errors2, batch2 = read_results(out)
+    answered_once(outputs2, errors2, ids)
+    assert errors2 == [] and batch2["status"] == "completed"
+    inference = json.loads((out / "_work" / "inference.json").read_text())
+    assert inference["images"] == len(ids) - len(answered)
+
+
+def part_files(out: Path) -> list[Path]:
+    return sorted((out / "_work" / "answers").glob("*/part-*.jsonl")) if (out / "_work" / "answers").exists() else []
+
+
+def test_an_image_heavy_batch_killed_with_sigkill_and_rerun_answers_every_line_once(vlm_dir, vlm_llm, s3_bucket,
+                                                                                    tmp_path):
+    # 160 lines of two images each, half on the S3 test server, half data URLs; output lengths
+    # differ, so ORDER=planned feeds them out of file order in both runs.
+    ids = [f"k-{i:03d}" for i in range(160)]
+    for n in range(16):
+        storage.write_bytes(f"s3://{s3_bucket}/p{n}.png", png((n * 16, 40, 255 - n * 16), (64 + n, 48)))
+    lines = [line(i, chat_body(f"s3://{s3_bucket}/p{n % 16}.png", data_url(png((200, n % 256, 0), (40, 40 + n % 7))),
+                               max_tokens=16 + (n * 7) % 33, ignore_eos=True))
+             for n, i in enumerate(ids)]
+    batch = tmp_path / "in" / "heavy.jsonl"
+    batch.parent.mkdir()
+    batch.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "MODEL_PATH": str(vlm_dir), "SERVED_MODEL_NAME": VLM, "MAX_MODEL_LEN": "512", "SEED": "0",
+           "CHECKPOINT_ANSWERS": "10", "BATCH_SIZE": "16", "ORDER": "planned"}
+    env.pop("DAGSTER_HOME", None)
+    command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
+
+    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len(part_files(out)) < 2 and victim.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert victim.poll() is None, "the run finished before it could be killed: make the workload bigger"
+        os.killpg(victim.pid, signal.SIGKILL)
+    finally:
+        victim.wait(timeout=60)
+    saved = sum(p.read_text().count("\n") for p in part_files(out))
+    assert 0 < saved < len(ids)
+    assert not (out / "batch.json").exists()
+
+    # The rerun: run_batch in this process on the session's engine (a second CLI process only adds
+    # a vLLM import and an engine build).
+    today = dt.datetime.now(dt.timezone.utc).date().isoformat()
+    storage_resource = StorageResource(input_path=str(batch.parent), output_path=str(out))
+    with dg.instance_for_test() as instance:
+        second = run_batch(str(batch), str(out), today, resources={"llm": vlm_llm, "storage": storage_resource},
+                           instance=instance)
+        assert second.success
+        messages = [str(r.user_message) for r in instance.all_logs(second.run_id)]
+    assert any(f"{saved} of {len(ids)} requests already answered; resuming" in m for m in messages), messages
+    outputs, errors, batch_obj = read_results(out)
+    answered_once(outputs, errors, ids)
+    assert errors == [] and batch_obj["status"] == "completed"
+    assert batch_obj["request_counts"] == {"total": len(ids), "completed": len(ids), "failed": 0}
+    assert all(o["response"]["body"]["usage"]["prompt_tokens"] > 8 for o in outputs)

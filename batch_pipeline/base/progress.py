@@ -28,12 +28,14 @@ class Progress:
         self.total, self.log, self.label, self.every = total, log, label, every
         self.resumed = self.done = done
         self.output_tokens = 0
+        self.images = 0  # images in the prompts of the requests done (vision-language lines)
         self.started = self._last = time.monotonic()
         self.excluded = 0.0  # model loading, kept out of the rate
 
-    def advance(self, completion_tokens: int) -> None:
+    def advance(self, completion_tokens: int, images: int = 0) -> None:
         self.done += 1
         self.output_tokens += completion_tokens
+        self.images += images
         if self.done == self.resumed + 1:
             self._last = time.monotonic()  # the cadence starts with the first answer, not the model load
         if time.monotonic() - self._last >= self.every or self.done == self.total:
@@ -46,8 +48,9 @@ class Progress:
         eta = f"{(self.total - self.done) / rate:.0f}s" if rate > 0 else "unknown"
         pct = 100.0 * self.done / self.total if self.total else 100.0
         resumed = f", {self.resumed} resumed from checkpoints" if self.resumed else ""
+        pictures = f", {self.images} images ({self.images / elapsed:.2f}/s)" if self.images else ""
         self.log(
-            f"{self.label}: {self.done}/{self.total} requests ({pct:.0f}%), {rate:.2f} req/s, "
+            f"{self.label}: {self.done}/{self.total} requests ({pct:.0f}%){pictures}, {rate:.2f} req/s, "
             f"{self.output_tokens / elapsed:.1f} output tok/s, ETA {eta}{resumed}"
         )
 

@@ -129,6 +129,14 @@ def has_images(url: str, body: Mapping[str, Any]) -> bool:
         return True
 
 
+def count_images(url: str, body: Mapping[str, Any]) -> int:
+    """How many image parts a line's body has (0 when one of them names no url: its line fails)."""
+    try:
+        return len(image_refs(url, body))
+    except ImageError:
+        return 0
+
+
 def _list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from batch_pipeline.contract import contract
-from batch_pipeline.io import storage
+from batch_pipeline.io import images, storage
 from batch_pipeline.io.checkpoints import Checkpoint, LineSet, answered_lines, answers_folder, checkpoint_key, record_line
 from batch_pipeline.engine.engines import Engines
 from batch_pipeline.engine.ranks import RankedEngines
@@ -90,6 +90,7 @@ class _Work:
     checkpoint: Checkpoint | None = None
     per_rank: list[int] = dataclasses.field(default_factory=list)
     tokens: int = 0  # prompt and output tokens computed in this attempt: its share of a joint answering
+    images: int = 0  # images in the prompts of the lines answered (not failed) in this attempt
 
     @property
     def left(self) -> int:
@@ -232,6 +233,8 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
         remaining: Iterator[Any] = plan.stream(lambda raw, part: request_from_record(json.loads(raw), works[part].batch_id))
     else:
         remaining = itertools.chain.from_iterable(w.requests() for w in works)
+    pictures: dict[tuple[str, int], int] = {}  # (batch, line) -> its images, until it is answered
+    remaining = _NotingImages(remaining, pictures)
     progress = Progress(total, answered, log, label)
     load_before = engines.load_seconds
     ranks = engines.data_parallel_size
@@ -260,7 +263,10 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
             w.answered += 1
             answered += 1
             progress.excluded = engines.load_seconds - load_before
-            progress.advance(answer.completion_tokens)
+            shown = pictures.pop((answer.batch_id or w.batch_id, answer.line), 0) if pictures else 0
+            shown = shown if answer.kind == "output" else 0  # a line whose image failed showed none
+            w.images += shown
+            progress.advance(answer.completion_tokens, shown)
             if w.answered == w.total and len(works) > 1:
                 # Its answers are all in: written and recorded now, so that an interrupt of the
                 # others does not cancel it. Its figures are final once the stream is done.
@@ -285,6 +291,10 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
     if idle is not None:
         log(f"{label}: the engine stepped {100 * (1 - idle):.1f}% of the answering time (idle {100 * idle:.1f}%: "
             "waiting on this process to prepare requests and take answers)")
+    image_wait = clock.image_wait_share(clock_before) if clock is not None and progress.images else None
+    if image_wait is not None:
+        log(f"{label}: {progress.images} images; the engine waited on image preparation {100 * image_wait:.1f}% of "
+            "the answering time")
     inference_seconds = max(time.monotonic() - started - load_seconds, 0.0)
     finished_at = time.time()
     weights = _shares([w.tokens for w in works])
@@ -300,9 +310,33 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
                     "inference_finished_at": round(finished_at, 3),
                     "planning_seconds": round(plan.seconds * share, 3) if plan is not None else 0.0,
                     **({"engine_idle_share": idle} if idle is not None else {}),
+                    **({"images": w.images} if w.images else {}),
+                    **({"image_wait_share": image_wait} if image_wait is not None else {}),
                     **({"answered_with": [o.loc.name for o in works if o is not w]} if len(works) > 1 else {}),
                 })
         _merge_shards(w.loc, w.key, shard, log)
+
+
+class _NotingImages:
+    """The requests, each one's image count noted in `pictures` (for progress and the record). Any
+    other attribute is the source's (a planned stream's `shared`, which the data-parallel feeder reads)."""
+
+    def __init__(self, source: Iterator[Any], pictures: dict[tuple[str, int], int]):
+        self._source, self._pictures = source, pictures
+
+    def __iter__(self) -> "_NotingImages":
+        return self
+
+    def __next__(self) -> Any:
+        req = next(self._source)
+        if req.url in (contract.CHAT_URL, contract.RESPONSES_URL):
+            count = images.count_images(req.url, req.body)
+            if count:
+                self._pictures[(req.batch_id, req.line)] = count
+        return req
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._source, name)
 
 
 def _shares(tokens: list[int]) -> list[float]:
