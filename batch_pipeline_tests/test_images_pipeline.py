@@ -418,3 +418,109 @@ def test_an_image_heavy_batch_killed_with_sigkill_and_rerun_answers_every_line_o
     assert errors == [] and batch_obj["status"] == "completed"
     assert batch_obj["request_counts"] == {"total": len(ids), "completed": len(ids), "failed": 0}
     assert all(o["response"]["body"]["usage"]["prompt_tokens"] > 8 for o in outputs)
+
+
+# ----------------------------------------------------------------------------- tables with an image column
+
+
+def _row_line(row: dict, base: str, number: int = 1) -> dict:
+    from batch_pipeline.io import table_inputs
+
+    return json.loads(table_inputs.request_line(row, number, VLM, table_inputs.ImageColumn("photo", base)))
+
+
+def test_an_image_column_puts_each_rows_images_in_its_user_message(tmp_path):
+    from batch_pipeline.io import table_inputs
+
+    red = png("red")
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "red.png").write_bytes(red)
+
+    def parts(row: dict, base: str = str(tmp_path)) -> list:
+        return _row_line(row, base)["body"]["messages"][-1]["content"]
+
+    assert parts({"prompt": "what", "photo": red}) == [
+        {"type": "text", "text": "what"}, {"type": "image_url", "image_url": {"url": data_url(red)}}]
+    assert parts({"prompt": "what", "photo": "imgs/red.png"})[1]["image_url"]["url"] == data_url(red)
+    assert parts({"prompt": "what", "photo": "s3://b/k.png"})[1]["image_url"]["url"] == "s3://b/k.png"
+    assert parts({"prompt": "what", "photo": "https://img.example.com/a.png"})[1]["image_url"]["url"] == (
+        "https://img.example.com/a.png")
+    # A path next to a table on S3 is the object beside it.
+    assert parts({"prompt": "what", "photo": "imgs/red.png"}, "s3://b/tables")[1]["image_url"]["url"] == (
+        "s3://b/tables/imgs/red.png")
+    assert [p["type"] for p in parts({"prompt": "what", "photo": [red, "s3://b/k.png"]})] == ["text", "image_url", "image_url"]
+    assert parts({"prompt": "what", "photo": None}) == "what"  # no image: the text row it always was
+    # With a messages column: into the last user message.
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first"},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "this one"}]
+    body = _row_line({"messages": messages, "photo": red}, str(tmp_path))["body"]
+    assert body["messages"][1]["content"] == "first"
+    assert body["messages"][3]["content"][1]["type"] == "image_url"
+
+
+@pytest.mark.parametrize("value, reason", [
+    ("/etc/passwd", "'/etc/passwd' is not a path inside the table's folder"),
+    ("../outside.png", "'../outside.png' is not a path inside the table's folder"),
+    ("file:///etc/passwd", "is not a path inside the table's folder"),
+    ("imgs/missing.png", "cannot read 'imgs/missing.png' next to the table"),
+    (42, "must hold image bytes, a URI or a path, got int"),
+])
+def test_an_image_cell_that_cannot_be_used_is_the_rows_error(tmp_path, value, reason):
+    from batch_pipeline.io import table_inputs
+
+    with pytest.raises(table_inputs.RowError) as err:
+        _row_line({"prompt": "what", "photo": value}, str(tmp_path), number=7)
+    assert str(err.value).startswith("row 7: column `photo`") and reason in str(err.value), str(err.value)
+
+
+def test_a_table_without_the_named_image_column_fails_the_batch(tmp_path, vision_folder, monkeypatch):
+    import dataclasses
+
+    import pandas as pd
+
+    from batch_pipeline.steps.ingest import validate_table
+
+    monkeypatch.delenv("MODELS_FILE", raising=False)
+    table = tmp_path / "t.parquet"
+    pd.DataFrame({"prompt": ["a"]}).to_parquet(table)
+    settings = dataclasses.replace(LLMResource(model_path=str(vision_folder), served_model_name=VLM).validation_settings(),
+                                   image_column="photo")
+    summary = validate_table(str(table), settings, lambda _v: None, lambda _i: None)
+    error = summary.file_error()
+    assert error.code == "unreadable_file"
+    assert error.message == "t.parquet: the image column `photo` (batch.image_column) is not a column of this table"
+
+
+def test_parquet_with_an_image_column_runs_on_the_vision_model(vlm_llm, s3_bucket, tmp_path):
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batch_pipeline_tests.asset_runs import DATE, materialize
+
+    red, blue = png("red"), png("blue")
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    (inbox / DATE / "imgs").mkdir(parents=True)
+    (inbox / DATE / "imgs" / "red.png").write_bytes(red)
+    storage.write_bytes(f"s3://{s3_bucket}/red.png", red)
+    # One table of image bytes, one of paths and URIs: a column holds one type.
+    greedy = {"max_tokens": [8] * 4, "temperature": [0.0] * 4}
+    pq.write_table(pa.table({"prompt": ["describe"] * 3, "photo": pa.array([red, blue, None], pa.binary()),
+                             "sku": [1, 2, 3], **{k: v[:3] for k, v in greedy.items()}}), inbox / DATE / "by_bytes.parquet")
+    pq.write_table(pa.table({"prompt": ["describe"] * 4, "photo": ["imgs/red.png", f"s3://{s3_bucket}/red.png",
+                                                                    "imgs/none.png", data_url(blue)],
+                             "sku": [4, 5, 6, 7], **greedy}), inbox / DATE / "by_uri.parquet")
+    config = {"resources": {"batch": {"config": {"image_column": "photo"}}}}
+    result = materialize(vlm_llm, str(inbox), str(out), run_config=config)
+    assert result.success
+
+    by_bytes = pd.read_parquet(out / DATE / "by_bytes" / "results.parquet")
+    by_uri = pd.read_parquet(out / DATE / "by_uri" / "results.parquet")
+    assert "photo" not in by_bytes.columns and list(by_bytes["sku"]) == [1, 2, 3]  # images are not carried through
+    assert list(by_bytes["status"]) == ["completed"] * 3 and list(by_uri["status"]) == ["completed", "completed", "failed", "completed"]
+    red_answer, blue_answer, text_answer = by_bytes["content"]
+    assert red_answer != blue_answer
+    assert list(by_uri["content"][[0, 1, 3]]) == [red_answer, red_answer, blue_answer]
+    assert by_bytes["prompt_tokens"][0] > by_bytes["prompt_tokens"][2]  # the image's tokens
+    assert by_uri["error_code"][2] == "invalid_request"
+    assert by_uri["error_message"][2].startswith("row 3: column `photo`: cannot read 'imgs/none.png' next to the table")

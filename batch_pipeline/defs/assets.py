@@ -156,7 +156,7 @@ def validated_requests(
     taken = take_batches(context, batch, storage, llm)
     output_root = storage.settings().output_path
     file_status.plan(context, taken, output_root)  # each file shows in progress in batch_files
-    rows = validate_batches(context, taken, llm, _shard(batch), _endpoint(batch))
+    rows = validate_batches(context, taken, llm, _shard(batch), _endpoint(batch), batch.image_column)
     if not taken:  # nothing to do: no figures, so the plots keep the date's real ones (no zeros)
         return dg.MaterializeResult(metadata={"batches": 0})
     if _in_date_layout(taken, output_root):
@@ -172,10 +172,11 @@ def validated_requests(
 
 
 def validate_batches(context: dg.AssetExecutionContext, taken: list[BatchLocation], llm: LLMResource,
-                     shard: Shard, endpoint: str | None = None) -> list[dict[str, Any]]:
+                     shard: Shard, endpoint: str | None = None, image_column: str = "") -> list[dict[str, Any]]:
     """Validate each batch (a shard reuses another shard's validation of the same file version);
-    with `endpoint`, lines of another url are url_mismatch errors."""
-    settings = dataclasses.replace(llm.validation_settings(), endpoint=endpoint)
+    with `endpoint`, lines of another url are url_mismatch errors; with `image_column`, a table's
+    images are taken from that column."""
+    settings = dataclasses.replace(llm.validation_settings(), endpoint=endpoint, image_column=image_column)
     rows = []
     for loc in taken:
         info = None if shard.whole else reusable_validation(loc)

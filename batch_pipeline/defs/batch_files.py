@@ -69,7 +69,7 @@ def batch_files(
                          "(set the batch resource's skip_completed to false to answer it again)")
         return dg.MaterializeResult(metadata=file_status.file_metadata(loc, read_json(loc.out("batch.json"))))
     whole = Shard.parse("")
-    validate_batches(context, [loc], llm, whole)
+    validate_batches(context, [loc], llm, whole, image_column=batch.image_column)
     figures = answer_batches(context, [loc], llm, whole)
     [row] = write_batches(context, [loc], whole, s.output_path, report_files=False)
     refresh_date(context, s.output_path, date, name)

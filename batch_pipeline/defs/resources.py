@@ -257,6 +257,14 @@ class BatchSelection(dg.ConfigurableResource):
             "url is a url_mismatch error line. Blank = every supported url"
         ),
     )
+    image_column: str = Field(
+        default="",
+        description=(
+            "Parquet/CSV inputs: the column holding each row's image (bytes, an s3:// or https:// URI, a data: URL, "
+            "or a path relative to the table's folder; or a list of them), put in the row's user message for a "
+            "vision-language model. Blank = none"
+        ),
+    )
     expires_at: int = Field(
         default=0,
         description=(

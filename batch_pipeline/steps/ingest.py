@@ -83,13 +83,16 @@ def validate_table(uri: str, settings: ValidationSettings, on_valid: Callable[[V
         try:
             passthrough = None
             if passthrough_uri:
-                schema = table_inputs.passthrough_schema(table_inputs.file_schema(path))
+                schema = table_inputs.passthrough_schema(table_inputs.file_schema(path), settings.image_column)
                 passthrough = stack.enter_context(pq.ParquetWriter(
                     stack.enter_context(storage.open_write(passthrough_uri)), schema, compression="zstd"))
-            rows = _until_unreadable(table_inputs.table_rows(path, settings.served_model_name, passthrough), broken)
+            image = table_inputs.ImageColumn.of(settings.image_column, uri)
+            rows = _until_unreadable(table_inputs.table_rows(path, settings.served_model_name, passthrough, image), broken)
             summary = validate_rows(rows, settings, on_valid, on_invalid)  # the rows read before a corrupt part count
             if broken:
                 raise broken[0]
+        except table_inputs.TableError as e:  # e.g. no such image column
+            summary.unreadable = f"{storage.basename(uri)}: {e}"
         except _UNREADABLE as e:  # not Parquet/CSV, or corrupt
             kind = "Parquet" if path.suffix.lower() == ".parquet" else "CSV"
             summary.unreadable = f"{storage.basename(uri)} cannot be read as {kind}: {str(e)[:300]}"
@@ -109,7 +112,7 @@ def _until_unreadable(rows: Iterator[tuple[int, bytes | table_inputs.RowError]],
             number, row = next(rows)
         except StopIteration:
             return
-        except _UNREADABLE as e:
+        except (*_UNREADABLE, table_inputs.TableError) as e:
             broken.append(e)
             return
         yield number, row if isinstance(row, bytes) else InvalidLine(

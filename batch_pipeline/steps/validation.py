@@ -47,6 +47,8 @@ class ValidationSettings:
     # Served generation models that take images (models.takes_images, LLMResource.validation_settings):
     # a line with an image part for any other model is refused naming the part and the model.
     image_models: tuple[str, ...] = ()
+    # A table input's column of images (the run config's batch.image_column); blank: none.
+    image_column: str = ""
 
     def models_for(self, url: str) -> tuple[str, ...]:
         if url == contract.EMBEDDINGS_URL:
