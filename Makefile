@@ -53,6 +53,8 @@ demo: install model $(DAGSTER_HOME)/dagster.yaml $(DAGSTER_HOME)/.nux/nux.yaml
 test: install
 	# Debian's chromium and Python playwright for the UI test (never a downloaded browser).
 	bash scripts/install_browser.sh $(VENV)
+	# Debian's promtool for the alert rules' own checks (test_alerts.py).
+	bash scripts/install_promtool.sh
 	# Two workers, a test file each at a time (module fixtures such as a dagster dev are started
 	# once): the suite waits on servers and subprocesses more than it computes (one worker kept
 	# 0.86 of the 2 cores busy; two kept them 90% busy: 12:55 here, three 96%: 14:07, slower; one
