@@ -3,7 +3,8 @@
 `Serve` runs one `batch-pipeline serve` on a free port (stdout and stderr to one log, or stdout to a
 file of its own: the audit log's stdout form), `service_stack` starts a `dagster dev` on an
 instance's settings (the repo's dagster.yaml unless given) and the service over it, and the rest
-drives and reads them: the openai SDK on a key, a request line, the Dagster runs of a batch.
+drives and reads them: the openai SDK on a key, a request line, the Dagster runs of a batch, and
+`lower_priority` for a run that only holds a run slot.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,3 +129,30 @@ def wait_run_status(server: DagsterDev, batch_id: str, statuses: tuple[str, ...]
     return wait_for(f"batch {batch_id}'s run {' or '.join(statuses)}",
                     lambda: (s := run_status(server, batch_id)) in statuses and s, timeout, interval=0.5,
                     on_timeout=server.log_tail)
+
+
+def run_worker_pid(server: DagsterDev, run_id: str) -> int | None:
+    """The pid of the run's worker process, from the engine event its worker reports when it starts."""
+    import dagster as dg
+
+    for entry in server.instance().all_logs(run_id, of_type=dg.DagsterEventType.ENGINE_EVENT):
+        found = re.match(r"Started process for run \(pid: (\d+)\)", entry.message or "")
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def lower_priority(server: DagsterDev, batch_id: str) -> None:
+    """Nice 19 for the batch's started run: every thread of its worker process and of its children
+    (threads and processes started later inherit it). For a long run that only holds a run slot, so
+    the runs a test watches get the 2 cores; the run itself is unchanged, only scheduled after them."""
+    import psutil
+
+    run_id = batch_runs(server, batch_id)[0]["runId"]
+    pid = wait_for(f"the worker pid of run {run_id}", lambda: run_worker_pid(server, run_id), 60, interval=0.5,
+                   on_timeout=server.log_tail)
+    worker = psutil.Process(pid)
+    for process in [worker, *worker.children(recursive=True)]:
+        for thread in process.threads():
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, thread.id, 19)

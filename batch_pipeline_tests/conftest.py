@@ -136,6 +136,9 @@ def smollm2_llm(bundled_model_dir, monkeypatch) -> SessionLLM:
 # other worker has nothing left. (xdist's default order, most tests first, put the files with few
 # long tests last.) The other files follow in their usual order.
 SLOW_FILES = (
+    # Alone, on a machine at load 15-20 (2026-12-03): 456-535 s, most of it four runs that must each
+    # come up and answer in turn (the queue's order is the point); the longest file of the suite.
+    "test_service_priority.py",
     "test_data_parallel.py",  # 389 s
     "test_batch_api.py",  # 195 s, with the production instance's killed-run retry since then
     "test_ui_walkthrough.py",  # 174 s

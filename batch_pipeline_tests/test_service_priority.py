@@ -14,8 +14,12 @@ naming the variable.
 The instance is the repo's dagster.yaml with its limits made small enough to fill with a few runs:
 `max_concurrent_runs: 2` and one run in progress per tenant (the repo has 4 and 2), and the `gpu` pool
 as the Helm values have it, `granularity: run` with room for both (2): a run waits in the queue, not
-in a started run blocked on the pool (where a cancel is not seen until the pool frees). Runs that would
-take long are cancelled once they have shown what they show; none is answered to the end here.
+in a started run blocked on the pool (where a cancel is not seen until the pool frees). The daemon
+looks at its queue every second (`dequeue_interval_seconds: 1`, Dagster's default is 5), so a wait for
+what it has not started is 3 s, not 7. Runs that would take long are cancelled once they have shown
+what they show; none is answered to the end here. Those that only hold a run slot run at nice 19
+(`lower_priority`), so the runs a test watches get the CPU; cancels go to the queued runs first, so a
+slot freed by a cancel starts none of them.
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ import openai
 import pytest
 import yaml
 
-from batch_pipeline_tests.api_service import (RUN_TIMEOUT, batch_runs, client, request_line, run_status, serve_env,
-                                              service_stack, upload, wait_run_status)
+from batch_pipeline_tests.api_service import (RUN_TIMEOUT, batch_runs, client, lower_priority, request_line, run_status,
+                                              serve_env, service_stack, upload, wait_run_status)
 from batch_pipeline_tests.dagster_server import REPO, wait_for
 
 KEY_A, KEY_B, KEY_C = "key-prio-a-0123456789", "key-prio-b-0123456789", "key-prio-c-0123456789"
 TENANT_TAG = "batch_pipeline/tenant"
 IN_PROGRESS = ("STARTING", "STARTED")
 ENDED = ("CANCELED", "FAILURE", "SUCCESS")
-DEQUEUE_WAIT = 7.0  # more than the daemon's dequeue interval (5 s): a run it could start, it has started
+DEQUEUE_INTERVAL = 1  # seconds between the daemon's looks at its queue (the instance's; Dagster's default 5)
+DEQUEUE_WAIT = 3.0  # three of its looks: a run it could start, it has started
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +57,8 @@ def queue(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any
     assert per_tenant["value"] == {"applyLimitPerUniqueValue": True}  # one limit for each tenant, not for all
     runs["max_concurrent_runs"], per_tenant["limit"] = 2, 1
     settings["concurrency"]["pools"] = {"default_limit": 2, "granularity": "run"}
+    settings["run_coordinator"] = {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator",
+                                   "config": {"dequeue_interval_seconds": DEQUEUE_INTERVAL}}
     instance_yaml = root / "dagster.yaml"
     instance_yaml.write_text(yaml.safe_dump(settings))
     extra = {"BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B},team-c:{KEY_C}",
@@ -71,28 +78,32 @@ def create(sdk: openai.OpenAI, file_id: str, **metadata: Any) -> Any:
                               metadata=metadata or None)
 
 
-def cancel_all(queue: dict[str, Any], sdk: openai.OpenAI, batch_ids: list[str]) -> None:
-    """Cancel the batches and wait until none of their runs is left in the queue or in progress.
-    Dagster refuses to terminate a run while it is STARTING (the service answers 500 then): that one
-    is cancelled once it has started."""
+def cancel_all(queue: dict[str, Any], batches: list[tuple[openai.OpenAI, str]]) -> None:
+    """Cancel the batches (each with its tenant's client) and wait until none of their runs is left in
+    the queue or in progress. Every poll asks for the queued ones first: a cancelled run frees a slot,
+    which the daemon would otherwise give to one of them, and that run would have to come up before it
+    could be cancelled. Dagster refuses to terminate a run while it is STARTING (the service then waits,
+    and terminates it on the batch's next read): that one is asked again once it has started."""
     server = queue["server"]
-    for batch_id in batch_ids:
-        asked = False
+    asked: set[str] = set()
 
-        def ended() -> bool:
-            nonlocal asked
-            status = run_status(server, batch_id)
-            if status in ENDED:
-                return True
-            if not asked and status in ("QUEUED", "STARTED"):
-                try:
-                    sdk.batches.cancel(batch_id)
-                    asked = True
-                except openai.InternalServerError:  # STARTING by now: again once started
-                    pass
-            return False
+    def ended() -> bool:
+        statuses = {batch_id: run_status(server, batch_id) for _, batch_id in batches}
+        for wanted in ("QUEUED", "STARTED"):
+            for sdk, batch_id in batches:
+                if batch_id not in asked and statuses[batch_id] == wanted:
+                    try:
+                        sdk.batches.cancel(batch_id)
+                        asked.add(batch_id)
+                    except (openai.InternalServerError, openai.BadRequestError):  # STARTING, or just ended
+                        pass
+        for sdk, batch_id in batches:
+            if batch_id in asked and statuses[batch_id] not in ENDED:
+                sdk.batches.retrieve(batch_id)  # a cancel that came while the run was starting: it terminates it
+        return all(status in ENDED for status in statuses.values())
 
-        wait_for(f"batch {batch_id}'s run ended", ended, RUN_TIMEOUT, interval=0.5, on_timeout=server.log_tail)
+    wait_for(f"the runs of batches {[batch_id for _, batch_id in batches]} ended", ended, RUN_TIMEOUT, interval=0.5,
+             on_timeout=server.log_tail)
 
 
 def test_priority_is_checked_capped_and_given_to_the_run(queue):
@@ -127,8 +138,7 @@ def test_priority_is_checked_capped_and_given_to_the_run(queue):
     # No priority: 0, and the metadata stays as given.
     plain = create(c, upload(c, [request_line("p-4")]).id, job="x")
     assert plain.metadata == {"job": "x"} and batch_runs(queue["server"], plain.id)[0]["tags"]["dagster/priority"] == "0"
-    cancel_all(queue, a, [batch.id])
-    cancel_all(queue, c, [low.id, plain.id])
+    cancel_all(queue, [(c, plain.id), (c, low.id), (a, batch.id)])
 
 
 def start_times(server: Any, batch_ids: list[str]) -> dict[str, float]:
@@ -153,13 +163,14 @@ def test_two_tenants_backlogs_start_in_turn(queue):
     try:
         for batch in (c_busy, a_busy):
             wait_run_status(server, batch.id, ("STARTED",))
+            lower_priority(server, batch.id)  # they hold the two slots; the queued runs get the CPU
         a_file, b_file = upload(a, [request_line("turn-a")]).id, upload(b, [request_line("turn-b")]).id
         a_queued = [create(a, a_file) for _ in range(2)]
         b_queued = [create(b, b_file) for _ in range(2)]
         turns = {batch.id: batch_runs(server, batch.id)[0]["tags"]["batch_pipeline/turn"] for batch in a_queued + b_queued}
         assert list(turns.values()) == ["1", "2", "0", "1"], turns
         assert [run_status(server, batch.id) for batch in a_queued + b_queued] == ["QUEUED"] * 4
-        cancel_all(queue, a, [a_busy.id])
+        cancel_all(queue, [(a, a_busy.id)])
         for batch in a_queued + b_queued:
             wait_run_status(server, batch.id, ("SUCCESS",))
         # Else two slots were free at the end and the per-tenant cap alone could have alternated them.
@@ -171,24 +182,36 @@ def test_two_tenants_backlogs_start_in_turn(queue):
         # Within a tenant, first come first served.
         assert [batch_id for batch_id in order if owner[batch_id] == "a"] == [batch.id for batch in a_queued]
     finally:
-        cancel_all(queue, a, [batch.id for batch in a_queued] + [a_busy.id])
-        cancel_all(queue, b, [batch.id for batch in b_queued])
-        cancel_all(queue, c, [c_busy.id])
+        cancel_all(queue, [(a, batch.id) for batch in a_queued] + [(b, batch.id) for batch in b_queued]
+                   + [(a, a_busy.id), (c, c_busy.id)])
 
 
-def test_a_high_priority_batch_queued_behind_low_priority_ones_starts_first(queue):
+def test_a_tenants_backlog_waits_for_its_one_run_holds_no_other_tenant_back_and_starts_high_priority_first(queue):
     """team-a's runs go one at a time (one run per tenant here): while its first batch runs, two
-    batches without priority and then one of priority 5 wait; when the first ends, the queue starts the
-    priority-5 batch, not the oldest."""
-    sdk, server = client(queue["url"], KEY_A), queue["server"]
+    batches without priority and then one of priority 5 wait, although a run slot is free; team-b's
+    batch, submitted after them, starts at once (one tenant's queued backlog does not hold another
+    tenant's batch back); when team-a's first batch ends, the queue starts the priority-5 batch, not the
+    oldest. (One test: both halves need team-a's long batch in progress, and it takes a run worker and
+    an engine to get there.)"""
+    sdk, sdk_b, server = client(queue["url"], KEY_A), client(queue["url"], KEY_B), queue["server"]
     busy = create(sdk, upload(sdk, long_lines("busy")).id)
     wait_run_status(server, busy.id, ("STARTED",))
+    lower_priority(server, busy.id)
     small = upload(sdk, [request_line("q-1")]).id
     low_1, low_2 = create(sdk, small), create(sdk, small)
     high = create(sdk, small, priority="5")
+    b_first = None
     try:
         time.sleep(DEQUEUE_WAIT)  # a run slot is free (2), but team-a has its one run in progress
         assert [run_status(server, b.id) for b in (busy, low_1, low_2, high)] == ["STARTED", "QUEUED", "QUEUED", "QUEUED"]
+        # team-b's batch, submitted after team-a's backlog, starts at once; team-a's still wait.
+        b_first = create(sdk_b, upload(sdk_b, [request_line("b1")]).id)
+        wait_run_status(server, b_first.id, (*IN_PROGRESS, *ENDED))
+        assert run_status(server, busy.id) in IN_PROGRESS
+        assert [run_status(server, batch.id) for batch in (low_1, low_2, high)] == ["QUEUED"] * 3
+        time.sleep(DEQUEUE_WAIT)
+        # still: the limit, not the daemon's pace
+        assert [run_status(server, batch.id) for batch in (low_1, low_2, high)] == ["QUEUED"] * 3
         sdk.batches.cancel(busy.id)  # STARTED: Dagster terminates it
         first = wait_for("a queued batch started", lambda: [b.id for b in (low_1, low_2, high)
                                                             if run_status(server, b.id) != "QUEUED"],
@@ -198,25 +221,7 @@ def test_a_high_priority_batch_queued_behind_low_priority_ones_starts_first(queu
         time.sleep(DEQUEUE_WAIT)  # and the low ones still wait behind it (team-a's one run)
         assert [run_status(server, b.id) for b in (low_1, low_2)] == ["QUEUED", "QUEUED"]
     finally:
-        cancel_all(queue, sdk, [high.id, low_1.id, low_2.id, busy.id])
-
-
-def test_one_tenants_backlog_does_not_hold_another_tenant_back(queue):
-    """team-a's first batch runs and its second waits (team-a's run limit), although a run slot is
-    free; team-b's batch, submitted after it, starts at once."""
-    a, b, server = client(queue["url"], KEY_A), client(queue["url"], KEY_B), queue["server"]
-    a_first = create(a, upload(a, long_lines("a1")).id)
-    wait_run_status(server, a_first.id, IN_PROGRESS)
-    a_second = create(a, upload(a, [request_line("a2")]).id)
-    b_first = create(b, upload(b, [request_line("b1")]).id)
-    try:
-        wait_run_status(server, b_first.id, (*IN_PROGRESS, *ENDED))
-        assert run_status(server, a_first.id) in IN_PROGRESS and run_status(server, a_second.id) == "QUEUED"
-        time.sleep(DEQUEUE_WAIT)
-        assert run_status(server, a_second.id) == "QUEUED"  # still: the limit, not the daemon's pace
-    finally:
-        cancel_all(queue, a, [a_second.id, a_first.id])
-        cancel_all(queue, b, [b_first.id])
+        cancel_all(queue, [(sdk, batch.id) for batch in (low_1, low_2, high, busy)] + ([(sdk_b, b_first.id)] if b_first else []))
 
 
 @pytest.mark.server  # `batch-pipeline serve` in its own process (no fixture says so)
