@@ -174,10 +174,7 @@ def test_nightly_cron_is_configurable_when_definitions_load(monkeypatch):
 
 
 def test_nightly_runs_take_a_configurable_priority_on_the_batch_apis_scale(monkeypatch) -> None:
-    from batch_pipeline.config.settings import RUN_PRIORITY_BOUND
-    from batch_pipeline.defs.jobs import PRIORITY_BOUND, PRIORITY_TAG, TURN_SPAN
-
-    assert RUN_PRIORITY_BOUND == PRIORITY_BOUND  # the settings' bound is the queue's
+    from batch_pipeline.config.priority import PRIORITY_TAG, TURN_SPAN
     when = dt.datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
     default = tick(when)
     assert PRIORITY_TAG not in default.tags  # Dagster's queue reads no tag as priority 0

@@ -323,7 +323,7 @@ def test_new_files_of_one_date_in_one_tick_share_one_run(tmp_path: Path, whole_h
 
 
 def test_sensor_runs_take_a_configurable_priority(tmp_path: Path, whole_history, monkeypatch) -> None:
-    from batch_pipeline.defs.jobs import PRIORITY_TAG, TURN_SPAN
+    from batch_pipeline.config.priority import PRIORITY_TAG, TURN_SPAN
 
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
     on = turned_on(storage)

@@ -14,6 +14,7 @@ from typing import Any
 from batch_pipeline.base.env import coerce, int_in_range, number_in_range
 from batch_pipeline.base.errors import ConfigError
 from batch_pipeline.config.presets import preset
+from batch_pipeline.config.priority import PRIORITY_BOUND
 
 # Environment variable -> EngineSettings field.
 ENGINE_ENV = {
@@ -338,11 +339,6 @@ def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSetting
     return SensorSettings(**values)
 
 
-# The same bound as the Batch API's metadata.priority (defs/jobs.py's PRIORITY_BOUND, which imports
-# no settings: kept equal by test_schedules.py).
-RUN_PRIORITY_BOUND = 1000
-
-
 def schedule_run_priority_from_env(env: dict[str, str] | None = None) -> int:
     """SCHEDULE_RUN_PRIORITY: the priority of the nightly schedule's runs (see `_run_priority`)."""
     return _run_priority("SCHEDULE_RUN_PRIORITY", env)
@@ -357,7 +353,7 @@ def _run_priority(name: str, env: dict[str, str] | None) -> int:
     """A run priority on the Batch API's scale (a whole number, -1000 to 1000, default 0; higher
     starts first); ConfigError naming the variable when it is not one."""
     env = os.environ if env is None else env
-    value = int_in_range(env, name, -RUN_PRIORITY_BOUND, RUN_PRIORITY_BOUND, ", higher starts first")
+    value = int_in_range(env, name, -PRIORITY_BOUND, PRIORITY_BOUND, ", higher starts first")
     return 0 if value is None else value
 
 

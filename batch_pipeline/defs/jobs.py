@@ -20,29 +20,6 @@ batch_file_job = dg.define_asset_job(
 )
 
 
-# Run priority, one scale for every way a run starts (the Batch API's metadata.priority, the nightly
-# schedule's SCHEDULE_RUN_PRIORITY, the upload sensor's SENSOR_RUN_PRIORITY): a whole number within
-# +-PRIORITY_BOUND, higher starts first. Dagster's run queue (QueuedRunCoordinator) dequeues higher
-# `dagster/priority` values first, and concurrency pools hand a free slot to the waiting step of the
-# highest-priority run. The tag is priority x TURN_SPAN - turn: the Batch API gives each tenant's
-# batch a turn among the batches of its priority, so tenants take turns; a triggered run has turn 0,
-# ahead of every API batch of its priority still waiting its turn, behind any of a higher priority.
-# Turns take TURN_SPAN values under one priority, so the tag stays within +-1e9: Dagster stores it in
-# a 32-bit integer column (the pools' pending steps).
-PRIORITY_TAG = "dagster/priority"
-# The run's own priority and its turn, beside the composite dagster/priority, for people (and the API's turns).
-BATCH_PRIORITY_TAG, TURN_TAG = "batch_pipeline/priority", "batch_pipeline/turn"
-PRIORITY_BOUND = 1000
-TURN_SPAN = 1_000_000
-
-
-def priority_tags(priority: int, turn: int = 0) -> dict[str, str]:
-    """The tags that place a run in Dagster's queue at `priority` (and `turn` among its equals)."""
-    if not -PRIORITY_BOUND <= priority <= PRIORITY_BOUND or not 0 <= turn < TURN_SPAN:
-        raise ValueError(f"priority {priority} (within +-{PRIORITY_BOUND}) and turn {turn} (0 to {TURN_SPAN - 1})")
-    return {PRIORITY_TAG: str(priority * TURN_SPAN - turn), BATCH_PRIORITY_TAG: str(priority), TURN_TAG: str(turn)}
-
-
 def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "", skip_completed: bool = True,
                      input_uris: list[str] | None = None, endpoint: str = "", expires_at: int = 0) -> dict[str, Any]:
     """Run config of one run's batch selection (the `batch` resource every step reads): one input

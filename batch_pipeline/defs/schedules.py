@@ -14,7 +14,8 @@ import os
 import dagster as dg
 
 from batch_pipeline.config.settings import ConfigError, schedule_run_priority_from_env
-from batch_pipeline.defs.jobs import batch_job, priority_tags
+from batch_pipeline.config.priority import priority_tags
+from batch_pipeline.defs.jobs import batch_job
 from batch_pipeline.defs.partitions import daily_partitions
 
 # 02:00 UTC leaves two hours for late uploads of the day before. NIGHTLY_CRON overrides it; it is

@@ -30,7 +30,8 @@ from batch_pipeline.config.settings import (
     sensor_settings_from_env,
     shards_from_env,
 )
-from batch_pipeline.defs.jobs import batch_job, batch_run_config, priority_tags
+from batch_pipeline.config.priority import priority_tags
+from batch_pipeline.defs.jobs import batch_job, batch_run_config
 from batch_pipeline.defs.partitions import (
     batch_file_partitions,
     daily_partitions,

@@ -16,6 +16,8 @@ import urllib.request
 from typing import Any
 from urllib.parse import urlparse
 
+from batch_pipeline.config.priority import BATCH_PRIORITY_TAG, TURN_SPAN, TURN_TAG, priority_tags
+
 log = logging.getLogger("batch_pipeline.service")
 
 LOCATION, REPOSITORY, JOB = "batch_pipeline", "__repository__", "batch_job"
@@ -24,16 +26,7 @@ BATCH_ID_TAG = "batch_pipeline/api_batch_id"
 TENANT_TAG = "batch_pipeline/tenant"
 # Dagster tags a failed run it is going to retry (run_retries) with this, "true".
 WILL_RETRY_TAG = "dagster/will_retry"
-# Dagster's run priority: its run queue (QueuedRunCoordinator) dequeues higher values first (first come
-# first served among equals), and concurrency pools hand a free slot to the waiting step of the
-# highest-priority run. Set to priority x TURN_SPAN - turn (see `turn`).
-PRIORITY_TAG = "dagster/priority"
-# The batch's own priority and its turn, beside the composite dagster/priority, for people and `turn`.
-BATCH_PRIORITY_TAG, TURN_TAG = "batch_pipeline/priority", "batch_pipeline/turn"
 TRIGGER_TAG, TRIGGER = "batch_pipeline/trigger", "batch api"
-# Turns take TURN_SPAN values under one priority, so the composite stays within +-1e9 (priorities are
-# within +-1000): Dagster stores it in a 32-bit integer column (the pools' pending steps).
-TURN_SPAN = 1_000_000
 
 
 class DagsterClient:
@@ -76,8 +69,7 @@ class DagsterClient:
                 TENANT_TAG: record["tenant"], TRIGGER_TAG: TRIGGER, "batch_pipeline/batch_name": record["id"]}
         priority = record.get("priority", 0)
         record["turn"] = self.turn(record["tenant"], priority)
-        tags.update({PRIORITY_TAG: str(priority * TURN_SPAN - record["turn"]), BATCH_PRIORITY_TAG: str(priority),
-                     TURN_TAG: str(record["turn"])})
+        tags.update(priority_tags(priority, record["turn"]))  # the one scale of every run (defs/jobs.py)
         return self._graphql_client().submit_job_execution(JOB, repository_location_name=LOCATION,
                                                            repository_name=REPOSITORY, run_config=config, tags=tags)
 

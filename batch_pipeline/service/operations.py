@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batch_pipeline.contract import contract
+from batch_pipeline.config.priority import PRIORITY_BOUND
 from batch_pipeline.io import storage
 from batch_pipeline.service import status
 from batch_pipeline.service.audit import AuditLog
@@ -20,7 +21,7 @@ from batch_pipeline.service.dagster_client import DagsterClient
 from batch_pipeline.service.errors import ApiError
 from batch_pipeline.service.settings import (COMPLETION_WINDOWS, MAX_EXPIRY_SECONDS, MAX_FILE_BYTES, MAX_FILE_REQUESTS,
                                              MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE,
-                                             MIN_EXPIRY_SECONDS, PRIORITY_BOUND, PRIORITY_KEY)
+                                             MIN_EXPIRY_SECONDS, PRIORITY_KEY)
 from batch_pipeline.service.status import TERMINAL_STATUSES
 from batch_pipeline.service.store import Store, new_id
 

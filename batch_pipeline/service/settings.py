@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from batch_pipeline.config.priority import PRIORITY_BOUND
 from batch_pipeline.config.settings import ConfigError
 
 V = TypeVar("V")
@@ -19,7 +20,6 @@ V = TypeVar("V")
 # A priority is a whole number within +-PRIORITY_BOUND; each tenant's highest is capped by the operator
 # (BATCH_API_MAX_PRIORITY, default 0).
 PRIORITY_KEY = "priority"
-PRIORITY_BOUND = 1000
 # OpenAI's only completion window; an operator may allow others (BATCH_API_COMPLETION_WINDOWS).
 COMPLETION_WINDOWS = {"24h": 24 * 3600}
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
