@@ -524,3 +524,35 @@ def test_parquet_with_an_image_column_runs_on_the_vision_model(vlm_llm, s3_bucke
     assert by_bytes["prompt_tokens"][0] > by_bytes["prompt_tokens"][2]  # the image's tokens
     assert by_uri["error_code"][2] == "invalid_request"
     assert by_uri["error_message"][2].startswith("row 3: column `photo`: cannot read 'imgs/none.png' next to the table")
+
+
+# ----------------------------------------------------------------------------- the stream's images ahead
+
+
+def test_images_load_ahead_in_order_and_an_interrupted_stream_does_not_wait_on_a_slow_host():
+    from batch_pipeline.engine.generation import NOTHING_YET, EngineClock, _images_ahead
+
+    silent = socket.socket()  # accepts connections, never answers: a host that hangs
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        port = silent.getsockname()[1]
+        settings = images.ImageSettings(allowed_hosts=("127.0.0.1",), timeout_seconds=20, concurrency=2)
+        reqs = [contract.BatchRequest(line=1, custom_id="a", url=CHAT, body=chat_body(data_url(png("red")))),
+                contract.BatchRequest(line=2, custom_id="b", url=CHAT, body={"model": VLM, "messages": [
+                    {"role": "user", "content": "text"}]}),
+                contract.BatchRequest(line=3, custom_id="c", url=CHAT, body=chat_body(f"https://127.0.0.1:{port}/a.png"))]
+        clock = EngineClock()
+        busy = [False]
+        stream = _images_ahead(iter(reqs), lambda: images.ImageResolver(settings), lambda: busy[0], clock)
+        first, loaded = next(stream)
+        assert first.custom_id == "a" and loaded.images[0].size == (80, 60)
+        second, loaded = next(stream)
+        assert second.custom_id == "b" and loaded is None
+        busy[0] = True  # the engine holds work: the hanging line's turn is not waited for
+        assert next(stream) is NOTHING_YET
+        started = time.monotonic()
+        stream.close()  # a terminate: the stream ends while the fetch hangs
+        assert time.monotonic() - started < 2
+    finally:
+        silent.close()

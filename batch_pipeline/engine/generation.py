@@ -285,7 +285,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
                         del collected[(of, item.req.line)]
                         yield self._answer(of, item, slots, created)
         finally:
-            source.close()  # the image fetches still running are waited for, those not started dropped
+            source.close()  # image fetches not started are dropped
             clock.active += time.perf_counter() - began
             if pending:  # interrupted: do not leave half-done requests running in the engine
                 vllm_adapter.abort(self.llm, [enqueued_id for _, _, enqueued_id in pending.values()])
@@ -353,7 +353,9 @@ def _images_ahead(requests: Iterator[Any], resolver: Callable[[], images.ImageRe
             yield req, future.result() if future is not None else None
     finally:
         if pool is not None:
-            pool.close()
+            # Not waiting: an interrupted stream (a terminate, a deadline) returns at once instead of
+            # after a slow host's timeout; a fetch still running finishes in its thread, unused.
+            pool.close(wait=False)
 
 
 def _message(m: contract.ChatMessage) -> dict[str, Any]:

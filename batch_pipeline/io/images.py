@@ -314,8 +314,9 @@ class ImageResolver:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+    def close(self, wait: bool = True) -> None:
+        """Stop: fetches not started are dropped; with `wait`, the running ones are waited for."""
+        self._pool.shutdown(wait=wait, cancel_futures=True)
 
     def submit(self, line: int, url: str, body: Mapping[str, Any]) -> Future[LineImages]:
         """Start loading one line's images; the future never raises ImageError, it carries it."""
