@@ -145,14 +145,29 @@ def open_group(server: DagsterDev, page: Any) -> None:
 
 
 COMMUNITY_DIALOG = "Join the Dagster community"
+NUX_DELAY_MS = 1500  # the UI opens the dialog 1 s after the server says to (setTimeout 1e3 in its bundle)
+
+
+def body_with(page: Any, *texts: str, timeout: float = 30.0) -> str:
+    """The page's text once it holds every one of `texts` (or after `timeout` seconds, as it is then:
+    the caller's assertions say what is missing)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        body = page.inner_text("body")
+        if all(text in body for text in texts) or time.monotonic() > deadline:
+            return body
+        page.wait_for_timeout(250)
 
 
 def test_first_visit_opens_on_the_work_without_the_community_dialog(ui: Walk) -> None:
     server, page = ui.server, ui.page
     assert server.graphql("{ shouldShowNux }")["shouldShowNux"] is False
-    page.goto(server.url)
+    # The UI asks the server whether to show the dialog (ShouldShowNux) and, told yes, opens it a
+    # second later (a timer in Dagster's UI): the answer, then that second and a half more.
+    with page.expect_response(lambda r: "/graphql" in r.url and "ShouldShowNux" in (r.request.post_data or r.url)):
+        page.goto(server.url)
     page.get_by_text("Overview", exact=True).first.wait_for()
-    page.wait_for_timeout(4000)  # the dialog opens a second after the page when it is to be shown
+    page.wait_for_timeout(NUX_DELAY_MS)
     ui.shot("0-first-visit")
     assert page.get_by_text(COMMUNITY_DIALOG).count() == 0
     assert page.get_by_role("dialog").count() == 0
@@ -181,7 +196,7 @@ def test_backfill_of_two_dates_from_the_ui(ui: Walk) -> None:
         current = server.instance().get_backfill(backfill.backfill_id)
         return current if current.status.value not in ("REQUESTED", "CANCELING") else None
 
-    done = wait_for(f"backfill {backfill.backfill_id} finished", finished, BACKFILL_TIMEOUT, interval=3.0,
+    done = wait_for(f"backfill {backfill.backfill_id} finished", finished, BACKFILL_TIMEOUT, interval=1.0,
                     on_timeout=server.log_tail)
     page.goto(f"{server.url}/runs/b/{backfill.backfill_id}?tab=runs")
     visible(page, "Failure").wait_for()
@@ -231,14 +246,14 @@ def test_each_file_shows_on_its_own_the_broken_one_red(ui: Walk) -> None:
     text = page.inner_text("body")
     page.keyboard.press("Escape")
     page.goto(f"{server.url}/assets/batch_files?view=events&partition={dates[1]}/broken")
-    page.wait_for_timeout(3000)
-    ui.shot("4b-broken-file-events")
-    events = page.inner_text("body")
-    print("broken file's historical events:", text[:3000], "\nevents tab:", events[:3000])
     # The Events tab shows the observation of the step that failed the file: why, where its error
     # lines are, and the run ("observed in run ...").
-    for shown in ("reason", "no_valid_lines", "error_codes", "invalid_json", "first_error_lines", "1, 2",
-                  "errors.jsonl", f"observed in run {failed_run.run_id[:8]}"):
+    expected = ("reason", "no_valid_lines", "error_codes", "invalid_json", "first_error_lines", "1, 2",
+                "errors.jsonl", f"observed in run {failed_run.run_id[:8]}")
+    events = body_with(page, *expected)
+    ui.shot("4b-broken-file-events")
+    print("broken file's historical events:", text[:3000], "\nevents tab:", events[:3000])
+    for shown in expected:
         assert shown in events, (shown, events[:3000])
     # The job column stays blank: a backfill launched from the asset graph runs as Dagster's hidden
     # __ASSET_JOB, which the UI does not name (launched from Jobs > batch_job it is batch_job).
@@ -254,11 +269,10 @@ def test_the_check_reads_the_same_in_the_list_on_the_node_and_in_its_pane(ui: Wa
     print("latest failed_line_rate execution:", latest.status, latest.run_id)
     page.goto(f"{server.url}/assets/batch_outputs?view=checks")
     visible(page, "failed_line_rate").wait_for()
-    page.wait_for_timeout(2000)
-    ui.shot("4c-check-list-and-pane")
-    body = page.inner_text("body")
-    print("check page:", body[:3000])
     word = {"SUCCEEDED": "Succeeded", "FAILED": "Failed"}.get(latest.status.value, "Execution failed")
+    body = body_with(page, word)
+    ui.shot("4c-check-list-and-pane")
+    print("check page:", body[:3000])
     assert word in body, body[:3000]
     print("other status words on the check page:", [w for w in ("Succeeded", "Failed", "Execution failed") if w in body])
     open_group(server, page)
@@ -288,7 +302,7 @@ def test_the_broken_file_fixed_reruns_alone_from_its_partition(ui: Walk) -> None
         new = [r for r in server.instance().get_runs() if r.run_id not in before]
         return new[0] if new and new[0].is_finished else None
 
-    run = wait_for("the re-run of the broken file", the_rerun, BACKFILL_TIMEOUT, interval=2.0, on_timeout=server.log_tail)
+    run = wait_for("the re-run of the broken file", the_rerun, BACKFILL_TIMEOUT, interval=1.0, on_timeout=server.log_tail)
     assert run.status.value == "SUCCESS", server.log_tail()
     assert run.tags["dagster/partition"] == key  # that file alone
     fixed = json.loads((ui.out / dates[1] / "broken" / "batch.json").read_text())
@@ -314,7 +328,7 @@ def test_sensor_on_afterwards_starts_nothing_and_figures_add_up(ui: Walk) -> Non
     server.start_sensor("batch_upload_sensor")
     tick = wait_for("a finished sensor tick", lambda: next(
         (t for t in server.sensor_ticks("batch_upload_sensor") if t["status"] in ("SKIPPED", "SUCCESS", "FAILURE")), None),
-        120, interval=2.0, on_timeout=server.log_tail)
+        120, interval=1.0, on_timeout=server.log_tail)
     assert tick["status"] == "SKIPPED", tick
     time.sleep(2)  # a run it had requested would be in the instance by now
     assert len(server.instance().get_runs()) == runs_before
