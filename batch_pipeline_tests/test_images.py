@@ -8,8 +8,6 @@ images is test_images_model.py; how the pipeline runs lines is not touched here.
 
 from __future__ import annotations
 
-import base64
-import io
 import socket
 import time
 
@@ -19,19 +17,8 @@ from batch_pipeline.io import images, storage
 from batch_pipeline.contract.contract import CHAT_URL, RESPONSES_URL
 from batch_pipeline.io.images import ImageError, ImageRef, ImageResolver, ImageSettings
 from batch_pipeline.config.settings import ConfigError
+from batch_pipeline_tests.image_data import data_url, png
 from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
-
-
-def png(color: str = "red", size: tuple[int, int] = (40, 30), mode: str = "RGB", fmt: str = "PNG") -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new(mode, size, color).save(buf, fmt)
-    return buf.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 def chat(*parts: dict, text: str = "describe") -> dict:

@@ -9,8 +9,6 @@ the pipeline's run path does not pass images to the engine yet (issue 27).
 
 from __future__ import annotations
 
-import base64
-import io
 
 import pytest
 
@@ -20,6 +18,7 @@ from batch_pipeline.config import models
 from batch_pipeline.contract.contract import CHAT_URL
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline_tests.conftest import _session_engine
+from batch_pipeline_tests.image_data import data_url, png
 from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 from batch_pipeline_tests.tiny_vlm import IMAGE_SEQ_LEN, build_tiny_vlm
 
@@ -29,11 +28,7 @@ TINY_VLM_NAME = "tiny-idefics3"
 
 
 def png_data_url(color: str, size: tuple[int, int] = (80, 60)) -> str:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    return data_url(png(color, size))
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +91,6 @@ def test_two_images_in_one_request(vlm):
 def test_images_prepared_ahead_reach_the_model_the_same_from_a_data_url_and_s3(vlm, s3_bucket):
     from vllm import SamplingParams
 
-    from batch_pipeline_tests.test_images import png
 
     red, blue = png("red", (80, 60)), png("blue", (80, 60))
     storage.write_bytes(f"s3://{s3_bucket}/red.png", red)

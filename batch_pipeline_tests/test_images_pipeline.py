@@ -13,9 +13,7 @@ with PIL here, never stored. Does not touch the Batch API or the sensor.
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
-import io
 import json
 import os
 import signal
@@ -35,7 +33,9 @@ from batch_pipeline.contract import contract
 from batch_pipeline.defs.resources import LLMResource, StorageResource
 from batch_pipeline.io import images, storage
 from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidLine
+from batch_pipeline_tests import image_data
 from batch_pipeline_tests.cli_runs import answered_once, read_results
+from batch_pipeline_tests.image_data import data_url
 from batch_pipeline_tests.conftest import SessionLLM
 from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 
@@ -44,15 +44,7 @@ CHAT, RESPONSES = contract.CHAT_URL, contract.RESPONSES_URL
 
 
 def png(color: Any = "red", size: tuple[int, int] = (80, 60), fmt: str = "PNG") -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", size, color).save(buf, fmt)
-    return buf.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
+    return image_data.png(color, size, fmt=fmt)  # this file's pictures are 80x60
 
 
 def chat_body(*urls: str, text: str = "describe", model: str = VLM, **extra: Any) -> dict:
@@ -430,7 +422,6 @@ def _row_line(row: dict, base: str, number: int = 1) -> dict:
 
 
 def test_an_image_column_puts_each_rows_images_in_its_user_message(tmp_path):
-    from batch_pipeline.io import table_inputs
 
     red = png("red")
     (tmp_path / "imgs").mkdir()
