@@ -17,9 +17,9 @@ as the Helm values have it, `granularity: run` with room for both (2): a run wai
 in a started run blocked on the pool (where a cancel is not seen until the pool frees). The daemon
 looks at its queue every second (`dequeue_interval_seconds: 1`, Dagster's default is 5), so a wait for
 what it has not started is 3 s, not 7. Runs that would take long are cancelled once they have shown
-what they show; none is answered to the end here. Those that only hold a run slot run at nice 19
-(`lower_priority`), so the runs a test watches get the CPU; cancels go to the queued runs first, so a
-slot freed by a cancel starts none of them.
+what they show; none is answered to the end here. The one that holds a run slot to the end of a
+test runs at nice 19 (`lower_priority`), so the runs the test watches get the CPU; cancels go to the
+queued runs first, so a slot freed by a cancel starts none of them.
 """
 
 from __future__ import annotations
@@ -163,7 +163,9 @@ def test_two_tenants_backlogs_start_in_turn(queue):
     try:
         for batch in (c_busy, a_busy):
             wait_run_status(server, batch.id, ("STARTED",))
-            lower_priority(server, batch.id)  # they hold the two slots; the queued runs get the CPU
+        # team-c's holds a slot to the end: the queued runs get the CPU. (team-a's is cancelled next, at
+        # full speed: at nice 19 on a loaded machine a run took 33 s to end.)
+        lower_priority(server, c_busy.id)
         a_file, b_file = upload(a, [request_line("turn-a")]).id, upload(b, [request_line("turn-b")]).id
         a_queued = [create(a, a_file) for _ in range(2)]
         b_queued = [create(b, b_file) for _ in range(2)]
@@ -195,8 +197,7 @@ def test_a_tenants_backlog_waits_for_its_one_run_holds_no_other_tenant_back_and_
     an engine to get there.)"""
     sdk, sdk_b, server = client(queue["url"], KEY_A), client(queue["url"], KEY_B), queue["server"]
     busy = create(sdk, upload(sdk, long_lines("busy")).id)
-    wait_run_status(server, busy.id, ("STARTED",))
-    lower_priority(server, busy.id)
+    wait_run_status(server, busy.id, ("STARTED",))  # not niced: it is cancelled below and ends sooner so
     small = upload(sdk, [request_line("q-1")]).id
     low_1, low_2 = create(sdk, small), create(sdk, small)
     high = create(sdk, small, priority="5")
