@@ -68,6 +68,22 @@ def part_files(out: Path) -> list[Path]:
     return sorted(folder.glob("*/part-*.jsonl")) if folder.exists() else []
 
 
+def killed_after_parts(command: list[str], env: dict[str, str], out: Path, parts: int = 2,
+                       timeout: float = 300) -> int:
+    """Start the CLI `command`, SIGKILL its whole process group once `parts` checkpoint parts are
+    in `out`, and return how many answers those parts hold. Fails if the run ended first."""
+    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while len(part_files(out)) < parts and victim.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert victim.poll() is None, "the run finished before it could be killed: make the workload bigger"
+        os.killpg(victim.pid, signal.SIGKILL)
+    finally:
+        victim.wait(timeout=60)
+    return sum(p.read_text().count("\n") for p in part_files(out))
+
+
 def wait_for(condition: Callable[[], object], timeout: float, what: str, run: "CliRun | None" = None) -> object:
     """Poll until `condition()` is true; fail naming `what` (and the CLI's last lines) on timeout."""
     deadline = time.monotonic() + timeout

@@ -16,9 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,7 +32,7 @@ from batch_pipeline.defs.resources import LLMResource, StorageResource
 from batch_pipeline.io import images, storage
 from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidLine
 from batch_pipeline_tests import image_data
-from batch_pipeline_tests.cli_runs import answered_once, read_results
+from batch_pipeline_tests.cli_runs import answered_once, killed_after_parts, read_results
 from batch_pipeline_tests.image_data import data_url
 from batch_pipeline_tests.conftest import SessionLLM
 from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
@@ -359,10 +357,6 @@ def test_a_resumed_run_fetches_only_the_images_of_lines_not_answered(vlm_llm, s3
     assert inference["images"] == len(ids) - len(answered)
 
 
-def part_files(out: Path) -> list[Path]:
-    return sorted((out / "_work" / "answers").glob("*/part-*.jsonl")) if (out / "_work" / "answers").exists() else []
-
-
 def test_an_image_heavy_batch_killed_with_sigkill_and_rerun_answers_every_line_once(vlm_dir, vlm_llm, s3_bucket,
                                                                                     tmp_path):
     # 160 lines of two images each, half on the S3 test server, half data URLs; output lengths
@@ -382,16 +376,7 @@ def test_an_image_heavy_batch_killed_with_sigkill_and_rerun_answers_every_line_o
     env.pop("DAGSTER_HOME", None)
     command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
 
-    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while len(part_files(out)) < 2 and victim.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert victim.poll() is None, "the run finished before it could be killed: make the workload bigger"
-        os.killpg(victim.pid, signal.SIGKILL)
-    finally:
-        victim.wait(timeout=60)
-    saved = sum(p.read_text().count("\n") for p in part_files(out))
+    saved = killed_after_parts(command, env, out)
     assert 0 < saved < len(ids)
     assert not (out / "batch.json").exists()
 

@@ -31,7 +31,7 @@ from batch_pipeline.cli import run_batch
 from batch_pipeline.defs.assets import RETRY_DELAY_SECONDS
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline_tests.asset_runs import materialize
-from batch_pipeline_tests.cli_runs import answered_once, read_results
+from batch_pipeline_tests.cli_runs import answered_once, killed_after_parts, read_results
 from batch_pipeline_tests.conftest import TINY_NAME, SessionLLM, tiny_env
 
 
@@ -39,10 +39,6 @@ def chat_line(custom_id: str, max_tokens: int = 4, content: str = "", **body) ->
     payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": content or f"question {custom_id}"}],
                "max_tokens": max_tokens, **body}
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": payload})
-
-
-def part_files(out: Path) -> list[Path]:
-    return sorted((out / "_work" / "answers").glob("*/part-*.jsonl")) if (out / "_work" / "answers").exists() else []
 
 
 def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir, tiny_llm, tmp_path):
@@ -55,16 +51,7 @@ def test_sigkill_mid_inference_then_rerun_answers_every_line_once(tiny_model_dir
     env = tiny_env(tiny_model_dir, CHECKPOINT_ANSWERS="20", BATCH_SIZE="32", ORDER="planned")
     command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(batch), "--output-dir", str(out)]
 
-    victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 300
-        while len(part_files(out)) < 2 and victim.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert victim.poll() is None, "the run finished before it could be killed: make the workload bigger"
-        os.killpg(victim.pid, signal.SIGKILL)
-    finally:
-        victim.wait(timeout=60)
-    saved = sum(p.read_text().count("\n") for p in part_files(out))
+    saved = killed_after_parts(command, env, out)
     assert 0 < saved < len(ids)
     assert not (out / "batch.json").exists()  # nothing final was published by the killed run
 
