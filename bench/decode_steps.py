@@ -40,6 +40,17 @@ def say(message: str) -> None:
     print(f"[decode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def finish(path: Path | None, payload: dict[str, Any]) -> None:
+    """Write the figures to `path` (if given) and end the process: the engine's threads need no
+    orderly teardown in a throwaway process."""
+    if path:
+        path.write_text(json.dumps(payload, indent=2))
+        say(f"wrote {path}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def build() -> Any:
     from batch_pipeline.defs.resources import LLMResource
     from batch_pipeline.config import models
@@ -119,12 +130,7 @@ def main() -> None:
         row["step_vs_first"] = round(row["step_ms"] / base, 2)
         print(f"{row['batch']:>6} {row['step_ms']:>9.2f} {row['ms_per_token']:>9.3f} {row['tokens_per_s']:>9.1f} "
               f"{row['step_vs_first']:>17.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "summary": rows, "steps": args.steps}, indent=2))
-        say(f"wrote {args.json}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the engine's threads need no orderly teardown in a throwaway process
+    finish(args.json, {"runs": runs, "summary": rows, "steps": args.steps})
 
 
 if __name__ == "__main__":

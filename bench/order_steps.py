@@ -38,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from decode_steps import build, say  # noqa: E402  the same engine as bench/decode_steps.py
+from decode_steps import build, finish, say  # noqa: E402  the same engine as bench/decode_steps.py
 
 
 def planned(lines: list[dict[str, Any]], model_path: str) -> tuple[list[dict[str, Any]], float]:
@@ -118,12 +118,7 @@ def main() -> None:
     ratio = summary["file order"]["steps"] / summary["planned"]["steps"]
     print(f"planned takes {ratio:.3f}x fewer engine steps than file order (deterministic); "
           f"wall time this run {summary['file order']['seconds_median'] / summary['planned']['seconds_median']:.2f}x")
-    if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "summary": summary, "plan_seconds": plan_seconds}, indent=2))
-        say(f"wrote {args.json}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the engine's threads need no orderly teardown in a throwaway process
+    finish(args.json, {"runs": runs, "summary": summary, "plan_seconds": plan_seconds})
 
 
 if __name__ == "__main__":
