@@ -1,7 +1,7 @@
 """`batch-pipeline`: validate a batch file, run one through the Dagster assets, serve the Batch API.
 
     batch-pipeline validate INPUT
-    batch-pipeline run INPUT --output-dir DIR [--date YYYY-MM-DD]
+    batch-pipeline run INPUT --output-dir DIR [--date YYYY-MM-DD] [--image-column COLUMN]
     batch-pipeline serve [--host 127.0.0.1] [--port 8000]
     batch-pipeline usage --since YYYY-MM-DD [--tenant T] [--csv]
     batch-pipeline model prepare
@@ -79,9 +79,10 @@ def _instance() -> Any:
 
 
 def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[str, Any] | None = None,
-              instance: Any = None, log_level: str = "INFO", shard: str = "") -> Any:
+              instance: Any = None, log_level: str = "INFO", shard: str = "", image_column: str = "") -> Any:
     """Run `batch_job` for one input file in-process; returns Dagster's result. The run is listed in
-    the instance's Runs as `batch_job`, tagged with its source, input and batch name."""
+    the instance's Runs as `batch_job`, tagged with its source, input and batch name. `image_column`:
+    a Parquet/CSV input's column of images (the run config's batch.image_column)."""
     import dagster as dg
 
     from batch_pipeline.defs.assets import BATCH_ASSETS
@@ -93,6 +94,8 @@ def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[s
         **batch_run_config(input_uri, output_dir, shard=shard),
         "loggers": {"console": {"config": {"log_level": log_level}}},
     }
+    if image_column:
+        run_config["resources"]["batch"]["config"]["image_column"] = image_column
     resources = {"batch": BatchSelection(), **(resources or {"llm": LLMResource(), "storage": StorageResource()})}
     job = dg.Definitions(assets=BATCH_ASSETS, jobs=[batch_job], resources=resources).resolve_job_def("batch_job")
     tags = {"batch_pipeline/source": "cli", "batch_pipeline/input_uri": input_uri,
@@ -153,8 +156,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     from batch_pipeline.io.shards import Shard
 
     shard = Shard.parse(args.shard, "--shard")
+    image_column = args.image_column.strip()
+    if image_column and input_uri.lower().endswith((".jsonl", ".json", ".ndjson")):
+        _err(f"--image-column is for Parquet/CSV inputs; a JSONL line gives its images in its own body ({input_uri})")
+        return EXIT_FAILED
     require_hardware(LLMResource().settings())  # before any work: e.g. a GPU preset on a CPU machine
-    result = run_batch(input_uri, output_dir, args.date, shard=args.shard)
+    result = run_batch(input_uri, output_dir, args.date, shard=args.shard, image_column=image_column)
     if not shard.whole and result.success and not _wrote_results(result):
         # Another shard writes the results: still answering, or finishing right now.
         waiting = _shards_waiting(input_uri, output_dir, args.date, shard)
@@ -263,6 +270,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         help="i/n: answer only the i-th of n line ranges (e.g. 2/4), one command per server; the last shard "
         "to finish writes the results into --output-dir (shared storage, e.g. s3://)",
+    )
+    p.add_argument(
+        "--image-column",
+        default="",
+        metavar="COLUMN",
+        help="Parquet/CSV input: the column holding each row's image (bytes, an s3:// or https:// URI, a data: URL "
+        "or a path relative to the table's folder; or a list of them) for a vision-language model "
+        "(the run config's batch.image_column)",
     )
     p.set_defaults(func=cmd_run)
 
