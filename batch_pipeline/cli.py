@@ -5,6 +5,7 @@
     batch-pipeline serve [--host 127.0.0.1] [--port 8000]
     batch-pipeline usage --since YYYY-MM-DD [--tenant T] [--csv]
     batch-pipeline model prepare
+    batch-pipeline model list | checksum FOLDER | verify NAME@VERSION [--golden FILE] | use NAME@VERSION | rollback NAME
     batch-pipeline doctor
 
 `run` executes the same assets as the Dagster UI, in-process; with DAGSTER_HOME set the run is
@@ -299,10 +300,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--csv", action="store_true", help="CSV (a header, then a row per tenant and model) instead of a table")
     p.set_defaults(func=cmd_usage)
 
-    p = sub.add_parser("model", help="manage the bundled model")
+    p = sub.add_parser("model", help="the bundled model, and MODELS_FILE's model versions: checksums, verify, "
+                       "switch and roll back")
     model_sub = p.add_subparsers(dest="model_command", required=True)
     prep = model_sub.add_parser("prepare", help="build the bundled SmolLM2 checkpoint if missing; prints its folder")
     prep.set_defaults(func=cmd_model_prepare)
+    from batch_pipeline import registry
+
+    registry.add_commands(model_sub)  # list, checksum, verify, use, rollback (registry.py)
     return parser
 
 

@@ -273,7 +273,23 @@ def check_models_file() -> CheckResult:
     if missing:
         return _fail("models file", f"no config.json in the folder of {', '.join(missing)}")
     listed = ", ".join(f"{name} ({m.model_path})" for name, m in registry.items())
-    return _pass("models file", f"{len(registry)} more generation model(s), loaded one at a time: {listed}")
+    detail = f"{len(registry)} more generation model(s), loaded one at a time: {listed}"
+    settings = engine_settings_from_env()
+    versioned = settings.versioned_models()
+    if not versioned:
+        return _pass("models file", detail)
+    from batch_pipeline.io.model_aliases import read_aliases
+
+    try:
+        chosen = settings.resolved_versions(read_aliases(storage_settings_from_env().output_path))
+    except (ValueError, OSError, storage.StorageError) as e:
+        return _fail("models file", f"{detail}; the versions' alias cannot be read: {_error(e)}")
+    detail += "; new batches use " + ", ".join(versioned[name].served(v) for name, v in chosen.items())
+    unchecked = [m.served(v) for m in versioned.values() for v in m.versions if v not in m.checksums]
+    if unchecked:
+        return _warn("models file", f"{detail}; no sha256 for {', '.join(unchecked)}: loaded unchecked "
+                     "(batch-pipeline model checksum FOLDER prints the entry)")
+    return _pass("models file", detail)
 
 
 def check_storage_input() -> CheckResult:

@@ -142,6 +142,7 @@ SLOW_FILES = (
     "test_data_parallel.py",  # 389 s
     "test_batch_api.py",  # 195 s, with the production instance's killed-run retry since then
     "test_service_usage.py",  # 431 s alone at load 15-30 (2026-12-03): three real runs of two tenants
+    "test_service_model_versions.py",  # three API batches in turn over dagster dev (new, 2026-12-03)
     "test_images_pipeline.py",  # the kill -9 of an image batch: ~2 min of its time
     "test_ui_walkthrough.py",  # 174 s
     "test_engine_multiprocess.py",  # 171 s

@@ -320,3 +320,25 @@ def test_models_file_is_listed_and_checked(local_setup: Path, monkeypatch: pytes
     models.write_text(f"small: {model}\n")
     (result,) = doctor.run_checks(only=["models file"])
     assert result.status == "PASS" and f"small ({model})" in result.detail
+
+
+def test_models_file_versions_say_which_one_new_batches_use_and_which_load_unchecked(local_setup: Path,
+                                                                                     monkeypatch: pytest.MonkeyPatch):
+    from batch_pipeline.config.model_versions import checksums_of
+    from batch_pipeline.io import model_aliases
+
+    model = local_setup / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights")
+    [(weights, digest)] = checksums_of(model).items()
+    models = local_setup / "models.yaml"
+    models.write_text(f"s:\n  versions:\n    a: {{path: {model}, sha256: {{{weights}: {digest}}}}}\n    b: {model}\n")
+    monkeypatch.setenv("MODELS_FILE", str(models))
+    (result,) = doctor.run_checks(only=["models file"])
+    assert result.status == "WARN", result
+    assert "new batches use s@b" in result.detail and "no sha256 for s@b: loaded unchecked" in result.detail
+    versions = doctor.engine_settings_from_env().versioned_models()["s"]
+    model_aliases.switch(doctor.storage_settings_from_env().output_path, versions, "a")
+    (result,) = doctor.run_checks(only=["models file"])
+    assert "new batches use s@a" in result.detail

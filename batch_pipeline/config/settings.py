@@ -13,6 +13,14 @@ from typing import Any
 
 from batch_pipeline.base.env import coerce, int_in_range, number_in_range
 from batch_pipeline.base.errors import ConfigError
+from batch_pipeline.config.model_versions import (
+    VERSION_SEP,
+    ModelVersions,
+    check_version_name,
+    parse_pins,
+    resolve,
+    versioned_name,
+)
 from batch_pipeline.config.presets import preset
 from batch_pipeline.config.priority import PRIORITY_BOUND
 
@@ -40,6 +48,7 @@ ENGINE_ENV = {
     "SCORE_SERVED_MODEL_NAME": "score_served_model_name",
     "LORA_MODULES": "lora_modules",
     "MODELS_FILE": "models_file",
+    "MODEL_VERSIONS": "model_versions",
     "MAX_LORA_RANK": "max_lora_rank",
     "CHECKPOINT_ANSWERS": "checkpoint_answers",
     "CHECKPOINT_SECONDS": "checkpoint_seconds",
@@ -95,6 +104,9 @@ class EngineSettings:
     # More generation models (YAML: served name -> folder, preset, engine settings): each line runs
     # on the model its body.model names (engine/engines.py loads one at a time).
     models_file: str = ""
+    # The versions of MODELS_FILE's versioned models this run answers with, "name=version ..."; a
+    # model not named here takes its current alias (config/model_versions.py).
+    model_versions: str = ""
     # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
     # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
     checkpoint_answers: int = 256
@@ -122,6 +134,15 @@ class EngineSettings:
         if self.order not in ORDERS:
             raise ConfigError(f"ORDER={self.order!r} is not one of {', '.join(ORDERS)}")
         self.lora_adapters()  # a malformed LORA_MODULES fails here, naming the variable
+        self.pinned_versions()  # and a malformed MODEL_VERSIONS
+
+    def pinned_versions(self) -> dict[str, str]:
+        """MODEL_VERSIONS as {model: version}: the versions this run is pinned to."""
+        return parse_pins(self.model_versions)
+
+    def resolved_versions(self, aliases: dict[str, str]) -> dict[str, str]:
+        """{model: version} this run answers with: MODEL_VERSIONS, then the alias, then MODELS_FILE's current."""
+        return resolve(self.versioned_models(), aliases, self.pinned_versions())
 
     def model_registry(self) -> dict[str, "EngineSettings"]:
         """MODELS_FILE as {served name: that model's EngineSettings}, in file order (empty: unset).
@@ -131,38 +152,92 @@ class EngineSettings:
         lora_modules, engine_args, ...). An entry starts from this deployment's settings (BATCH_SIZE,
         KV cache, ...), then its preset, then its own fields; the default model's MODEL_PATH,
         LORA_MODULES, REASONING_PARSER and TOOL_CALL_PARSER are not carried over to it.
+
+        An entry with `versions` ({version: folder or {path, sha256, settings}}) is served as
+        `name@version` for each version, each on top of the entry's shared settings; plain `name` is
+        resolved to one of them (versioned_models(), config/model_versions.py).
         """
+        return {name: settings for name, (settings, _sums) in self._models_file().items()}
+
+    def versioned_models(self) -> dict[str, ModelVersions]:
+        """MODELS_FILE's entries with `versions`, by plain name (empty: none or unset)."""
+        if not self.models_file:
+            return {}
+        out: dict[str, ModelVersions] = {}
+        sums_of = {served: sums for served, (_settings, sums) in self._models_file().items()}
+        for name, entry in _read_models_file(self.models_file).items():
+            if isinstance(entry, dict) and "versions" in entry:
+                versions = tuple(str(v) for v in entry["versions"])
+                current = str(entry.get("current") or versions[-1])
+                if current not in versions:
+                    raise ConfigError(f"MODELS_FILE={self.models_file}: model {name!r}: current {current!r} is not one "
+                                      f"of its versions ({', '.join(versions)})")
+                out[str(name)] = ModelVersions(str(name), versions, current,
+                                               {v: sums_of[versioned_name(str(name), v)] for v in versions
+                                                if sums_of.get(versioned_name(str(name), v))})
+        return out
+
+    def _models_file(self) -> dict[str, tuple["EngineSettings", dict[str, str]]]:
+        """{served name: (EngineSettings, {weight file: sha256})}: a versioned entry gives one per version."""
         if not self.models_file:
             return {}
         where = f"MODELS_FILE={self.models_file}"
-        entries = _read_models_file(self.models_file)
         base = {k: v for k, v in asdict(self).items() if k not in _NOT_INHERITED}
-        registry: dict[str, EngineSettings] = {}
-        for name, entry in entries.items():
-            if isinstance(entry, str):
-                entry = {"path": entry}
-            if not isinstance(entry, dict) or not str(entry.get("path") or "").strip():
-                raise ConfigError(f"{where}: model {name!r} needs a path (the model folder)")
+        registry: dict[str, tuple[EngineSettings, dict[str, str]]] = {}
+        for name, entry in _read_models_file(self.models_file).items():
+            name = str(name)
+            if VERSION_SEP in name:
+                raise ConfigError(f"{where}: model name {name!r} may not contain {VERSION_SEP!r} (versions go under "
+                                  "`versions:`)")
             if self.served_model_name and name == self.served_model_name:
                 raise ConfigError(f"{where}: {name!r} is already the served model (SERVED_MODEL_NAME)")
-            values = dict(base)
-            entry = dict(entry)
-            path = str(entry.pop("path"))
-            named = str(entry.pop("preset", "") or "")
-            if named:
-                values.update(preset(named), preset=named)
-            if "engine_args" in entry:
-                entry["extra_engine_args"] = entry.pop("engine_args")
-            unknown = set(entry) - _ENTRY_FIELDS
-            if unknown:
-                raise ConfigError(f"{where}: model {name!r} has unknown setting(s) {', '.join(sorted(unknown))}; "
-                                  f"known: path, preset, {', '.join(sorted(_ENTRY_FIELDS))}")
-            values.update(entry, model_path=path, served_model_name=str(name), models_file="")
-            try:
-                registry[str(name)] = EngineSettings(**values)
-            except (ConfigError, TypeError) as e:
-                raise ConfigError(f"{where}: model {name!r}: {e}") from None
+            if isinstance(entry, str):
+                entry = {"path": entry}
+            if not isinstance(entry, dict):
+                raise ConfigError(f"{where}: model {name!r} needs a path (the model folder)")
+            if "versions" not in entry:
+                registry[name] = self._entry(where, name, name, dict(entry), base)
+                continue
+            shared = {k: v for k, v in entry.items() if k not in ("versions", "current")}
+            if "path" in shared or "sha256" in shared:
+                raise ConfigError(f"{where}: model {name!r} has versions: its path and sha256 go under each version")
+            versions = entry["versions"]
+            if not isinstance(versions, dict) or not versions:
+                raise ConfigError(f"{where}: model {name!r}: versions must map a version to its folder "
+                                  "(or to {path, sha256, settings})")
+            for version, spec in versions.items():
+                version = check_version_name(where, name, version)
+                spec = {"path": spec} if isinstance(spec, str) else spec
+                if not isinstance(spec, dict):
+                    raise ConfigError(f"{where}: model {name!r} version {version!r} needs a path (the model folder)")
+                served = versioned_name(name, version)
+                registry[served] = self._entry(where, served, f"{name}@{version}", {**shared, **spec}, base)
         return registry
+
+    def _entry(self, where: str, served: str, label: str, entry: dict[str, Any],
+               base: dict[str, Any]) -> tuple["EngineSettings", dict[str, str]]:
+        if not str(entry.get("path") or "").strip():
+            raise ConfigError(f"{where}: model {label!r} needs a path (the model folder)")
+        values = dict(base)
+        path = str(entry.pop("path"))
+        sums = entry.pop("sha256", None) or {}
+        if not isinstance(sums, dict) or not all(isinstance(v, str) and len(v) == 64 for v in sums.values()):
+            raise ConfigError(f"{where}: model {label!r}: sha256 must map each weight file to its 64-hex checksum "
+                              "(`batch-pipeline model checksum FOLDER` prints it)")
+        named = str(entry.pop("preset", "") or "")
+        if named:
+            values.update(preset(named), preset=named)
+        if "engine_args" in entry:
+            entry["extra_engine_args"] = entry.pop("engine_args")
+        unknown = set(entry) - _ENTRY_FIELDS
+        if unknown:
+            raise ConfigError(f"{where}: model {label!r} has unknown setting(s) {', '.join(sorted(unknown))}; "
+                              f"known: path, preset, sha256, versions, current, {', '.join(sorted(_ENTRY_FIELDS))}")
+        values.update(entry, model_path=path, served_model_name=served, models_file="", model_versions="")
+        try:
+            return EngineSettings(**values), {str(k): str(v) for k, v in sums.items()}
+        except (ConfigError, TypeError) as e:
+            raise ConfigError(f"{where}: model {label!r}: {e}") from None
 
     def lora_adapters(self) -> dict[str, str]:
         """LORA_MODULES as {served name: adapter folder}, in the order given."""
@@ -190,6 +265,7 @@ class EngineSettings:
 
 # What a MODELS_FILE entry may set, and what it does not take over from the default model.
 _NOT_INHERITED = {"model_path", "served_model_name", "lora_modules", "max_lora_rank", "reasoning_parser", "models_file",
+                  "model_versions",
                   "preset", "tool_call_parser"}
 _ENTRY_FIELDS = {"tensor_parallel_size", "max_model_len", "batch_size", "dtype", "gpu_memory_utilization",
                  "max_num_batched_tokens", "enable_prefix_caching", "seed", "kv_cache_memory_bytes", "enforce_eager",

@@ -21,11 +21,13 @@ batch_file_job = dg.define_asset_job(
 
 
 def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "", skip_completed: bool = True,
-                     input_uris: list[str] | None = None, endpoint: str = "", expires_at: int = 0) -> dict[str, Any]:
+                     input_uris: list[str] | None = None, endpoint: str = "", expires_at: int = 0,
+                     model_versions: str = "") -> dict[str, Any]:
     """Run config of one run's batch selection (the `batch` resource every step reads): one input
     file/folder and one output folder, or several files of the date (`input_uris`), optionally one
     line range (`shard` "i/n") of each batch. All blank: every file of the partition's date.
-    `endpoint` and `expires_at`: only lines of that url, and a deadline (the Batch API's)."""
+    `endpoint` and `expires_at`: only lines of that url, and a deadline (the Batch API's).
+    `model_versions`: the versions the run answers with, pinned when it is requested ("name=v ...")."""
     config: dict[str, Any] = {"input_uri": input_uri, "output_uri": output_uri}
     if input_uris:
         config["input_uris"] = list(input_uris)
@@ -37,4 +39,7 @@ def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "",
         config["endpoint"] = endpoint
     if expires_at:
         config["expires_at"] = int(expires_at)
-    return {"resources": {"batch": {"config": config}}}
+    resources: dict[str, Any] = {"batch": {"config": config}}
+    if model_versions:
+        resources["llm"] = {"config": {"model_versions": model_versions}}
+    return {"resources": resources}

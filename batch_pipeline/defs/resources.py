@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import dagster as dg
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 
 from batch_pipeline.config import models
 from batch_pipeline.engine.engine_args import engine_kwargs, require_hardware
@@ -22,6 +22,7 @@ from batch_pipeline.engine.placement import plan_ranks
 from batch_pipeline.engine.ranks import RankedEngines
 from batch_pipeline.base.runtime import configure_runtime_env, gpu_count
 from batch_pipeline.engine.vllm_adapter import build_llm, vllm_version
+from batch_pipeline.config.model_versions import format_pins, versioned_name
 from batch_pipeline.config.presets import PRESETS
 from batch_pipeline.config.settings import (
     ConfigError,
@@ -31,6 +32,7 @@ from batch_pipeline.config.settings import (
     storage_settings_from_env,
     validation_limits_from_env,
 )
+from batch_pipeline.io.model_aliases import read_aliases
 from batch_pipeline.steps.validation import ValidationSettings
 
 BUNDLED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
@@ -102,6 +104,12 @@ class LLMResource(dg.ConfigurableResource):
         description="MODELS_FILE: YAML of more generation models (served name -> path, preset, settings); each line "
         "runs on the model its body.model names; blank = only MODEL_PATH",
     )
+    model_versions: str = Field(
+        default="",
+        description="MODEL_VERSIONS: the versions of MODELS_FILE's versioned models this run answers with, "
+        "'name=version ...'; blank = each model's current alias (`batch-pipeline model use`), resolved once when the "
+        "run is requested or starts",
+    )
     checkpoint_answers: Optional[int] = Field(
         default=None, description="CHECKPOINT_ANSWERS: answers per checkpoint part (default 256)"
     )
@@ -115,6 +123,8 @@ class LLMResource(dg.ConfigurableResource):
         "files) or input (file order); blank = planned",
     )
 
+    _versions: Optional[str] = PrivateAttr(default=None)  # MODEL_VERSIONS as resolved (see _pinned)
+
     def settings(self) -> EngineSettings:
         """The environment's settings (ENGINE_PRESET first), with what is set here winning."""
         overrides = {k: v for k, v in self.__dict__.items() if k in EngineSettings.__dataclass_fields__}
@@ -127,7 +137,21 @@ class LLMResource(dg.ConfigurableResource):
                 raise ConfigError(f"llm.engine_args={self.engine_args!r} is not a JSON object ({e})") from None
             overrides["extra_engine_args"] = extra
         env = {**os.environ, "ENGINE_PRESET": self.engine_preset} if self.engine_preset.strip() else None
-        return engine_settings_from_env(env, **overrides)
+        return self._pinned(engine_settings_from_env(env, **overrides))
+
+    def _pinned(self, s: EngineSettings) -> EngineSettings:
+        """The settings with every versioned model pinned to one version, resolved once per resource
+        (a step): MODEL_VERSIONS first, then the operator's alias, then MODELS_FILE's current."""
+        if not s.models_file:
+            return s
+        versioned = s.versioned_models()
+        if not versioned:
+            return s
+        if self._versions is None:
+            pins = s.pinned_versions()
+            aliases = {} if set(versioned) <= set(pins) else read_aliases(storage_settings_from_env().output_path)
+            self._versions = format_pins(s.resolved_versions(aliases))
+        return s.with_overrides(model_versions=self._versions)
 
     # -- names and identity (no model loading) ---------------------------------------------
 
@@ -157,13 +181,14 @@ class LLMResource(dg.ConfigurableResource):
         s = self.settings()
         score = s.score_model()
         adapters, registry = tuple(s.lora_adapters()), s.model_registry()
+        versions = {name: registry[versioned_name(name, v)] for name, v in s.resolved_versions({}).items()}
         # Image parts go only to models that take them (a vision_config; the bundled model does not);
         # LoRA adapters run on the generation model, so they take what it takes.
         takes = [*((served, *adapters) if path and models.takes_images(Path(path)) else ()),
-                 *(name for name, m in registry.items() if models.takes_images(Path(m.model_path)))]
+                 *(name for name, m in {**registry, **versions}.items() if models.takes_images(Path(m.model_path)))]
         return ValidationSettings(served_model_name=served, embedding_model_name=embedding,
                                   score_model_name=score[1] if score else None, adapter_names=adapters,
-                                  other_models=tuple(registry), image_models=tuple(takes), **validation_limits_from_env())
+                                  other_models=(*registry, *versions), image_models=tuple(takes), **validation_limits_from_env())
 
     def identity(self) -> dict[str, Any]:
         """What answers depend on: recorded in batch.json and used to key checkpoints."""
@@ -189,6 +214,7 @@ class LLMResource(dg.ConfigurableResource):
                                                   "lora_modules": m.lora_modules}
                                            for name, m in s.model_registry().items()}, sort_keys=True)}
                if s.models_file else {}),
+            **({"model_versions": s.model_versions} if s.model_versions else {}),
         }
 
     # -- engine lifetime ---------------------------------------------------------------------

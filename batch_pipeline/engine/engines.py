@@ -6,6 +6,7 @@ import itertools
 import sys
 import time
 from collections import deque
+from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from batch_pipeline.engine.generation import NOTHING_YET, EngineClock, Generatio
 from batch_pipeline.base.progress import PROGRESS_SECONDS, heartbeat
 from batch_pipeline.contract.lines import Answer
 from batch_pipeline.engine.scoring import ScoringEngine
+from batch_pipeline.config.model_versions import verify_checksums, versioned_name
 from batch_pipeline.config.settings import ConfigError, EngineSettings
 from batch_pipeline.engine.vllm_adapter import build_llm, shutdown_llm
 
@@ -55,6 +57,13 @@ class Engines:
         self.registry = settings.model_registry()
         if served_name in self.registry:
             raise ConfigError(f"MODELS_FILE={settings.models_file}: {served_name!r} is already the served model")
+        # Versioned models: plain `name` answers with the version this run resolved (the resource pins
+        # every one in MODEL_VERSIONS before the engines open; unpinned: MODELS_FILE's current).
+        versioned = settings.versioned_models()
+        self.versions = settings.resolved_versions({})
+        self.aliases = {name: versioned_name(name, version) for name, version in self.versions.items()}
+        self.checksums = {model.served(version): sums for model in versioned.values()
+                          for version, sums in model.checksums.items()}
         self.owns = owns  # False: engines are shared beyond this object (tests), never shut down here
         self.model_path = model_path
         self.served_name = served_name
@@ -111,6 +120,10 @@ class Engines:
                 self._shutdown(self._generation)
                 self._generation = None
             settings = self.registry[name]
+            if name in self.checksums:  # a changed or truncated weight file is refused before vLLM reads it
+                read = verify_checksums(name, Path(settings.model_path), self.checksums[name], log=self.log)
+                self.log(f"{name}: weight checksums verified ({read} file(s) read, the rest unchanged since "
+                         "their last check)")
             self._others[name] = self._generation_engine(settings, settings.model_path, name)
         return self._others[name]
 
@@ -126,6 +139,7 @@ class Engines:
     def model_of(self, req: contract.BatchRequest) -> str | None:
         """Which generation model answers a request: a MODELS_FILE name, or None (the default model)."""
         name = req.body.get("model") if isinstance(req.body, dict) else None
+        name = self.aliases.get(name, name)
         return name if name in self.registry else None
 
     @property

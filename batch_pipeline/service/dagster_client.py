@@ -64,7 +64,8 @@ class DagsterClient:
         # The pipeline itself refuses lines of another url and stops at the deadline, so both hold
         # whether or not this service is up while the run goes.
         config = batch_run_config(input_uri=record["input_uri"], output_uri=record["output_uri"],
-                                  endpoint=record["endpoint"], expires_at=record["expires_at"])
+                                  endpoint=record["endpoint"], expires_at=record["expires_at"],
+                                  model_versions=record.get("model_versions", ""))
         tags = {"dagster/partition": record["date"], BATCH_ID_TAG: record["id"],
                 TENANT_TAG: record["tenant"], TRIGGER_TAG: TRIGGER, "batch_pipeline/batch_name": record["id"]}
         priority = record.get("priority", 0)

@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batch_pipeline.contract import contract
+from batch_pipeline.config.model_versions import format_pins
 from batch_pipeline.config.priority import PRIORITY_BOUND
+from batch_pipeline.config.settings import ConfigError, engine_settings_from_env
 from batch_pipeline.io import storage
+from batch_pipeline.io.model_aliases import read_aliases
 from batch_pipeline.service import status
 from batch_pipeline.service.audit import AuditLog
 from batch_pipeline.service.auth import tenant_of
@@ -153,6 +156,18 @@ class Service:
                            param="metadata.priority")
         return priority
 
+    def model_versions(self) -> str:
+        """MODELS_FILE's versioned models pinned to the versions new batches use ("name=v ..."); blank
+        without versioned models. A models file the service cannot read leaves the pin to the run."""
+        try:
+            settings = engine_settings_from_env()
+            if not settings.models_file or not settings.versioned_models():
+                return ""
+            return format_pins(settings.resolved_versions(read_aliases(self.store.output_root)))
+        except ConfigError as e:
+            log.error("model versions not pinned at create (%s); the run resolves them when it starts", e)
+            return ""
+
     def create_batch(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         options = self.batch_options(tenant, body)  # limits and retention (429, 400): before anything is recorded
         source = self.get_file(tenant, str(body.get("input_file_id") or ""))
@@ -181,6 +196,9 @@ class Service:
                   "expires_at": int(now) + self.windows[window],
                   "date": date, "output_uri": storage.join(self.store.output_root, date, batch_id), "run_id": None}
         record.update(options)
+        versions = self.model_versions()
+        if versions:  # the versions the alias names now: this batch keeps them, whatever is switched later
+            record["model_versions"] = versions
         self.store.add_batch(record)  # first: a crash before the run is submitted leaves a failed batch, not none
         try:
             record["run_id"] = self.dagster.submit(record)

@@ -41,18 +41,22 @@ def batch_object(record: dict[str, Any], run_of: RunOf) -> dict[str, Any]:
     """The OpenAI Batch object of a service record: the pipeline's batch.json once written, else the
     status of the run `run_of(record)` reports ((run id, Dagster status or None when unknown))."""
     pipeline = pipeline_batch(record)
+    # The model versions the batch was pinned to at create (MODELS_FILE's versioned models), as the
+    # SDK keeps metadata: a string.
+    metadata = {**record["metadata"], **({"model_versions": record["model_versions"]}
+                                         if record.get("model_versions") else {})}
     base: dict[str, Any] = {
         "id": record["id"], "object": "batch", "endpoint": record["endpoint"], "input_file_id": record["input_file_id"],
         "completion_window": record["completion_window"], "created_at": record["created_at"],
         "expires_at": record.get("expires_at", record["created_at"] + COMPLETION_WINDOWS["24h"]),
-        "metadata": record["metadata"], "errors": None,
+        "metadata": metadata, "errors": None,
         "output_file_id": None, "error_file_id": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
     }
     if pipeline is not None:
         base.update({k: pipeline.get(k) for k in _FROM_PIPELINE})
         # The cost the pipeline recorded (cost_gpu_seconds, ...), beside the metadata the batch was made with.
-        base["metadata"] = {**record["metadata"], **{k: v for k, v in (pipeline.get("metadata") or {}).items()
+        base["metadata"] = {**metadata, **{k: v for k, v in (pipeline.get("metadata") or {}).items()
                                                      if k.startswith(COST_PREFIX)}}
         base.update(status=pipeline["status"], request_counts=pipeline["request_counts"],
                     output_file_id=f"file-{record['id']}-output", error_file_id=f"file-{record['id']}-errors")
