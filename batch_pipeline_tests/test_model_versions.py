@@ -265,3 +265,36 @@ def test_model_verify_compares_a_golden_batch_with_the_current_version(tiny_mode
     report = json.loads((tmp_path / "v3.json").read_text())
     assert report["greedy"]["exact_match_rate"] < 0.99 and "FAIL: exact-match rate of greedy lines" in bad.stdout
     assert {row["custom_id"] for row in report["differences"]} - {"sampled"}  # greedy lines differ, named
+
+
+def test_schedule_and_sensor_runs_are_pinned_to_the_versions_of_their_tick(tmp_path, monkeypatch):
+    """A run the schedule or the sensor requests carries the versions the aliases named at its tick, so
+    it keeps them if it starts after a switch (the Batch API pins at create the same way)."""
+    import datetime as dt
+
+    from batch_pipeline.config.model_versions import ModelVersions
+    from batch_pipeline.defs.jobs import batch_run_config
+    from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_schedule_for
+
+    models_file = tmp_path / "models.yaml"
+    models_file.write_text("s:\n  versions: {a: /models/a, b: /models/b}\n  current: a\nplain: /models/p\n")
+    monkeypatch.setenv("MODELS_FILE", str(models_file))
+    monkeypatch.setenv("STORAGE_OUTPUT_PATH", str(tmp_path / "out"))
+    monkeypatch.delenv("MODEL_VERSIONS", raising=False)
+
+    def pins(config: dict | None) -> str | None:
+        return ((config or {}).get("resources", {}).get("llm") or {}).get("config", {}).get("model_versions")
+
+    tick = nightly_schedule_for(NIGHTLY_CRON)(dg.build_schedule_context(
+        scheduled_execution_time=dt.datetime(2026, 11, 30, 2, tzinfo=dt.timezone.utc)))
+    assert pins(tick.run_config) == "s=a"
+    model_aliases.switch(str(tmp_path / "out"), ModelVersions("s", ("a", "b"), "a"), "b")
+    assert pins(batch_run_config(input_uri="s3://in/x.jsonl")) == "s=b"  # the sensor's run requests
+    assert pins(batch_run_config(input_uri="x", model_versions="")) is None  # "": resolved when the run starts
+    models_file.write_text("s:\n  versions: {a: /models/a}\n  current: zz\n")  # broken: the run will say why
+    assert pins(batch_run_config(input_uri="x")) is None
+    monkeypatch.delenv("MODELS_FILE")
+    assert pins(batch_run_config(input_uri="x")) is None
+    tick = nightly_schedule_for(NIGHTLY_CRON)(dg.build_schedule_context(
+        scheduled_execution_time=dt.datetime(2026, 11, 30, 2, tzinfo=dt.timezone.utc)))
+    assert not tick.run_config  # without versioned models the nightly run's config stays blank

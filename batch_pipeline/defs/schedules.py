@@ -15,7 +15,7 @@ import dagster as dg
 
 from batch_pipeline.config.settings import ConfigError, schedule_run_priority_from_env
 from batch_pipeline.config.priority import priority_tags
-from batch_pipeline.defs.jobs import batch_job
+from batch_pipeline.defs.jobs import batch_job, batch_run_config, model_versions_now
 from batch_pipeline.defs.partitions import daily_partitions
 
 # 02:00 UTC leaves two hours for late uploads of the day before. NIGHTLY_CRON overrides it; it is
@@ -55,7 +55,10 @@ def _nightly_schedule(cron: str) -> dg.ScheduleDefinition:
             return dg.SkipReason(f"{day} is outside the partitions (from {daily_partitions.get_first_partition_key()})")
         # Read at each evaluation, so a bad value fails the tick naming the variable, not the code location.
         priority = schedule_run_priority_from_env()
+        # MODELS_FILE's versioned models as their aliases name them at this tick (none: no run config).
+        versions = model_versions_now()
         return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day,
+                             run_config=batch_run_config(model_versions=versions) if versions else None,
                              tags=priority_tags(priority) if priority else None)  # no tag: 0
 
     return nightly_batch_schedule
