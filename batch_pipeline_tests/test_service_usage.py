@@ -132,3 +132,15 @@ def test_metric_labels_are_escaped_and_sums_exact():
     text = prometheus([(tenant, batch), (tenant, batch)], files=0, queued=None)
     assert 'batch_pipeline_api_cost_input_tokens_total{tenant="team \\"a\\"\\\\",model="m\\"1"} 2469134\n' in text
     assert 'batch_pipeline_api_cost_gpu_seconds_total{tenant="team \\"a\\"\\\\",model="m\\"1"} 6\n' in text
+
+
+def test_cost_counts_the_gpus_the_engines_used_not_every_gpu_the_run_saw():
+    from batch_pipeline.steps.metrics import batch_cost
+
+    usage = {"input_tokens": 10, "output_tokens": 5}
+    seen_8 = {"model_load_seconds": 10.0, "inference_seconds": 90.0, "gpu": {"gpu_count": 8}}
+    assert batch_cost({**seen_8, "engine_gpus": 2}, usage)["gpu_seconds"] == 200.0  # TP 2 of the 8 it could see
+    assert batch_cost({**seen_8, "engine_gpus": 16}, usage)["gpus"] == 8  # never more than it could see
+    assert batch_cost(seen_8, usage)["gpus"] == 8  # a record from before engine_gpus: what it saw
+    cpu = batch_cost({**seen_8, "gpu": {}, "engine_gpus": 1}, usage)
+    assert (cpu["gpus"], cpu["gpu_seconds"], cpu["engine_seconds"]) == (0, 0.0, 100.0)

@@ -354,6 +354,9 @@ def _record(w: _Work, ended: str, order: str, plan: Plan | None, ranks: int, che
         **timings,
         ordering=order,
         data_parallel_size=ranks,
+        # The GPUs the engines were given: TENSOR_PARALLEL_SIZE x ranks (cost counts at most these, not
+        # every GPU the process can see).
+        engine_gpus=engines.settings.tensor_parallel_size * ranks,
         requests_per_rank=w.per_rank,
         checkpoint_parts=checkpoint.parts,
         checkpoint_write_seconds=round(checkpoint.write_seconds, 3),

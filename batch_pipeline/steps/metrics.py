@@ -17,12 +17,14 @@ COST_FIELDS = ("gpus", "engine_seconds", "gpu_seconds", "model_load_seconds", "i
 def batch_cost(inference: dict[str, Any], usage: dict[str, Any]) -> dict[str, float | int]:
     """What a batch cost, from its inference record and its Batch object's usage: engine-seconds (the
     model load and the answering, this batch's share of them when answered with others), the GPUs
-    the run held (those its process sees through NVML: in a container or pod, the ones it was given;
+    its engines used (TENSOR_PARALLEL_SIZE x ranks, capped by those its process sees through NVML;
     0 on the CPU), GPU-seconds (engine-seconds x GPUs), the model load on its own, tokens in and out.
     Only the attempt that finished the batch is counted: one that crashed part way is not."""
     load = float(inference.get("model_load_seconds", 0.0))
     engine = load + float(inference.get("inference_seconds", 0.0))
-    gpus = int((inference.get("gpu") or {}).get("gpu_count", 0))
+    gpus = int((inference.get("gpu") or {}).get("gpu_count", 0))  # visible to the process (NVML); 0 on the CPU
+    if gpus and inference.get("engine_gpus"):
+        gpus = min(gpus, int(inference["engine_gpus"]))  # a run given 8 GPUs whose engine uses 2 costs 2
     return {"gpus": gpus, "engine_seconds": round(engine, 3), "gpu_seconds": round(engine * gpus, 3),
             "model_load_seconds": round(load, 3), "input_tokens": int(usage.get("input_tokens", 0)),
             "output_tokens": int(usage.get("output_tokens", 0))}
