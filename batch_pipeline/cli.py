@@ -222,6 +222,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     service = service_from_env()  # a bad BATCH_API_KEYS fails here, naming the variable
+    _start_sweeper(service)
     print(f"Batch API on http{'s' if args.ssl_certfile else ''}://{args.host}:{args.port}/v1 "
           f"({len(set(service.keys.values()))} tenant(s)); runs go to the Dagster web server at {service.dagster_url}",
           flush=True)
@@ -230,6 +231,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 # On SIGTERM, open (keep-alive) connections get this long; then the process exits.
                 timeout_graceful_shutdown=10)
     return EXIT_OK
+
+
+def _start_sweeper(service: Any) -> None:
+    """A cancel that came while Dagster was starting the run is carried out once the run has started,
+    whether or not a client reads the batch again (Service.sweep_pending_terminations)."""
+    import logging
+    import threading
+    import time
+
+    from batch_pipeline.service.operations import SWEEP_SECONDS
+
+    def sweep() -> None:
+        while True:
+            time.sleep(SWEEP_SECONDS)
+            try:
+                service.sweep_pending_terminations()
+            except Exception as e:  # noqa: BLE001 - Dagster or storage away for a moment: the next sweep retries
+                logging.getLogger("batch_pipeline.service").warning("pending cancels not swept: %s: %s",
+                                                                    type(e).__name__, str(e)[:200])
+
+    threading.Thread(target=sweep, name="cancel-sweeper", daemon=True).start()
 
 
 def cmd_usage(args: argparse.Namespace) -> int:

@@ -42,3 +42,44 @@ def test_a_cancel_while_the_run_is_starting_is_taken_and_carried_out(stack):
     final = wait_for(f"batch {batch.id} ended", ended, RUN_TIMEOUT, interval=1.0, on_timeout=server.log_tail)
     assert final.status == "cancelled" and run_status(server, batch.id) == "CANCELED"
     assert final.request_counts.completed < len(lines)  # stopped, not answered to the end
+
+
+class StartingRun:
+    """Dagster's side of one run, scripted: STARTING (terminate refused, as Dagster refuses), then STARTED."""
+
+    def __init__(self) -> None:
+        self.status, self.terminated = "STARTING", []
+
+    def current_run(self, record: dict) -> tuple[str, str]:
+        return record["run_id"], self.status
+
+    def terminate_run(self, run_id: str) -> None:
+        if self.status == "STARTING":
+            raise RuntimeError("Run is in status STARTING and cannot be terminated")
+        self.terminated.append(run_id)
+        self.status = "CANCELING"
+
+
+def test_a_cancel_left_pending_is_carried_out_by_the_sweep_without_a_read(tmp_path):
+    """`batch-pipeline serve` sweeps every few seconds: the run is terminated once started even if no
+    client reads the batch again (before, only a retrieve or a list carried it out)."""
+    from batch_pipeline.io import storage
+    from batch_pipeline.service.operations import PENDING_FOLDER, Service
+    from batch_pipeline.service.store import Store
+
+    dagster = StartingRun()
+    service = Service(store=Store(str(tmp_path)), keys={"k" * 16: "team-a"}, dagster_url="http://unused",
+                      _dagster=dagster)
+    record = {"id": "batch_1", "tenant": "team-a", "run_id": "run-1", "metadata": {}, "created_at": 1}
+    service.store.add_batch(record)
+    pending = tmp_path / "_batch_api" / PENDING_FOLDER
+
+    service.terminate(record, wait=0)  # the cancel: the run is still starting
+    assert service.store.batch("team-a", "batch_1")["terminate_pending"] and (pending / "batch_1.json").exists()
+    assert service.sweep_pending_terminations() == 0 and dagster.terminated == []  # still starting: left pending
+
+    dagster.status = "STARTED"
+    assert service.sweep_pending_terminations() == 1 and dagster.terminated == ["run-1"]
+    assert "terminate_pending" not in service.store.batch("team-a", "batch_1")
+    assert storage.list_objects(str(pending) + "/") == []  # nothing left to sweep
+    assert service.sweep_pending_terminations() == 0 and dagster.terminated == ["run-1"]  # once only

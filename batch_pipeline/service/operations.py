@@ -30,9 +30,12 @@ from batch_pipeline.service.store import Store, new_id
 
 log = logging.getLogger("batch_pipeline.service")
 
-# How long a cancel waits for a STARTING run (which Dagster cannot terminate) to start; after that the
-# next read of the batch terminates it.
+# How long a cancel waits for a STARTING run (which Dagster cannot terminate) to start; after that
+# the service's sweep (every SWEEP_SECONDS, `batch-pipeline serve`) or the next read of the batch
+# terminates it once it has started.
 TERMINATE_WAIT = 15.0
+SWEEP_SECONDS = 5.0
+PENDING_FOLDER = "terminate_pending"  # under _batch_api/: a marker per batch whose run awaits its terminate
 BATCH_ENDPOINTS = (contract.CHAT_URL, contract.COMPLETIONS_URL, contract.EMBEDDINGS_URL, contract.RESPONSES_URL)
 
 
@@ -247,13 +250,35 @@ class Service:
                     if "STARTING" not in str(e):
                         raise
             if time.monotonic() >= deadline:
-                record["terminate_pending"] = True
-                self.store.save_batch(record)
-                log.info("batch %s: run %s still starting; terminated once started", record["id"], run_id)
+                if not record.get("terminate_pending"):
+                    record["terminate_pending"] = True
+                    self.store.save_batch(record)
+                    storage.write_json(self._pending_uri(record["id"]), {"id": record["id"], "tenant": record["tenant"]})
+                    log.info("batch %s: run %s still starting; terminated once started", record["id"], run_id)
                 return
             time.sleep(1)
         if record.pop("terminate_pending", None):
             self.store.save_batch(record)
+            storage.delete(self._pending_uri(record["id"]))
+
+    def _pending_uri(self, batch_id: str) -> str:
+        return storage.join(self.store.output_root, "_batch_api", PENDING_FOLDER, f"{batch_id}.json")
+
+    def sweep_pending_terminations(self) -> int:
+        """Terminate the runs whose cancel came while Dagster was still starting them, once they have
+        started, without waiting for a client to read the batch: `batch-pipeline serve` calls this every
+        SWEEP_SECONDS. Reads only the pending markers (none, usually). Returns the runs terminated."""
+        done = 0
+        folder = storage.join(self.store.output_root, "_batch_api", PENDING_FOLDER) + "/"
+        for info in storage.list_objects(folder, suffix=".json"):
+            marker = storage.read_json(info.uri)
+            record = self.store.batch(str(marker.get("tenant", "")), str(marker.get("id", "")))
+            if record is None or not record.get("terminate_pending"):
+                storage.delete(info.uri)  # read and carried out meanwhile (or the batch is gone)
+                continue
+            self.terminate(record, wait=0)
+            done += 0 if record.get("terminate_pending") else 1
+        return done
 
     def run_of(self, record: dict[str, Any]) -> tuple[str, str | None]:
         """The run carrying the batch, (run id, status); a cancel that came while the run was starting
