@@ -87,7 +87,9 @@ class DagsterClient:
         data = self.graphql("query Runs($tags: [ExecutionTag!]) { runsOrError(filter: {statuses: "
                             "[QUEUED, NOT_STARTED, STARTING, STARTED], tags: $tags}) { __typename ... on Runs { "
                             "results { status tags { key value } } } ... on PythonError { message } } }",
-                            {"tags": [{"key": TRIGGER_TAG, "value": TRIGGER}]})["runsOrError"]
+                            # Only this priority's runs (tags are ANDed): the others never count here.
+                            {"tags": [{"key": TRIGGER_TAG, "value": TRIGGER},
+                                      {"key": BATCH_PRIORITY_TAG, "value": str(priority)}]})["runsOrError"]
         if "results" not in data:
             raise RuntimeError(f"the runs query failed: {str(data.get('message'))[:200]}")
         queued, running, last = [], [], None
