@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -500,6 +501,63 @@ def test_parquet_with_an_image_column_runs_on_the_vision_model(vlm_llm, s3_bucke
     assert by_bytes["prompt_tokens"][0] > by_bytes["prompt_tokens"][2]  # the image's tokens
     assert by_uri["error_code"][2] == "invalid_request"
     assert by_uri["error_message"][2].startswith("row 3: column `photo`: cannot read 'imgs/none.png' next to the table")
+
+
+def test_batch_pipeline_run_takes_a_tables_image_column(vlm_dir, tmp_path):
+    """`batch-pipeline run TABLE --image-column photo`, the real command in its own process (its own
+    vLLM import and engine): each CSV row's image, a path beside the table or a data URL, reaches
+    the model; a row with an empty cell runs as text."""
+    import pandas as pd
+
+    from batch_pipeline_tests.tiny_vlm import IMAGE_SEQ_LEN
+
+    red, blue = png("red"), png("blue")
+    (tmp_path / "in" / "imgs").mkdir(parents=True)
+    (tmp_path / "in" / "imgs" / "red.png").write_bytes(red)
+    (tmp_path / "in" / "imgs" / "blue.png").write_bytes(blue)
+    table = tmp_path / "in" / "catalogue.csv"
+    pd.DataFrame({"prompt": ["describe"] * 4, "photo": ["imgs/red.png", "imgs/blue.png", data_url(red), ""],
+                  "sku": ["s1", "s2", "s3", "s4"], "max_tokens": [8] * 4, "temperature": [0] * 4}).to_csv(table, index=False)
+    out = tmp_path / "out"
+    env = {**os.environ, "MODEL_PATH": str(vlm_dir), "SERVED_MODEL_NAME": VLM, "MAX_MODEL_LEN": "512", "SEED": "0",
+           "KV_CACHE_MEMORY_BYTES": str(64 * 2**20)}
+    env.pop("DAGSTER_HOME", None)
+    command = [str(Path(sys.executable).parent / "batch-pipeline"), "run", str(table), "--output-dir", str(out),
+               "--image-column", "photo"]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "4 requests, 4 completed, 0 failed" in proc.stdout, proc.stdout
+    results = pd.read_parquet(out / "results.parquet")
+    assert "photo" not in results.columns and list(results["sku"]) == ["s1", "s2", "s3", "s4"]
+    red_path, blue_path, red_data, text_only = results["content"]
+    assert red_path != blue_path  # the image decides the greedy answer
+    assert red_path == red_data  # the same picture from a path beside the table and from a data URL
+    tokens = list(results["prompt_tokens"])
+    assert tokens[0] == tokens[1] == tokens[2] >= tokens[3] + IMAGE_SEQ_LEN  # the image's tokens, in the usage
+
+
+def test_batch_pipeline_run_image_column_is_for_tables_and_must_be_there(tmp_path, monkeypatch, capsys):
+    """No engine is built: a JSONL input is refused before the run, and a table without the named
+    column fails its batch in validation (the model is never loaded for a batch without valid lines)."""
+    import pandas as pd
+
+    from batch_pipeline.cli import EXIT_FAILED, main
+
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    jsonl = tmp_path / "lines.jsonl"
+    jsonl.write_text(line("a", chat_body(data_url(png()))) + "\n")
+    assert main(["run", str(jsonl), "--output-dir", str(tmp_path / "o1"), "--image-column", "photo"]) == EXIT_FAILED
+    assert "--image-column is for Parquet/CSV inputs" in capsys.readouterr().err
+    assert not (tmp_path / "o1").exists()
+
+    table = tmp_path / "t.csv"
+    pd.DataFrame({"prompt": ["describe"], "picture": ["imgs/a.png"]}).to_csv(table, index=False)
+    out = tmp_path / "o2"
+    assert main(["run", str(table), "--output-dir", str(out), "--image-column", "photo"]) == EXIT_FAILED
+    reason = "t.csv: the image column `photo` (batch.image_column) is not a column of this table"
+    assert reason in capsys.readouterr().err
+    batch = json.loads((out / "batch.json").read_text())
+    assert batch["status"] == "failed" and batch["errors"]["data"][0]["code"] == "unreadable_file"
 
 
 # ----------------------------------------------------------------------------- the stream's images ahead
