@@ -1,4 +1,5 @@
-"""io/images.py: finding image parts in chat and Responses bodies, fetching and decoding them, limits.
+"""io/images.py: finding image parts in chat and Responses bodies, fetching and decoding them, limits,
+and the checks validation makes without fetching or decoding (check_line), against the run's own.
 
 Real files throughout: PNGs and JPEGs drawn with PIL in the test (none stored), data: URLs, objects
 on the repo's S3 test server (moto over HTTP, with the pipeline's storage client), and a refused
@@ -8,6 +9,7 @@ images is test_images_model.py; how the pipeline runs lines is not touched here.
 
 from __future__ import annotations
 
+import base64
 import socket
 import time
 
@@ -118,6 +120,78 @@ def test_pixel_limit_refuses_a_decompression_bomb_before_decoding():
     assert time.monotonic() - started < 2  # header only: decoding 100 Mpx would take longer
     with pytest.raises(ImageError, match="more than MAX_IMAGE_PIXELS=1000"):
         load(data_url(png("red", (40, 30))), ImageSettings(max_image_pixels=1000))
+
+
+@pytest.mark.parametrize("url", [data_url(png(), "text/plain"), data_url(png(), "application/json"),
+                                 "data:;base64," + data_url(png()).split(",", 1)[1]])
+def test_a_data_url_that_says_it_is_not_an_image_is_refused_whatever_it_holds(url):
+    with pytest.raises(ImageError, match="a data: URL image must have an image media type") as err:
+        load(url)
+    assert str(err.value).startswith(WHERE + ": ")
+    # Bytes whose type is not said (a table's image bytes of a format it does not recognise) are
+    # read by content.
+    assert load(data_url(png(), "application/octet-stream")).size == (40, 30)
+
+
+# Strict base64 (binascii's strict_mode, which b64decode(validate=True) is) takes "AAAA====" and
+# "AAAA=" and refuses "AB==AB==", "AA=A" and "====": the chunked check must agree on each.
+PAYLOADS = ["", "=", "====", "AAAA", "AAA=", "AA==", "A===", "AAA", "AAAAA", "AA=A", "AAAA=", "AAAA==", "AAAA====",
+            "AAAA====A", "AAAA==A", "AB==AB==", "AA AA", "AAAA\nAAAA", "AAAAAAAA", "AAAAAAA=", "AAAAAA==", "AAAA=AAA",
+            "AA==AAAA", "AAAAAAAAAAA=", "AAAAAAAAA===", "AAAAAAAA====", "AAAAAAAAAAAA=AAAAAAAA", "AAAA*AAA",
+            "AAAAAAAAAAAA*", "é" * 8, "AAAAAAAAé", base64.b64encode(png()).decode(), base64.b64encode(png()[:-1]).decode()]
+
+
+@pytest.mark.parametrize("chunk", [4, 8, 12, images.BASE64_CHECK_CHARS])
+def test_base64_checked_in_chunks_agrees_with_decoding_it_whole(chunk):
+    """Validation checks a data: URL's base64 a chunk at a time, dropping the decoded bytes; its
+    verdict and size are those of decoding it whole, as the run does."""
+    for payload in PAYLOADS:
+        try:
+            whole = len(base64.b64decode(payload, validate=True))
+        except ValueError:
+            whole = None
+        assert images._base64_size(payload, chunk) == whole, (payload, chunk)
+
+
+@pytest.mark.parametrize("url, settings", [
+    ("data:image/png;base64,@@not base64@@", ImageSettings()),
+    ("data:image/png;base64,AAAA=AAA", ImageSettings()),
+    ("data:image/png,rawbytes", ImageSettings()),
+    (data_url(png(), "text/plain"), ImageSettings()),
+    (data_url(png("red", (200, 200), fmt="BMP"), "image/bmp"), ImageSettings(max_image_bytes=1000)),
+    (data_url(b"x" * 1001, "image/png"), ImageSettings(max_image_bytes=1000)),
+    ("http://example.com/a.png", ImageSettings()),
+    ("file:///etc/passwd", ImageSettings()),
+    ("https://images.example.com/a.png", ImageSettings()),
+    ("https://evil.example/a.png", ImageSettings(allowed_hosts=("images.example.com",))),
+    ("https://[oops/a.png", ImageSettings(allowed_hosts=("images.example.com",))),
+    ("s3:///a.png", ImageSettings()),
+])
+def test_validation_finds_without_fetching_what_the_run_would_refuse_with_its_message(url, settings):
+    """check_line (validation) raises the very ImageError the run's load gives, and fetches nothing."""
+    with pytest.raises(ImageError) as run:
+        load(url, settings)
+    with pytest.raises(ImageError) as validation:
+        images.check_line(CHAT_URL, chat(image_part(url)), settings)
+    assert str(validation.value) == str(run.value)
+
+
+def test_validation_passes_what_needs_a_fetch_or_a_decode_to_judge(monkeypatch):
+    def no_io(*args):
+        raise AssertionError("validation fetched or decoded an image")
+
+    for name in ("decode", "_s3_bytes", "_https_bytes"):
+        monkeypatch.setattr(images, name, no_io)
+    settings = ImageSettings(allowed_hosts=("images.example.com",))
+    body = chat(image_part(data_url(b"plain text, not an image")), image_part("s3://no-such-bucket-for-images/a.png"),
+                image_part("https://images.example.com/a.png"), image_part(data_url(png()[:60])))
+    images.check_line(CHAT_URL, body, settings)  # each is the run's to find: not an image, missing, unreachable, damaged
+    # The count is checked first, naming the first part over it, as the run does.
+    with pytest.raises(ImageError, match=r"content\[3\].image_url: 4 images in one request, more than MAX_IMAGES_PER_REQUEST=2"):
+        images.check_line(CHAT_URL, body, ImageSettings(max_images_per_request=2))
+    responses = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "ftp://h/a.png"}]}]}
+    with pytest.raises(ImageError, match=r"^body.input\[0\].content\[0\].image_url: unsupported image url"):
+        images.check_line(RESPONSES_URL, responses, settings)
 
 
 # ----------------------------------------------------------------------------- S3 and https

@@ -104,6 +104,7 @@ def _validator(vision_folder: Path) -> LineValidator:
 ])
 def test_image_parts_are_valid_lines_for_a_model_that_takes_images(vision_folder, monkeypatch, url, body):
     monkeypatch.delenv("MODELS_FILE", raising=False)
+    monkeypatch.setenv("IMAGE_URL_ALLOWED_HOSTS", "img.example.com")
     assert isinstance(_validator(vision_folder).validate(3, line("c", body, url).encode()), ValidLine)
 
 
@@ -129,6 +130,73 @@ def test_bad_image_parts_are_refused_naming_the_part(vision_folder, monkeypatch,
     result = _validator(vision_folder).validate(3, line("c", body, url).encode())
     assert isinstance(result, InvalidLine) and result.code == "invalid_request"
     assert result.message.startswith(f"line 3: {message}"), result.message
+
+
+# Lines whose images validation refuses without fetching or decoding: custom_id -> (body, url).
+BAD_IMAGE_LINES = {
+    "bad-base64": (chat_body("data:image/png;base64,@@not base64@@"), CHAT),
+    "not-base64": (chat_body("data:image/png,rawbytes"), CHAT),
+    "text-type": (chat_body(data_url(png(), "text/plain")), CHAT),
+    "too-big": (chat_body(data_url(png("red", (200, 200), "BMP"), "image/bmp")), CHAT),
+    "too-many": (chat_body(*[data_url(png())] * 3), CHAT),
+    "not-allowed": (chat_body("https://images.example.com/a.png"), CHAT),
+    "http": (chat_body("http://127.0.0.1/a.png"), CHAT),
+    "responses-scheme": (responses_body("file:///etc/passwd"), RESPONSES),
+    "second-part": (chat_body(data_url(png()), "gs://bucket/a.png"), CHAT),
+}
+IMAGE_LIMITS = {"MAX_IMAGE_BYTES": "20000", "MAX_IMAGES_PER_REQUEST": "2", "IMAGE_URL_ALLOWED_HOSTS": "127.0.0.1"}
+
+
+def test_validation_refuses_bad_images_per_line_with_the_runs_own_message(vision_folder, monkeypatch):
+    """Each line whose image the run would refuse before fetching it is an error line at validation,
+    naming the line and the part, with the message the engine stream gives for it."""
+    monkeypatch.delenv("MODELS_FILE", raising=False)
+    for name, value in IMAGE_LIMITS.items():
+        monkeypatch.setenv(name, value)
+    validator = _validator(vision_folder)
+    settings = images.image_settings_from_env()
+    with images.ImageResolver(settings) as resolver:  # what the run does with the line (generation.stream)
+        for number, (custom_id, (body, url)) in enumerate(BAD_IMAGE_LINES.items(), start=1):
+            result = validator.validate(number, line(custom_id, body, url).encode())
+            assert isinstance(result, InvalidLine) and result.code == "invalid_request", (custom_id, result)
+            in_the_run = resolver.submit(number, url, body).result().error
+            assert in_the_run is not None and result.message == f"line {number}: {in_the_run}", custom_id
+            assert result.custom_id == custom_id
+    # What only a fetch or a decode can tell stays the run's: these lines are valid.
+    for n, body in enumerate((chat_body(data_url(b"not an image")), chat_body("s3://no-such-bucket/a.png"),
+                              chat_body("https://127.0.0.1/a.png"), chat_body(data_url(png("red", (400, 300)))))):
+        assert isinstance(validator.validate(20 + n, line(f"fine-{n}", body).encode()), ValidLine), n
+
+
+def test_validate_command_reports_bad_images_without_fetching_or_decoding(vision_folder, tmp_path, monkeypatch, capsys):
+    from batch_pipeline.cli import EXIT_INVALID_LINES, main
+
+    for var in ("MODELS_FILE", "LORA_MODULES", "DAGSTER_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MODEL_PATH", str(vision_folder))
+    monkeypatch.setenv("SERVED_MODEL_NAME", VLM)
+    for name, value in IMAGE_LIMITS.items():
+        monkeypatch.setenv(name, value)
+
+    def no_io(*args: Any) -> None:
+        raise AssertionError("validate fetched or decoded an image")
+
+    for name in ("decode", "_s3_bytes", "_https_bytes"):
+        monkeypatch.setattr(images, name, no_io)
+    good = [line("red", chat_body(data_url(png("red")))), line("s3", chat_body("s3://bucket/a.png"))]
+    bad = [line(custom_id, body, url) for custom_id, (body, url) in BAD_IMAGE_LINES.items()]
+    batch = tmp_path / "images.jsonl"
+    batch.write_text("\n".join(good + bad) + "\n")
+    assert main(["validate", str(batch)]) == EXIT_INVALID_LINES
+    out = capsys.readouterr().out
+    assert f"{len(good) + len(bad)} requests: {len(good)} valid, {len(bad)} invalid (invalid_request={len(bad)})" in out
+    assert "line 3 [invalid_request] custom_id='bad-base64': body.messages[0].content[1].image_url: the data: URL is " \
+           "not valid base64" in out
+    assert "line 8 [invalid_request] custom_id='not-allowed': body.messages[0].content[1].image_url: https images " \
+           "from images.example.com are not allowed (IMAGE_URL_ALLOWED_HOSTS: 127.0.0.1)" in out
+    assert "line 7 [invalid_request] custom_id='too-many': body.messages[0].content[3].image_url: 3 images in one " \
+           "request, more than MAX_IMAGES_PER_REQUEST=2" in out
+    assert "custom_id='second-part': body.messages[0].content[2].image_url: unsupported image url 'gs://bucket/a.png'" in out
 
 
 def test_a_responses_line_runs_as_the_chat_with_its_images_in_place():

@@ -15,7 +15,8 @@ class TextPart(StrictModel):
 
 
 class ImageUrl(StrictModel):
-    # A data: URL (base64), s3:// or an allowed https:// host: io/images.py fetches and checks it.
+    # A data: URL (base64), s3:// or an allowed https:// host: io/images.py checks it at validation as far
+    # as it can without fetching or decoding (steps/validation.py), then fetches and decodes it in the run.
     url: str = Field(min_length=1)
     # Accepted and ignored: the model's own processor decides the resolution.
     detail: Literal["auto", "low", "high"] | None = None

@@ -12,6 +12,10 @@ the work they bound: the byte limit while reading (never more than MAX_IMAGE_BYT
 memory), the pixel limit from the image header before any pixel is decoded (a decompression bomb is
 refused before it expands), the image count before anything is fetched.
 
+`check_line` makes the checks that need no fetch and no decode (the count, the scheme, an https
+host against the allowed ones, a data: URL's media type, base64 and size), for validation, so a bad
+line is found before the run; they are the same functions the run calls, giving the same messages.
+
 `ImageResolver.resolve_all` fetches the images of many lines on a bounded thread pool and yields
 each line's decoded images (PIL, RGB) in input order, a bounded window ahead of the consumer, so the
 engine is fed while the next lines' images are still on the wire. Dagster-free.
@@ -163,15 +167,51 @@ def check_count(refs: list[ImageRef], settings: ImageSettings) -> None:
 
 def fetch_bytes(ref: ImageRef, settings: ImageSettings) -> bytes:
     """The image's encoded bytes, at most MAX_IMAGE_BYTES of them; ImageError for anything else."""
-    scheme = ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
+    scheme = _scheme(ref)
     if scheme == "data":
         return _data_url_bytes(ref, settings)
     if scheme == "s3":
         return _s3_bytes(ref, settings)
     if scheme == "https":
         return _https_bytes(ref, settings)
+    raise _unsupported(ref)
+
+
+def check_line(url: str, body: Mapping[str, Any], settings: ImageSettings) -> None:
+    """Validation's look at a line's images: ImageError for the first part that is bad without
+    fetching or decoding anything (too many images, a scheme not taken, an https host not allowed,
+    an s3 URI without a bucket, a data: URL that is not an image type, not base64, or too big). The
+    run makes the same checks, with the same messages, and then fetches and decodes."""
+    refs = image_refs(url, body)
+    check_count(refs, settings)
+    for ref in refs:
+        check_ref(ref, settings)
+
+
+def check_ref(ref: ImageRef, settings: ImageSettings) -> None:
+    """One part's checks that need no fetch and no decode (check_line)."""
+    scheme = _scheme(ref)
+    if scheme == "data":
+        size = _base64_size(_data_payload(ref, settings))
+        if size is None:
+            raise _not_base64(ref)
+        if size > settings.max_image_bytes:
+            raise _too_big(ref, settings, size)
+    elif scheme == "s3":
+        _s3_key(ref)
+    elif scheme == "https":
+        _allowed_host(ref, settings)
+    else:
+        raise _unsupported(ref)
+
+
+def _scheme(ref: ImageRef) -> str:
+    return ref.url.split(":", 1)[0].lower() if ":" in ref.url else ""
+
+
+def _unsupported(ref: ImageRef) -> ImageError:
     shown = ref.url if len(ref.url) <= 60 else ref.url[:57] + "..."
-    raise ImageError(ref.where, f"unsupported image url {shown!r} (a data: URL, s3:// or an allowed https:// host)")
+    return ImageError(ref.where, f"unsupported image url {shown!r} (a data: URL, s3:// or an allowed https:// host)")
 
 
 def _too_big(ref: ImageRef, settings: ImageSettings, size: int | None = None) -> ImageError:
@@ -179,25 +219,75 @@ def _too_big(ref: ImageRef, settings: ImageSettings, size: int | None = None) ->
     return ImageError(ref.where, f"image is larger than MAX_IMAGE_BYTES={settings.max_image_bytes}{got}")
 
 
-def _data_url_bytes(ref: ImageRef, settings: ImageSettings) -> bytes:
+def _not_base64(ref: ImageRef) -> ImageError:
+    return ImageError(ref.where, "the data: URL is not valid base64")
+
+
+# A data: URL's media type: an image type, or bytes whose type is not said (a table's image bytes
+# of a format io/table_inputs.py does not recognise), which the decoder then reads by content.
+UNTYPED_BYTES = "application/octet-stream"
+
+
+def _data_payload(ref: ImageRef, settings: ImageSettings) -> str:
+    """A data: URL's base64 payload, stripped, once its header is checked (base64, an image media
+    type) and its encoded length is within MAX_IMAGE_BYTES."""
     header, sep, payload = ref.url.partition(",")
     if not sep or not header.lower().endswith(";base64"):
         raise ImageError(ref.where, "a data: URL image must be base64 (data:image/png;base64,...)")
+    media = header[len("data:"):].split(";", 1)[0].strip().lower()
+    if not media.startswith("image/") and media != UNTYPED_BYTES:
+        said = f"not {media[:40]!r}" if media else "not a URL without one"
+        raise ImageError(ref.where, f"a data: URL image must have an image media type (data:image/png;base64,...), {said}")
     # Checked on the encoded length first: a 1 GB payload is refused without decoding it.
     if (len(payload) // 4) * 3 > settings.max_image_bytes + 3:
         raise _too_big(ref, settings)
+    return payload.strip()
+
+
+def _data_url_bytes(ref: ImageRef, settings: ImageSettings) -> bytes:
+    payload = _data_payload(ref, settings)
     try:
-        data = base64.b64decode(payload.strip(), validate=True)
+        data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise ImageError(ref.where, "the data: URL is not valid base64") from None
+        raise _not_base64(ref) from None
     if len(data) > settings.max_image_bytes:
         raise _too_big(ref, settings, len(data))
     return data
 
 
-def _s3_bytes(ref: ImageRef, settings: ImageSettings) -> bytes:
+# Characters of base64 decoded at a time by _base64_size (a multiple of 4: whole quanta).
+BASE64_CHECK_CHARS = 1 << 20
+
+
+def _base64_size(payload: str, chunk: int = BASE64_CHECK_CHARS) -> int | None:
+    """The decoded size of `payload`, or None where `base64.b64decode(payload, validate=True)` (the
+    run's decode: binascii's strict mode) would refuse it, holding no more than one chunk's bytes.
+    The data before the padding is whole quanta of plain alphabet, decoded a chunk at a time and
+    dropped; from the last quantum before the first `=` on, the rest is decoded in one call, where
+    strict mode judges the padding as it would in the whole string."""
+    pad = payload.find("=")
+    cut = len(payload) if pad < 0 else max(0, pad // 4 * 4 - 4)
+    cut -= cut % 4
+    size = 0
+    try:
+        for start in range(0, cut, chunk):
+            size += len(base64.b64decode(payload[start:min(start + chunk, cut)], validate=True))
+        size += len(base64.b64decode(payload[cut:], validate=True))
+    except (binascii.Error, ValueError):
+        return None
+    return size
+
+
+def _s3_key(ref: ImageRef) -> None:
     try:
         storage.split_s3(ref.url)
+    except ValueError as exc:
+        raise ImageError(ref.where, f"not an S3 object URI: {exc}") from None
+
+
+def _s3_bytes(ref: ImageRef, settings: ImageSettings) -> bytes:
+    _s3_key(ref)
+    try:
         with storage.open_read(ref.url) as handle:
             data = handle.read(settings.max_image_bytes + 1)
     except FileNotFoundError:
@@ -220,11 +310,20 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_NoRedirects)
 
 
-def _https_bytes(ref: ImageRef, settings: ImageSettings) -> bytes:
-    host = (urllib.parse.urlsplit(ref.url).hostname or "").lower()
+def _allowed_host(ref: ImageRef, settings: ImageSettings) -> str:
+    """The https url's host, when IMAGE_URL_ALLOWED_HOSTS lists it; ImageError otherwise."""
+    try:
+        host = (urllib.parse.urlsplit(ref.url).hostname or "").lower()
+    except ValueError:  # e.g. an unbalanced [ in the host
+        host = ""
     if host not in settings.allowed_hosts:
         allowed = ", ".join(settings.allowed_hosts) or "none"
         raise ImageError(ref.where, f"https images from {host or 'this url'} are not allowed (IMAGE_URL_ALLOWED_HOSTS: {allowed})")
+    return host
+
+
+def _https_bytes(ref: ImageRef, settings: ImageSettings) -> bytes:
+    host = _allowed_host(ref, settings)
     last = ""
     for attempt in range(HTTPS_ATTEMPTS):
         if attempt:

@@ -49,6 +49,10 @@ class ValidationSettings:
     image_models: tuple[str, ...] = ()
     # A table input's column of images (the run config's batch.image_column); blank: none.
     image_column: str = ""
+    # The image limits a line's images are checked against (io/images.check_line: count, scheme,
+    # host, data: URL); None: MAX_IMAGES_PER_REQUEST, IMAGE_URL_ALLOWED_HOSTS, ... from the
+    # environment, read at the first line with an image, as the run reads them.
+    image_settings: images.ImageSettings | None = None
 
     def models_for(self, url: str) -> tuple[str, ...]:
         if url == contract.EMBEDDINGS_URL:
@@ -229,6 +233,7 @@ class LineValidator:
                         for url in contract.SUPPORTED_URLS}
         self._max_line_bytes = settings.max_line_bytes
         self._max_id = settings.max_custom_id_length
+        self._image_settings = settings.image_settings
 
     def _remember(self, custom_id: str) -> bool:
         """Record a custom_id; False when it was seen before."""
@@ -332,7 +337,24 @@ class LineValidator:
                 f"body.model: {parsed.model!r} is not served here; {url} serves {serving}",  # type: ignore[attr-defined]
                 custom_id,
             )
+        if parsed.model in self.settings.image_models:  # type: ignore[attr-defined]
+            problem = self._bad_image(url, body)
+            if problem:
+                return bad(contract.INVALID_REQUEST, problem, custom_id)
         return ValidLine(line, custom_id, url, parsed.model, raw)  # type: ignore[attr-defined]
+
+    def _bad_image(self, url: str, body: dict[str, Any]) -> str | None:
+        """The first of a line's images that the run would refuse without fetching or decoding it
+        (io/images.check_line), as `part: reason`, the message the run gives; None otherwise."""
+        if url not in (contract.CHAT_URL, contract.RESPONSES_URL):
+            return None
+        if self._image_settings is None:
+            self._image_settings = images.image_settings_from_env()
+        try:
+            images.check_line(url, body, self._image_settings)
+        except images.ImageError as e:
+            return str(e)
+        return None
 
 
     def _image_refusal(self, url: str, body: dict[str, Any]) -> str | None:
