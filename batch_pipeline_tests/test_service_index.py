@@ -1,18 +1,25 @@
-"""The Batch API's index of open batches: what create reads for the per-tenant limit check.
+"""The Batch API's indexes: of open batches (what create reads for the per-tenant limit check) and
+of every batch in creation order (what a list and /metrics read).
 
 Covered: with a tenant's history of 500 finished batches, create reads the tenant's open batches
 only (reads counted through storage: every JSON read, service records and the pipeline's files),
 the same as with no history; a batch seen finished leaves the index, and reading it again writes
 nothing; a store kept before the index existed is indexed once, and only its batches not known to
-be over. The service is the real `Service` over a real local store; the Dagster web server is a
-stand-in answering submit and run status (what it answers does not change what the store reads:
-a run query is not a storage read). The service over a real `dagster dev`: test_batch_api.py's
-limit test.
+be over. A list page reads that page's records only, with 500 batches in the history as with none;
+pages with `after` walk every batch once, newest first, also batches created by 8 threads at once
+and across a new Store over the same folder (a restart); records written before the listing index
+(or by an older replica) are listed after the start's `index_listing`, and by the first list of a
+Store no service indexed; a listing marker whose record was never written is skipped. A second
+/metrics scrape reads only the batches not yet seen finished. The service is the real `Service`
+over a real local store; the Dagster web server is a stand-in answering submit and run status (what
+it answers does not change what the store reads: a run query is not a storage read). The service
+over a real `dagster dev`: test_batch_api.py's limit and list tests.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -135,3 +142,158 @@ def test_a_store_kept_before_the_open_index_is_indexed_once(tmp_path):
     assert store.index_open_batches(_seen_finished) == 0 and store.reads == before  # once per store
     store.close_batch(store.batch(TENANT, "batch_open1"))
     assert store.open_batches(TENANT) == [] and store.batch(TENANT, "batch_open1")["open"] is False
+
+
+# ------------------------------------------------------------------------ the listing index
+
+
+def create_batches(service: Any, n: int) -> list[str]:
+    source = service.create_file(TENANT, "one.jsonl", "batch", LINE)
+    return [service.create_batch(TENANT, {"input_file_id": source["id"], "endpoint": "/v1/chat/completions"})["id"]
+            for _ in range(n)]
+
+
+def list_all(service: Any, limit: int) -> tuple[list[str], list[int]]:
+    """Every id the list pages give, following `after`; the batch records each page read."""
+    ids: list[str] = []
+    reads: list[int] = []
+    after = None
+    while True:
+        before = service.store.reads
+        page, more = service.store.batch_page(TENANT, after, limit)
+        reads.append(service.store.reads - before)
+        ids += [r["id"] for r in page]
+        if not more:
+            return ids, reads
+        after = page[-1]["id"]
+
+
+def newest_first(store: Store) -> list[str]:
+    """The tenant's batch ids newest first from every record (the list's order before the index)."""
+    records = [r for r in store.all_batches() if r["tenant"] == TENANT]
+    return [r["id"] for r in sorted(records, key=lambda r: (r["created_at"], r["id"]), reverse=True)]
+
+
+@pytest.fixture
+def unlimited(tmp_path: Path) -> Any:
+    from batch_pipeline.service.operations import Service
+
+    return Service(Store(str(tmp_path / "out")), {"k" * 16: TENANT}, "http://127.0.0.1:9", _dagster=RunsStandIn())
+
+
+def test_a_list_page_reads_its_own_records_however_long_the_history(unlimited, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from batch_pipeline.service.app import create_app
+
+    service, store = unlimited, unlimited.store
+    reads: list[str] = []
+    real = storage.read_json
+    monkeypatch.setattr(storage, "read_json", lambda uri: (reads.append(uri), real(uri))[1])
+    client = TestClient(create_app(service))
+    auth = {"Authorization": "Bearer " + "k" * 16}
+
+    def listed(**params: Any) -> tuple[dict[str, Any], set[str], int]:
+        reads.clear()
+        before = store.reads
+        body = client.get("/v1/batches", params=params, headers=auth).json()
+        return body, {m for uri in reads for m in BATCH_IDS.findall(uri)}, store.reads - before
+
+    create_batches(service, 3)
+    created = newest_first(store)  # created in one second: their ids decide the order, as before the index
+    body, touched, records = listed(limit=2)
+    assert [b["id"] for b in body["data"]] == created[:2] and body["has_more"] is True
+    assert touched == set(created[:2]) and records == 2, (touched, records)
+    alone = len(reads)
+    past = write_finished(store, TENANT, 500)  # as a service before the listing index wrote them: no marker
+    assert store.index_listing() == 500  # what `batch-pipeline serve` does when it starts
+    body, touched, records = listed(limit=2)
+    assert [b["id"] for b in body["data"]] == created[:2] and touched == set(created[:2]) and records == 2
+    assert len(reads) == alone, reads
+    # A page deep in the history: its 20 batches, read; none of the other 483.
+    body, touched, records = listed(limit=20, after=past[300])
+    assert [b["id"] for b in body["data"]] == past[299:279:-1] and body["has_more"] is True
+    assert touched == set(past[280:300]) and records == 20
+    assert body["first_id"] == past[299] and body["last_id"] == past[280]
+    # The last page says so; an unknown `after` is an empty page, as before the index.
+    body, _, records = listed(limit=20, after=past[5])
+    assert [b["id"] for b in body["data"]] == past[4::-1] and body["has_more"] is False and records == 5
+    body, _, records = listed(limit=20, after="batch_nosuch")
+    assert body["data"] == [] and body["has_more"] is False and records == 0
+
+
+def test_pages_walk_every_batch_once_newest_first_across_concurrent_creates_and_a_restart(unlimited):
+    service, store = unlimited, unlimited.store
+    write_finished(store, TENANT, 40)
+    first = create_batches(service, 5)
+    made: list[str] = []
+    errors: list[BaseException] = []
+
+    def creator() -> None:
+        try:
+            made.extend(create_batches(service, 4))
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=creator) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(made) == 32
+    ids, reads = list_all(service, 7)  # the first list of this Store indexes the 40 records without a marker
+    assert ids == newest_first(store) and len(ids) == 40 + 5 + 32 and set(first + made) <= set(ids)
+    # A restart: a new Store over the same folder lists the same, each page reading at most its own.
+    restarted = type(service)(Store(store.output_root), service.keys, service.dagster_url, _dagster=service.dagster)
+    assert restarted.store.index_listing() == 0
+    ids_again, reads = list_all(restarted, 7)
+    assert ids_again == ids and max(reads) == 7
+    # A record an older replica wrote after this start (no marker) is listed after the next start.
+    old = {**store.batch(TENANT, first[0]), "id": "batch_olderreplica", "created_at": 4102444800}  # 2100: newest
+    old.pop("open")
+    store.save_batch(old)
+    assert "batch_olderreplica" not in list_all(restarted, 100)[0]
+    assert Store(store.output_root).index_listing() == 1
+    assert list_all(restarted, 100)[0][:1] == ["batch_olderreplica"] == newest_first(store)[:1]
+
+
+def test_a_listing_marker_without_its_record_is_skipped(unlimited):
+    service, store = unlimited, unlimited.store
+    create_batches(service, 2)
+    created = newest_first(store)
+    crashed = {"id": "batch_crashed", "tenant": TENANT, "created_at": 1}  # the marker written, then a crash
+    storage.write_bytes(store._listed_uri(crashed), b"")
+    page, more = store.batch_page(TENANT, None, 2)
+    assert [r["id"] for r in page] == created and more is False
+    page, more = store.batch_page(TENANT, None, 1)
+    assert [r["id"] for r in page] == created[:1] and more is True
+    assert [r["id"] for r in store.batch_page(TENANT, created[1], 5)[0]] == []
+
+
+def test_a_second_metrics_scrape_reads_only_batches_not_seen_finished(unlimited):
+    from batch_pipeline.service.app import figures
+    from batch_pipeline.service.metrics import FinishedBatches
+
+    service, store = unlimited, unlimited.store
+    write_finished(store, TENANT, 200)
+    running = create_batches(service, 3)
+    assert store.index_listing() == 200  # as the service's start does
+    finished = FinishedBatches()
+    service._dagster.queued_runs = lambda: 0  # the queue figure (not a storage read)
+    service._dagster.graphql = lambda query, variables=None: {"runsOrError": {"count": 0, "results": []}}
+
+    def batch_lines(page: str) -> list[str]:
+        return [line for line in page.splitlines() if line.startswith("batch_pipeline_api_batches{")]
+
+    before = store.reads
+    page = figures(service, finished)
+    assert store.reads - before == 203 and 'batch_pipeline_api_batches{status="completed"} 200' in page
+    before = store.reads
+    assert batch_lines(figures(service, finished)) == batch_lines(page)
+    assert store.reads - before == 3  # the three still queued: their status can change
+    service._dagster.status[running[0]] = "CANCELED"
+    page = figures(service, finished)
+    assert 'batch_pipeline_api_batches{status="cancelled"} 1' in page
+    before = store.reads
+    figures(service, finished)
+    assert store.reads - before == 2

@@ -24,12 +24,15 @@ What runs, all on 127.0.0.1:
               tenant's open batches (here every batch created so far: no daemon, none finishes);
     retrieve  GET /v1/batches/{id} of a random past batch;
     list      GET /v1/batches?limit=20 (tenant `history`: the first page of its 10,000);
+    list_after  GET /v1/batches?limit=20&after=<a random past batch>: a page anywhere in the history;
     content   GET /v1/files/file-<id>-output/content of a random past batch.
   Latency is from send to the last byte; an error is a non-2xx answer or a transport error/timeout.
 
 Creates go to a tenant of their own so that the list, retrieve and content figures stay those of
-the history (a created batch stays QUEUED: listing it asks Dagster for its run). The store's 10,000
-records are read by any tenant's list and limit check alike, so create meets the same history.
+the history (a created batch stays QUEUED: listing it asks Dagster for its run). A list reads the
+tenant's listing index (names) and one page of records; the service indexes the history's records
+(written without listing markers, as an older service wrote them) once when it starts, before the
+first measured request.
 The client shares the 2 cores with the server: figures are the service and its client together.
 """
 
@@ -55,7 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 KEYS = {"history": "history-key-0123456789", "creator": "creator-key-0123456789"}
-OPS = ("create", "retrieve", "list", "content")
+OPS = ("create", "retrieve", "list", "list_after", "content")
 
 
 def say(message: str) -> None:
@@ -114,6 +117,8 @@ async def one_level(base: str, level: int, op: str, samples: int, past: list[str
             return client.get(f"/v1/batches/{random.choice(past)}", headers=auth)
         if op == "list":
             return client.get("/v1/batches", params={"limit": 20}, headers=auth)
+        if op == "list_after":  # a page anywhere in the history
+            return client.get("/v1/batches", params={"limit": 20, "after": random.choice(past)}, headers=auth)
         return client.get(f"/v1/files/file-{random.choice(past)}-output/content", headers=auth)
 
     async def worker() -> None:

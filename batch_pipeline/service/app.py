@@ -23,7 +23,7 @@ from batch_pipeline.config.settings import storage_settings_from_env
 from batch_pipeline.io import storage
 from batch_pipeline.service.audit import AuditMiddleware, audit_log_from_env
 from batch_pipeline.service.errors import ApiError
-from batch_pipeline.service.metrics import prometheus
+from batch_pipeline.service.metrics import FinishedBatches, prometheus
 from batch_pipeline.service.operations import Service
 from batch_pipeline.service.settings import (completion_windows, dagster_url, file_limits, load_keys, load_limits,
                                              load_priority_caps, min_expiry_seconds)
@@ -48,9 +48,10 @@ def readiness(service: Service) -> list[str]:
     return problems
 
 
-def figures(service: Service) -> str:
-    """/metrics: every tenant's batches (each one's Batch object), the files kept, the queued runs."""
-    batches = [(record["tenant"], service.batch_object(record)) for record in service.store.all_batches()]
+def figures(service: Service, finished: FinishedBatches | None = None) -> str:
+    """/metrics: every tenant's batches (each one's Batch object; the finished ones kept in `finished`
+    across scrapes), the files kept, the queued runs."""
+    batches = (finished or FinishedBatches()).batches(service.store, service.batch_object)
     return prometheus(batches, service.store.count_files(), service.dagster.queued_runs())
 
 
@@ -95,10 +96,12 @@ def create_app(service: Service) -> Any:
         return JSONResponse({"status": "not ready", "problems": problems} if problems else {"status": "ready"},
                             status_code=503 if problems else 200)
 
+    finished = FinishedBatches()  # what /metrics keeps between scrapes
+
     @app.get("/metrics")
     def metrics(authorization: str | None = Header(default=None)) -> Response:
         service.tenant(authorization)  # any tenant's key (Prometheus: bearer_token)
-        return Response(figures(service), media_type="text/plain; version=0.0.4")
+        return Response(figures(service, finished), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/files")
     async def create_file(file: UploadFile = File(...), purpose: str = Form(...),
@@ -150,14 +153,10 @@ def create_app(service: Service) -> Any:
         tenant = service.tenant(authorization)
         if not 1 <= limit <= 100:
             raise ApiError(400, "limit: from 1 to 100", param="limit")
-        records = service.store.batches(tenant)
-        if after:
-            ids = [r["id"] for r in records]
-            records = records[ids.index(after) + 1:] if after in ids else []
-        page = records[:limit]
+        page, more = service.store.batch_page(tenant, after, limit)  # the listing's names, this page's records
         data = [service.batch_object(r) for r in page]
         return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                "last_id": data[-1]["id"] if data else None, "has_more": len(records) > limit}
+                "last_id": data[-1]["id"] if data else None, "has_more": more}
 
     @app.get("/v1/batches/{batch_id}")
     def retrieve_batch(batch_id: str, authorization: str | None = Header(default=None)) -> dict[str, Any]:
@@ -172,7 +171,8 @@ def create_app(service: Service) -> Any:
 
 def service_from_env() -> Service:
     """The service the environment describes; a store kept before the open-batch index is indexed once
-    (its records and batch.json files read), so the limit check at create reads only open batches."""
+    (its records and batch.json files read), so the limit check at create reads only open batches, and
+    records without a listing marker get theirs, so a list reads one page."""
     keys = load_keys()
     max_in_flight, tenant_limits = load_limits(set(keys.values()))
     max_priority, tenant_max_priority = load_priority_caps(set(keys.values()))
@@ -181,6 +181,9 @@ def service_from_env() -> Service:
     indexed = store.index_open_batches(_seen_finished)
     if indexed:
         log.info("open-batch index: %d batches of an older store indexed", indexed)
+    listed = store.index_listing()  # records without a listing marker (an older store, or an older replica's)
+    if listed:
+        log.info("listing index: %d batches of an older store indexed", listed)
     return Service(
         store=store,
         keys=keys,

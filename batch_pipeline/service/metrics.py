@@ -1,12 +1,19 @@
 """The Batch API's figures in Prometheus' text format (`GET /metrics`): no ids, no text; what finished
-batches cost as counters by tenant and model."""
+batches cost as counters by tenant and model.
+
+What a scrape reads: the listing index's names and the records of batches not yet seen finished by
+this process (a finished batch's Batch object is kept: `FinishedBatches`), not every record and
+batch.json.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from batch_pipeline.service.status import TERMINAL_STATUSES
+from batch_pipeline.service.store import Store
 from batch_pipeline.steps.metrics import COST_FIELDS, cost_of_metadata
 
 # Counters of what finished batches cost, by tenant and model: (metric, cost field, help).
@@ -31,6 +38,42 @@ def label(value: str) -> str:
 def _number(value: float) -> str:
     """A sum as Prometheus reads it, exact: 1234567, not 1.23457e+06."""
     return str(int(value)) if float(value).is_integer() else str(round(value, 3))
+
+
+# What /metrics keeps of a Batch object.
+_KEPT = ("status", "request_counts", "usage", "metadata", "model", "expires_at")
+
+
+class FinishedBatches:
+    """Every batch's Batch object for /metrics, each finished one read once per process.
+
+    A batch the service has seen finished is over (its record leaves the open index then), so its
+    figures are kept here by id: a scrape lists the ids (the listing index, no read) and reads only the
+    batches not kept: those still open (their status can change) and those new since the last scrape.
+    The first scrape after a start reads every batch once. (A batch cancelled and then re-run from the
+    UI to completion keeps its first figures here until the service restarts.)"""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[str, dict[str, Any]]] = {}
+        self._lock = threading.Lock()
+
+    def batches(self, store: Store, batch_object: Callable[[dict[str, Any]], dict[str, Any]],
+                ids: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """(tenant, Batch object) of every batch of every tenant (`ids`: the store's batch ids, if listed)."""
+        found = []
+        for batch_id in store.batch_ids() if ids is None else ids:
+            kept = self._kept.get(batch_id)
+            if kept is None:
+                record = store.batch_by_id(batch_id)
+                if record is None:  # a listing marker whose record was never written (a crashed create)
+                    continue
+                batch = batch_object(record)
+                kept = (record["tenant"], {k: batch.get(k) for k in _KEPT})
+                if batch["status"] in TERMINAL_STATUSES:
+                    with self._lock:
+                        self._kept[batch_id] = kept
+            found.append(kept)
+        return found
 
 
 def prometheus(batches: Iterable[tuple[str, dict[str, Any]]], files: int, queued: int | None) -> str:

@@ -9,6 +9,16 @@ Batches that may still be unfinished are indexed per tenant (`_batch_api/open/<t
 id>`): a marker written when the batch is created and deleted once the service sees it finished, so
 the limit check at create reads a tenant's open batches only, however long its history.
 
+Every batch is also listed per tenant in creation order (`_batch_api/listed/<tenant hash>/<created_at,
+12 digits>-<batch id>.json`, an empty marker written at create, before the record), so a page of
+`GET /v1/batches` is one listing of names and a record read per batch on the page, however long the
+history. Each marker is its own object, so concurrent creates (several replicas) never overwrite one
+another's; a marker whose record is missing (a crash between the two writes) is skipped. Records
+written before this index existed get their markers when a service starts (`index_listing`: one
+listing of the records, one of the markers, a read of each record without a marker; run again at
+each start, so records an older replica wrote meanwhile are picked up too), or on the first list of
+a store no service has indexed in this process.
+
 Expiry (files' `expires_after`, batches' `output_expires_after`) is swept lazily: a file past its
 `expires_at` has its content deleted from storage the first time it is read, listed or counted, and
 is from then on unknown (404). Nothing runs in the background, so an expired file nobody asks for
@@ -21,6 +31,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +48,17 @@ def new_id(prefix: str) -> str:
 
 # Written once the open-batch index covers every record (a store kept before the index had none).
 INDEXED_MARKER = "INDEXED"
+# `<created_at>-<batch id>.json`: the creation time zero-padded, so names sort as (created_at, id).
+LISTED_TIME_DIGITS = 12
 
 
 @dataclass
 class Store:
     output_root: str  # STORAGE_OUTPUT_PATH
-    reads: int = field(default=0, compare=False)  # batch records read so far (the limit check's cost, in tests)
+    reads: int = field(default=0, compare=False)  # batch records read so far (what a call costs, in tests)
+    _listing_checked: bool = field(default=False, compare=False, repr=False)  # index_listing ran in this process
+    # count_files' view of each file record: uri -> (etag, None when deleted, else expires_at or 0).
+    _file_states: dict[str, tuple[str, float | None]] = field(default_factory=dict, compare=False, repr=False)
 
     def _uri(self, *parts: str) -> str:
         return storage.join(self.output_root, FOLDER, *parts)
@@ -119,7 +135,10 @@ class Store:
         storage.write_json(self._uri("batches", f"{record['id']}.json"), record)
 
     def add_batch(self, record: dict[str, Any]) -> None:
-        """A new batch: its record (`open`), and its marker among its tenant's open batches."""
+        """A new batch: its marker in its tenant's listing, its record (`open`), and its marker among its
+        tenant's open batches. The listing marker first: a crash after it leaves a marker list skips,
+        never a record list cannot find."""
+        storage.write_bytes(self._listed_uri(record), b"")
         record["open"] = True
         self.save_batch(record)
         storage.write_json(self._open_uri(record["tenant"], record["id"]), {"id": record["id"]})
@@ -157,8 +176,7 @@ class Store:
         return indexed
 
     def _open_folder(self, tenant: str) -> str:
-        # Tenants are the operator's free text: hashed into a safe folder name.
-        return self._uri("open", hashlib.sha256(tenant.encode()).hexdigest()[:32])
+        return self._uri("open", _tenant_folder(tenant))
 
     def _open_uri(self, tenant: str, batch_id: str) -> str:
         return storage.join(self._open_folder(tenant), f"{batch_id}.json")
@@ -170,18 +188,116 @@ class Store:
         record = self._read_batch(path)
         return record if record.get("tenant") == tenant else None
 
-    def batches(self, tenant: str) -> list[dict[str, Any]]:
-        records = [self._read_batch(o.uri) for o in storage.list_objects(self._uri("batches") + "/", suffix=".json")]
-        return sorted((r for r in records if r.get("tenant") == tenant), key=lambda r: (r["created_at"], r["id"]),
-                      reverse=True)
+    # -- the listing: every batch of a tenant, newest first ------------------------------------
+
+    def _listed_folder(self, tenant: str) -> str:
+        return self._uri("listed", _tenant_folder(tenant))
+
+    def _listed_uri(self, record: dict[str, Any]) -> str:
+        return storage.join(self._listed_folder(record["tenant"]), _listed_name(record["created_at"], record["id"]))
+
+    def listed_ids(self, tenant: str) -> list[str]:
+        """The ids of the tenant's batches, newest first (created_at, then id, descending): one listing,
+        no record read."""
+        if not self._listing_checked:
+            self.index_listing()
+        names = sorted((storage.basename(o.uri) for o in
+                        storage.list_objects(self._listed_folder(tenant) + "/", suffix=".json", recursive=False)),
+                       reverse=True)
+        return [name[LISTED_TIME_DIGITS + 1:-len(".json")] for name in names]
+
+    def batch_page(self, tenant: str, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """(up to `limit` of the tenant's batch records after the batch `after`, newest first; whether
+        more follow): the listing's names, then the records of this page only. An unknown `after` gives
+        an empty page (as before the index)."""
+        ids = self.listed_ids(tenant)
+        if after:
+            start = ids.index(after) + 1 if after in ids else len(ids)
+        else:
+            start = 0
+        page: list[dict[str, Any]] = []
+        i = start
+        while i < len(ids) and len(page) < limit:
+            record = self.batch(tenant, ids[i])
+            i += 1
+            if record is not None:  # a marker without its record (a create that crashed): skipped
+                page.append(record)
+        # More follow when a later marker has its record: the next one, but for a crashed create's marker.
+        more = any(storage.exists(self._uri("batches", f"{batch_id}.json")) for batch_id in ids[i:])
+        return page, more
+
+    def index_listing(self) -> int:
+        """List the records that have no listing marker (written before the listing index existed, or by
+        an older replica since): one listing of the records, one of the markers, and a read of each
+        record without one; the number indexed. Run when a service starts and on the first list of a
+        Store; idempotent (a marker's name follows from its record), so replicas may run it together."""
+        listed = {storage.basename(o.uri)[LISTED_TIME_DIGITS + 1:-len(".json")]
+                  for o in storage.list_objects(self._uri("listed") + "/", suffix=".json")}
+        missing = [o.uri for o in storage.list_objects(self._uri("batches") + "/", suffix=".json", recursive=False)
+                   if storage.basename(o.uri)[:-len(".json")] not in listed]
+
+        def index(uri: str) -> int:
+            try:
+                record = self._read_batch(uri)
+            except FileNotFoundError:
+                return 0
+            storage.write_bytes(self._listed_uri(record), b"")
+            return 1
+
+        # A one-off of a whole store is a read and a write per record: overlapped (S3 round trips, fsyncs).
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            indexed = sum(pool.map(index, missing))
+        self._listing_checked = True
+        return indexed
+
+    def batch_ids(self) -> list[str]:
+        """Every batch id of every tenant, from the listing index (no record read)."""
+        if not self._listing_checked:
+            self.index_listing()
+        return [storage.basename(o.uri)[LISTED_TIME_DIGITS + 1:-len(".json")]
+                for o in storage.list_objects(self._uri("listed") + "/", suffix=".json")]
+
+    def batch_by_id(self, batch_id: str) -> dict[str, Any] | None:
+        """Any tenant's batch record (the service's own figures); None when there is none."""
+        path = self._uri("batches", f"{batch_id}.json")
+        if not _safe_id(batch_id):
+            return None
+        try:
+            return self._read_batch(path)
+        except FileNotFoundError:
+            return None
 
     def all_batches(self) -> list[dict[str, Any]]:
-        """Every tenant's batch records (for the service's own figures)."""
+        """Every tenant's batch records, each read (`batch-pipeline usage`, the one-off open index)."""
         return [self._read_batch(o.uri) for o in storage.list_objects(self._uri("batches") + "/", suffix=".json")]
 
     def count_files(self) -> int:
-        return sum(1 for o in storage.list_objects(self._uri("files") + "/", suffix=".json")
-                   if self._live(storage.read_json(o.uri)))
+        """Uploaded files kept (for /metrics): one listing, and a record read only when it is new or
+        changed since this process last counted (its etag from the listing); one past its `expires_at`
+        is swept as a read would."""
+        count, now, states = 0, time.time(), {}
+        for o in storage.list_objects(self._uri("files") + "/", suffix=".json"):
+            state = self._file_states.get(o.uri)
+            if state is None or state[0] != o.etag:
+                record = storage.read_json(o.uri)
+                state = (o.etag, None if record.get("deleted") else float(record.get("expires_at") or 0))
+                if state[1] and now >= state[1]:
+                    self._live(record)  # expired: its content deleted, its record marked (a new etag)
+                    continue
+            states[o.uri] = state
+            if state[1] is not None and (not state[1] or now < state[1]):
+                count += 1
+        self._file_states = states
+        return count
+
+
+def _tenant_folder(tenant: str) -> str:
+    """Tenants are the operator's free text: hashed into a safe folder name."""
+    return hashlib.sha256(tenant.encode()).hexdigest()[:32]
+
+
+def _listed_name(created_at: int, batch_id: str) -> str:
+    return f"{int(created_at):0{LISTED_TIME_DIGITS}d}-{batch_id}.json"
 
 
 def _safe_id(value: str) -> bool:
