@@ -3,10 +3,13 @@
 Covers: every rule of deploy/prometheus/alerts.yaml has a severity and a summary; every metric a rule
 of the `batch-pipeline-api` group names, with its label values, is on the /metrics page of a real
 Batch API app (create_app over service_from_env, a store of past batches written as the service
-writes them, a stub Dagster GraphQL endpoint answering the queued-run count), or is Prometheus' own
+writes them and one still queued, today's metrics.parquet, a stub Dagster GraphQL endpoint answering
+the queued runs), or is Prometheus' own
 `up` for the scrape job the deploy configures; the `batch-pipeline-kubernetes` group names only
 kube-state-metrics series; the compose `prometheus` service and the Helm chart load that same file
-and scrape the job the rules name. Where `promtool` is installed (Debian's `prometheus` package),
+and scrape the job the rules name. The figures the newer rules read have the store's values: the
+oldest queued run's age, the seconds to the open batch's deadline, and the lines of today's file
+batches (the API's batch in the same table left out). Where `promtool` is installed (Debian's `prometheus` package),
 `promtool check rules` and the rule unit tests in deploy/prometheus/alerts.test.yaml run too (each
 rule firing on made-up series, and staying quiet where it should); elsewhere that test is skipped.
 
@@ -21,6 +24,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -123,12 +127,17 @@ def test_the_issues_four_alerts_are_there():
     assert "< 0.99" in rate["expr"]
 
 
+QUEUED_AGES = (600, 120, 30)  # seconds each stub queued run has waited
+
+
 class _GraphQL(BaseHTTPRequestHandler):
-    """Dagster's web server as the service sees it: any query answers 3 queued runs, no run."""
+    """Dagster's web server as the service sees it: any query answers 3 queued runs, created
+    QUEUED_AGES ago (no run carries a batch: those queries read other fields)."""
 
     def do_POST(self) -> None:  # noqa: N802 - http.server's name
         self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        body = json.dumps({"data": {"runsOrError": {"__typename": "Runs", "count": 3, "results": []}}}).encode()
+        runs = [{"creationTime": time.time() - age} for age in QUEUED_AGES]
+        body = json.dumps({"data": {"runsOrError": {"__typename": "Runs", "count": 3, "results": runs}}}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -139,10 +148,17 @@ class _GraphQL(BaseHTTPRequestHandler):
         pass
 
 
+OPEN_EXPIRY = 5400
+# Today's metrics.parquet: (batch folder, completed, failed); "API" is a Batch API batch's folder.
+FILE_ROWS = (("upload-a.jsonl", 90, 10), ("nightly.jsonl", 200, 0), ("API", 18, 2))
+
+
 @pytest.fixture
 def metrics_page(tmp_path, monkeypatch) -> str:
     """The /metrics page of a real Batch API app over a store of 60 past batches of every terminal
-    status (expired ones included) and a stub Dagster answering the queued-run count."""
+    status (expired ones included), one still queued (its deadline OPEN_EXPIRY ahead), today's
+    metrics.parquet (FILE_ROWS: two file batches and an API one) and a stub Dagster answering the
+    queued runs."""
     from fastapi.testclient import TestClient
 
     from batch_pipeline.service.app import create_app, service_from_env
@@ -151,7 +167,16 @@ def metrics_page(tmp_path, monkeypatch) -> str:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         out = tmp_path / "out"
-        write_history(out, 60, ["team-a", "team-b"])
+        past = write_history(out, 60, ["team-a", "team-b"])
+        open_batch = {**past[-1], "id": "batch_stillqueued", "output_uri": str(out / "none"),
+                      "expires_at": int(time.time()) + OPEN_EXPIRY}
+        (out / "_batch_api" / "batches" / "batch_stillqueued.json").write_text(json.dumps(open_batch))
+        from batch_pipeline.io.tables import write_metrics_table
+        from batch_pipeline.service.metrics import recent_dates
+
+        rows = [{"batch": name, "requests_completed": c, "requests_failed": f} for name, c, f in FILE_ROWS]
+        write_metrics_table(str(out / recent_dates()[1] / "metrics.parquet"), [
+            {**row, "batch": past[0]["id"] if row["batch"] == "API" else row["batch"]} for row in rows])
         for name in list(__import__("os").environ):
             if name.startswith("BATCH_API_"):
                 monkeypatch.delenv(name)
@@ -204,6 +229,21 @@ def test_the_line_figures_the_success_rate_reads_are_those_of_the_store(metrics_
     assert exposed[("batch_pipeline_api_lines", (("result", "completed"),))] == completed
     assert exposed[("batch_pipeline_api_lines", (("result", "failed"),))] == 4  # batches 0 and 50
     assert exposed[("batch_pipeline_api_batches", (("status", "expired"),))] == 10
+
+
+def test_the_figures_the_queue_expiry_and_file_rules_read(metrics_page):
+    from batch_pipeline.service.metrics import recent_dates
+
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+              for line in metrics_page.splitlines() if line and not line.startswith("#")}
+    assert values["batch_pipeline_api_queued_runs"] == 3
+    assert max(QUEUED_AGES) <= values["batch_pipeline_api_oldest_queued_run_age_seconds"] < max(QUEUED_AGES) + 60
+    assert OPEN_EXPIRY - 60 < values["batch_pipeline_api_next_expiry_seconds"] <= OPEN_EXPIRY  # the open batch's
+    yesterday, today = recent_dates()
+    # The two file batches of today; the API's batch is in batch_pipeline_api_lines, not here.
+    assert values[f'batch_pipeline_file_lines{{date="{today}",result="completed"}}'] == 290
+    assert values[f'batch_pipeline_file_lines{{date="{today}",result="failed"}}'] == 10
+    assert values[f'batch_pipeline_file_lines{{date="{yesterday}",result="completed"}}'] == 0  # no table: 0
 
 
 def test_kubernetes_rules_name_only_kube_state_metrics():

@@ -4,7 +4,8 @@ Covers: deploy/dagster.yaml (PostgreSQL from DAGSTER_POSTGRES_*, queued runs lim
 `concurrency:`, the GPU pool, run retries, telemetry off), the two Dockerfiles (vLLM's own image at
 the version pyproject.toml pins, kernels fetched at build time, non-root USER, health check, the
 gRPC command), docker-compose.yaml and .env.example (GPU
-reservation, read-only model mount, health-gated start order, credentials only by reference),
+reservation, read-only model mount, health-gated start order, credentials only by reference, the
+alert webhook's URL only in deploy/.env or a Secret),
 deploy/workspace.yaml and the Helm values (entry module, the `batch_pipeline` location name, run pods
 asking for `nvidia.com/gpu` = TENSOR_PARALLEL_SIZE on tolerated GPU nodes, the model PVC read-only,
 S3 credentials from a Secret), the Batch API in both (the compose service `batch-api` and the
@@ -44,7 +45,8 @@ ENTRY_MODULE = "batch_pipeline.definitions"
 POSTGRES_ENV = {f"DAGSTER_POSTGRES_{k}" for k in ("USER", "PASSWORD", "HOSTNAME", "DB", "PORT")}
 
 # Project settings outside ENGINE_ENV; each must still be read somewhere in the package (checked).
-PROJECT_EXTRAS = {"S3_SSE", "S3_SSE_KMS_KEY_ID", "MAX_FAILED_LINE_RATE", "BATCH_PIPELINE_CACHE", "SHARDS"}
+PROJECT_EXTRAS = {"S3_SSE", "S3_SSE_KMS_KEY_ID", "MAX_FAILED_LINE_RATE", "BATCH_PIPELINE_CACHE", "SHARDS",
+                  "ALERT_WEBHOOK_URL"}
 # Set for the platform, not read by our code: Dagster, Python, pip, Hugging Face, vLLM.
 PLATFORM_ENV = {
     "DAGSTER_HOME",
@@ -439,7 +441,18 @@ def test_helm_credentials_come_from_secrets():
     assert values["generatePostgresqlPasswordSecret"] is False
     assert values["global"]["postgresqlSecretName"]
     assert "postgresqlPassword" not in values["postgresql"]
-    assert helm_deployment()["envSecrets"] == [{"name": "batch-pipeline-s3"}]
+    assert helm_deployment()["envSecrets"] == [{"name": "batch-pipeline-s3"}, {"name": "batch-pipeline-alerts"}]
+
+
+def test_the_alert_webhook_is_a_secret_in_both_deploys():
+    # A webhook URL holds a token: compose reads it from deploy/.env (ignored by git; the example
+    # leaves it commented and empty), Helm from a Secret the code server's pod loads, which the
+    # README has the operator create (empty: alerts off).
+    assert env_file(".env.example")["ALERT_WEBHOOK_URL"] == "" and "ALERT_WEBHOOK_URL" not in uncommented(".env.example")
+    assert compose()["services"]["user-code"]["env_file"]  # the code server, where the sensor runs, reads .env
+    assert {"name": "batch-pipeline-alerts"} in helm_deployment()["envSecrets"]
+    assert "ALERT_WEBHOOK_URL" not in helm_deployment()["env"]
+    assert "create secret generic batch-pipeline-alerts" in (DEPLOY / "README.md").read_text()
 
 
 # ------------------------------------------------------------------------------ the Batch API
@@ -497,7 +510,7 @@ def test_helm_runs_the_batch_api_with_probes_and_keys_from_a_secret():
     env = api["env"]
     assert all(isinstance(v, str) for v in env.values()), "env values are strings"
     assert "BATCH_API_KEYS" not in env and "BATCH_API_KEYS_FILE" not in env  # the template mounts the Secret
-    assert api["keysSecretName"] and api["envSecrets"] == helm_deployment()["envSecrets"]
+    assert api["keysSecretName"] and api["envSecrets"] == helm_deployment()["envSecrets"][:1]  # S3, not alerts
     for name in ("STORAGE_INPUT_PATH", "STORAGE_OUTPUT_PATH"):
         assert env[name] == helm_deployment()["env"][name]
     # The dagster chart's webserver Service: <release>-webserver (release `batch-pipeline`, deploy/README.md).

@@ -23,7 +23,7 @@ from batch_pipeline.config.settings import storage_settings_from_env
 from batch_pipeline.io import storage
 from batch_pipeline.service.audit import AuditMiddleware, audit_log_from_env
 from batch_pipeline.service.errors import ApiError
-from batch_pipeline.service.metrics import FinishedBatches, prometheus
+from batch_pipeline.service.metrics import DateLines, FinishedBatches, prometheus, read_queue, recent_dates
 from batch_pipeline.service.operations import Service
 from batch_pipeline.service.settings import (completion_windows, dagster_url, file_limits, load_keys, load_limits,
                                              load_priority_caps, min_expiry_seconds)
@@ -48,11 +48,15 @@ def readiness(service: Service) -> list[str]:
     return problems
 
 
-def figures(service: Service, finished: FinishedBatches | None = None) -> str:
+def figures(service: Service, finished: FinishedBatches | None = None, dates: DateLines | None = None) -> str:
     """/metrics: every tenant's batches (each one's Batch object; the finished ones kept in `finished`
-    across scrapes), the files kept, the queued runs."""
-    batches = (finished or FinishedBatches()).batches(service.store, service.batch_object)
-    return prometheus(batches, service.store.count_files(), service.dagster.queued_runs())
+    across scrapes), the files kept, the queued runs and the oldest one's age, the lines of the
+    upload sensor's and the schedule's batches of yesterday and today."""
+    ids = service.store.batch_ids()
+    batches = (finished or FinishedBatches()).batches(service.store, service.batch_object, ids)
+    file_lines = {date: (dates or DateLines()).lines(service.store.output_root, date, set(ids))
+                  for date in recent_dates()}
+    return prometheus(batches, service.store.count_files(), read_queue(service.dagster.graphql), file_lines)
 
 
 def _seen_finished(record: dict[str, Any]) -> bool:
@@ -96,12 +100,12 @@ def create_app(service: Service) -> Any:
         return JSONResponse({"status": "not ready", "problems": problems} if problems else {"status": "ready"},
                             status_code=503 if problems else 200)
 
-    finished = FinishedBatches()  # what /metrics keeps between scrapes
+    finished, dates = FinishedBatches(), DateLines()  # what /metrics keeps between scrapes
 
     @app.get("/metrics")
     def metrics(authorization: str | None = Header(default=None)) -> Response:
         service.tenant(authorization)  # any tenant's key (Prometheus: bearer_token)
-        return Response(figures(service, finished), media_type="text/plain; version=0.0.4")
+        return Response(figures(service, finished, dates), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/files")
     async def create_file(file: UploadFile = File(...), purpose: str = Form(...),

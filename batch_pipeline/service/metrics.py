@@ -1,20 +1,28 @@
 """The Batch API's figures in Prometheus' text format (`GET /metrics`): no ids, no text; what finished
-batches cost as counters by tenant and model.
+batches cost as counters by tenant and model; what the alert rules read (the oldest queued run's
+age, the time to the next expiry, the lines of the upload sensor's and the schedule's batches).
 
-What a scrape reads: the listing index's names and the records of batches not yet seen finished by
-this process (a finished batch's Batch object is kept: `FinishedBatches`), not every record and
-batch.json.
+What a scrape reads: the listing index's names, the records of batches not yet seen finished by this
+process (a finished batch's Batch object is kept: `FinishedBatches`), and the two latest dates'
+metrics.parquet when they changed (`DateLines`); not every record and batch.json.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
+from batch_pipeline.io import storage
 from batch_pipeline.service.status import TERMINAL_STATUSES
 from batch_pipeline.service.store import Store
-from batch_pipeline.steps.metrics import COST_FIELDS, cost_of_metadata
+from batch_pipeline.steps.metrics import COST_FIELDS, DATE_TABLE, cost_of_metadata
+
+log = logging.getLogger("batch_pipeline.service")
 
 # Counters of what finished batches cost, by tenant and model: (metric, cost field, help).
 COST_COUNTERS = (
@@ -76,17 +84,89 @@ class FinishedBatches:
         return found
 
 
-def prometheus(batches: Iterable[tuple[str, dict[str, Any]]], files: int, queued: int | None) -> str:
+class DateLines:
+    """Lines of the upload sensor's and the schedule's batches (every batch in a date's folder but the
+    Batch API's), answered and failed, from the date's metrics.parquet (a row per batch, written by
+    each run's `throughput_metrics`), read again only when it changed (one describe a scrape)."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, tuple[str, list[tuple[str, int, int]]]] = {}  # uri -> (etag, rows)
+        self._lock = threading.Lock()
+
+    def lines(self, output_root: str, date: str, api_batches: set[str]) -> dict[str, int]:
+        uri = storage.join(output_root, date, DATE_TABLE)
+        try:
+            etag = storage.describe(uri).etag
+        except FileNotFoundError:
+            return {"completed": 0, "failed": 0}
+        kept = self._tables.get(uri)
+        if kept is None or kept[0] != etag:
+            import pyarrow.parquet as pq
+
+            with storage.open_read(uri) as handle:
+                table = pq.read_table(handle, columns=["batch", "requests_completed", "requests_failed"]).to_pydict()
+            kept = (etag, list(zip(table["batch"], table["requests_completed"], table["requests_failed"], strict=True)))
+            with self._lock:
+                self._tables.pop(uri, None)
+                self._tables[uri] = kept
+                while len(self._tables) > 4:  # the two dates read, and the two before the date changed
+                    self._tables.pop(next(iter(self._tables)))
+        rows = [(c, f) for batch, c, f in kept[1] if batch not in api_batches]
+        return {"completed": int(sum(c for c, _ in rows)), "failed": int(sum(f for _, f in rows))}
+
+
+def recent_dates(now: float | None = None) -> list[str]:
+    """Yesterday and today (UTC): the nightly schedule answers yesterday's date, the sensor today's."""
+    today = dt.datetime.fromtimestamp(time.time() if now is None else now, dt.timezone.utc).date()
+    return [(today - dt.timedelta(days=1)).isoformat(), today.isoformat()]
+
+
+@dataclass
+class Queue:
+    """Dagster's run queue as /metrics shows it: runs waiting, and how long the oldest has waited."""
+
+    runs: int
+    oldest_age_seconds: float  # 0 with no run queued
+
+
+# The queued runs' creation times, in one query: the daemon's queue coordinator reads the same list each tick.
+QUEUE_QUERY = ("{ runsOrError(filter: {statuses: [QUEUED]}) { __typename ... on Runs { count results { creationTime } } "
+               "... on PythonError { message } } }")
+
+
+def read_queue(graphql: Callable[[str], dict[str, Any]], now: float | None = None) -> Queue | None:
+    """Dagster's queue through the service's client (`DagsterClient.graphql`); None when it cannot be
+    read (the figures are left out, not 0)."""
+    try:
+        runs = graphql(QUEUE_QUERY)["runsOrError"]
+        if "results" not in runs:
+            raise RuntimeError(str(runs.get("message"))[:200])
+    except Exception as e:  # noqa: BLE001 - a figure left out, not an error of /metrics
+        log.warning("run queue unknown (%s)", type(e).__name__)
+        return None
+    created = [float(r["creationTime"]) for r in runs["results"] if r.get("creationTime") is not None]
+    now = time.time() if now is None else now
+    return Queue(int(runs.get("count", len(created))), max(0.0, now - min(created)) if created else 0.0)
+
+
+def prometheus(batches: Iterable[tuple[str, dict[str, Any]]], files: int, queued: int | Queue | None,
+               file_lines: dict[str, dict[str, int]] | None = None, now: float | None = None) -> str:
     """Batches by status, lines and tokens of finished batches (over every tenant), and counters of
-    what finished batches cost by tenant and model, from (tenant, Batch object) pairs; `files`
-    uploaded files kept; `queued` runs waiting in Dagster's queue (left out, not 0, when None: the web
-    server did not answer)."""
+    what finished batches cost by tenant and model, from (tenant, Batch object) pairs; the seconds to
+    the soonest `expires_at` of a batch not finished (left out with none); `files` uploaded files
+    kept; `queued` runs waiting in Dagster's queue and the oldest one's age (left out, not 0, when None:
+    the web server did not answer); `file_lines` {date: {"completed", "failed"}} of the upload
+    sensor's and the schedule's batches."""
     by_status: dict[str, int] = {}
     lines = {"completed": 0, "failed": 0}
     tokens = {"input": 0, "output": 0}
     costs: dict[tuple[str, str], dict[str, float]] = {}
+    next_expiry: float | None = None
+    now = time.time() if now is None else now
     for tenant, batch in batches:
         by_status[batch["status"]] = by_status.get(batch["status"], 0) + 1
+        if batch["status"] not in TERMINAL_STATUSES and batch.get("expires_at"):
+            next_expiry = min(batch["expires_at"], next_expiry if next_expiry is not None else batch["expires_at"])
         if batch["status"] in TERMINAL_STATUSES and batch.get("usage"):
             lines["completed"] += batch["request_counts"]["completed"]
             lines["failed"] += batch["request_counts"]["failed"]
@@ -113,7 +193,23 @@ def prometheus(batches: Iterable[tuple[str, dict[str, Any]]], files: int, queued
         out += [f"# HELP {metric} {text}", f"# TYPE {metric} counter"]
         out += [f'{metric}{{tenant="{label(tenant)}",model="{label(model)}"}} {_number(sums[field or "batches"])}'
                 for (tenant, model), sums in sorted(costs.items())]
+    if next_expiry is not None:
+        out += ["# HELP batch_pipeline_api_next_expiry_seconds Seconds until the soonest completion window of an "
+                "unfinished batch ends (negative: past it, not yet seen expired); absent with none unfinished.",
+                "# TYPE batch_pipeline_api_next_expiry_seconds gauge",
+                f"batch_pipeline_api_next_expiry_seconds {_number(round(next_expiry - now, 3))}"]
+    if file_lines is not None:
+        out += ["# HELP batch_pipeline_file_lines Lines of the upload sensor's and the schedule's batches of a date "
+                "(every batch in the date's folder but the Batch API's), answered or failed; yesterday and today.",
+                "# TYPE batch_pipeline_file_lines gauge"]
+        out += [f'batch_pipeline_file_lines{{date="{date}",result="{k}"}} {v}'
+                for date, counts in sorted(file_lines.items()) for k, v in counts.items()]
     if queued is not None:
+        queue = queued if isinstance(queued, Queue) else Queue(queued, 0.0)
         out += ["# HELP batch_pipeline_api_queued_runs Runs waiting in the Dagster instance's queue, of every job.",
-                "# TYPE batch_pipeline_api_queued_runs gauge", f"batch_pipeline_api_queued_runs {queued}"]
+                "# TYPE batch_pipeline_api_queued_runs gauge", f"batch_pipeline_api_queued_runs {queue.runs}",
+                "# HELP batch_pipeline_api_oldest_queued_run_age_seconds How long the oldest run in the Dagster "
+                "instance's queue has waited since it was created (0 with none queued).",
+                "# TYPE batch_pipeline_api_oldest_queued_run_age_seconds gauge",
+                f"batch_pipeline_api_oldest_queued_run_age_seconds {_number(round(queue.oldest_age_seconds, 3))}"]
     return "\n".join(out) + "\n"
