@@ -362,6 +362,9 @@ def test_ready_and_metrics(service):
     assert re.search(r"^batch_pipeline_api_files \d+$", text, re.M) and "say req" not in text
     queued = service["server"].graphql("{ runsOrError(filter: {statuses: [QUEUED]}) { ... on Runs { count } } }")
     assert f"\nbatch_pipeline_api_queued_runs {queued['runsOrError']['count']}\n" in text
+    # The oldest queued run's age, from the real web server's creation times (0 with none queued).
+    age = float(re.search(r"^batch_pipeline_api_oldest_queued_run_age_seconds (\S+)$", text, re.M).group(1))
+    assert age >= 0 and (age > 0) == (queued["runsOrError"]["count"] > 0)
 
     # Not ready: the Dagster web server is not there (the service's own check, in-process).
     from fastapi.testclient import TestClient
