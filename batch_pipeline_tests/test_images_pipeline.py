@@ -347,6 +347,50 @@ def test_images_reach_the_model_through_the_pipeline_and_bad_ones_fail_their_lin
     assert any("6 images; the engine waited on image preparation" in m for m in messages), messages
 
 
+def test_a_prompt_its_images_make_longer_than_the_context_is_context_length_exceeded(vlm_dir, vlm_llm, tmp_path):
+    """Only the model's processor counts image tokens, so such a prompt passes the text measure and
+    vLLM refuses it when it is enqueued: that line is `context_length_exceeded`, as a text prompt
+    over the context is, not vLLM's 400 text; the same text alone, and the images with a short
+    text, are answered."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(vlm_dir)
+
+    def measured(text: str) -> int:  # as GenerationEngine._count_chat measures a chat's text
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        return len(tokenizer.encode(rendered, add_special_tokens=False))
+
+    # Text of 509-511 tokens: under MAX_MODEL_LEN=512, and over it with two images (>= 4 tokens each).
+    words = 400
+    while measured("word " * words) < 509:
+        words += 1
+    text = "word " * words
+    assert measured(text) <= 511, measured(text)
+    red, blue = data_url(png("red")), data_url(png("blue"))
+    lines = [line("long-with-images", chat_body(red, blue, text=text, max_tokens=4)),
+             line("long-text", {"model": VLM, "messages": [{"role": "user", "content": text}], "max_tokens": 4}),
+             line("short-with-images", chat_body(red, blue, max_tokens=4)),
+             line("long-responses", responses_body(red, blue, text=text, max_output_tokens=4), RESPONSES)]
+    batch = tmp_path / "in" / "long.jsonl"
+    batch.parent.mkdir()
+    batch.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+
+    result, _ = run(vlm_llm, batch, out)
+    assert result.success
+    outputs, errors, batch_obj = read_results(out)
+    answered_once(outputs, errors, ["long-with-images", "long-text", "short-with-images", "long-responses"])
+    assert sorted(o["custom_id"] for o in outputs) == ["long-text", "short-with-images"]
+    for error, number in zip(sorted(errors, key=lambda e: e["error"]["line"]), (1, 4)):
+        assert error["response"] is None and error["error"]["code"] == "context_length_exceeded", error
+        message = error["error"]["message"]
+        prefix, _, rest = message.partition(" tokens with its images; ")
+        assert prefix.startswith(f"line {number}: the prompt is ") and int(prefix.rsplit(" ", 1)[1]) > 512, message
+        assert rest == "MAX_MODEL_LEN is 512, which leaves no room for output", message
+    assert batch_obj["request_counts"] == {"total": 4, "completed": 2, "failed": 2}
+
+
 class _InterruptedAfter:
     """The real engine, whose step() raises as a terminated Dagster step does after `steps` steps."""
 

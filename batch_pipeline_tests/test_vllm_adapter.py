@@ -2,7 +2,7 @@
 
 The streaming loop uses a few engine-level calls beyond vLLM's documented offline API (how the ids
 `enqueue` returns map to the ids of step() outputs, step/abort/has_unfinished, the scheduler's
-max_num_seqs), and the reasoning and tool parser registries reasoning.py and tool_calls.py use. A vLLM upgrade that changes one of them fails here, not in a production run.
+max_num_seqs, how a prompt with no room in the context is refused), and the reasoning and tool parser registries reasoning.py and tool_calls.py use. A vLLM upgrade that changes one of them fails here, not in a production run.
 Uses the session's tiny-model engine (conftest.py); leaves it with no request in flight.
 """
 
@@ -67,6 +67,26 @@ def test_limits_and_sampling_defaults_come_from_the_engine(llm):
     rebuilt = SamplingParams(**values)
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens"):
         assert getattr(rebuilt, name) == getattr(defaults, name), name
+
+
+@pytest.mark.parametrize("extra", [0, 1])
+def test_a_prompt_with_no_room_in_the_context_is_refused_when_enqueued_with_its_length(llm, extra):
+    """vLLM refuses, when it is added, a prompt longer than max_model_len and one exactly as long (no
+    room for an output token); prompt_too_long reads the length from that refusal and from nothing
+    else. (generation.py turns it into context_length_exceeded for a prompt its images overflow.)"""
+    from vllm.inputs import TokensPrompt
+
+    length = TINY_MAX_MODEL_LEN + extra
+    with pytest.raises(Exception) as refused:
+        llm.enqueue([TokensPrompt(prompt_token_ids=[5] * length)], greedy(2), use_tqdm=False)
+    found = vllm_adapter.prompt_too_long(refused.value)
+    assert found is not None and found.tokens == length, str(refused.value)
+    # Text over the limit is cut one token past it while tokenized: "at least".
+    with pytest.raises(Exception) as refused:
+        llm.enqueue(["word " * (TINY_MAX_MODEL_LEN + 100)], greedy(2), use_tqdm=False)
+    found = vllm_adapter.prompt_too_long(refused.value)
+    assert found is not None and found.tokens > TINY_MAX_MODEL_LEN, str(refused.value)
+    assert vllm_adapter.prompt_too_long(ValueError("max_tokens must be at least 1, got 0")) is None
 
 
 def test_output_request_id_keeps_ids_it_does_not_recognise():

@@ -160,8 +160,9 @@ class GenerationEngine(vllm_adapter.ServedModel):
     def prepare(self, batch_id: str, req: contract.BatchRequest, loaded: tuple[Any, ...] = ()) -> Prepared | Answer:
         """Parse, measure and build sampling params; an Answer when the request cannot run.
         `loaded`: the line's images, decoded (ImageResolver), in the order of its image parts. They
-        are not in the measured length (their tokens are the model processor's to count): vLLM
-        refuses a prompt that overflows with them, and stops decoding at the context's end."""
+        are not in the measured length (their tokens are the model processor's to count): a prompt
+        that overflows with them is refused when it is enqueued (`_refused`: context_length_exceeded),
+        and decoding stops at the context's end."""
         try:
             body = source = req.parsed_body()
             template_kwargs, plan = None, None
@@ -259,7 +260,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
                     try:
                         enqueued = self._enqueue(prepared)
                     except Exception as e:  # noqa: BLE001 - the engine refused this request (e.g. its schema)
-                        yield lines.engine_error(of, req, e)
+                        yield self._refused(of, req, e, with_images=bool(loaded is not None and loaded.images))
                         continue
                     collected[(of, req.line)] = [None] * len(enqueued)
                     for index, enqueued_id in enumerate(enqueued):
@@ -289,6 +290,20 @@ class GenerationEngine(vllm_adapter.ServedModel):
             clock.active += time.perf_counter() - began
             if pending:  # interrupted: do not leave half-done requests running in the engine
                 vllm_adapter.abort(self.llm, [enqueued_id for _, _, enqueued_id in pending.values()])
+
+    def _refused(self, batch_id: str, req: contract.BatchRequest, exc: Exception, with_images: bool = False) -> Answer:
+        """The answer to a request the engine would not take: a prompt its images make longer than
+        the context (only vLLM's processor counts image tokens) is `context_length_exceeded`, as for
+        a text prompt measured in prepare(); anything else is vLLM's own refusal (a 400 body)."""
+        length = vllm_adapter.prompt_too_long(exc)
+        if length is None:
+            return lines.engine_error(batch_id, req, exc)
+        return lines.contract_error(
+            batch_id, req, contract.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt is {'at least ' if length.at_least else ''}{length.tokens} tokens"
+            f"{' with its images' if with_images else ''}; MAX_MODEL_LEN is {self.max_model_len}, which leaves no "
+            "room for output",
+        )
 
     def _images(self) -> images.ImageResolver:
         if self.image_settings is None:

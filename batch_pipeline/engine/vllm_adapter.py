@@ -15,8 +15,9 @@ from __future__ import annotations
 import gc
 import importlib.metadata
 import queue
+import re
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from batch_pipeline.base.progress import LOGGING_SETUP
 from batch_pipeline.base.runtime import gc_paused
@@ -164,6 +165,32 @@ def has_unfinished(llm: Any) -> bool:
 def step(llm: Any) -> list[Any]:
     """One engine step: the RequestOutputs it produced (finished ones have `.finished`)."""
     return llm.llm_engine.step()
+
+
+# How vLLM refuses, when a request is added, a prompt that leaves no room in the context: its
+# renderer, on the tokens it made ("... your prompt contains [at least] N input tokens ...", "at
+# least" when it stopped tokenizing one past the limit), and its input processor, on the prompt with
+# the model processor's image tokens in it ("The decoder prompt (length N) is longer than ...", or
+# exactly max_model_len: "... plus the number of requested output tokens ... longer than ...").
+_PROMPT_TOO_LONG = (
+    re.compile(r"maximum context length is \d+ tokens\. However, your prompt contains (at least )?(\d+) input tokens"),
+    re.compile(r"The decoder prompt \(length ()(\d+)\).* longer than the maximum model length of \d+"),
+)
+
+
+class PromptLength(NamedTuple):
+    tokens: int
+    at_least: bool  # vLLM stopped counting: the prompt is this long or longer
+
+
+def prompt_too_long(exc: BaseException) -> PromptLength | None:
+    """How long the prompt is when `exc` is vLLM refusing a request whose prompt (images' tokens
+    included) leaves no room in the context; None for any other error."""
+    for pattern in _PROMPT_TOO_LONG:
+        match = pattern.search(str(exc))
+        if match:
+            return PromptLength(int(match.group(2)), bool(match.group(1)))
+    return None
 
 
 def abort(llm: Any, enqueued_ids: list[str]) -> None:
