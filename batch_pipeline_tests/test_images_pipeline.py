@@ -615,6 +615,64 @@ def test_parquet_with_an_image_column_runs_on_the_vision_model(vlm_llm, s3_bucke
     assert by_uri["error_message"][2].startswith("row 3: column `photo`: cannot read 'imgs/none.png' next to the table")
 
 
+@pytest.mark.usefixtures("sensor_env")
+def test_the_upload_sensor_runs_an_image_table_by_table_image_column(vlm_llm, s3_bucket, monkeypatch):
+    """The sensor's runs name no image column: with TABLE_IMAGE_COLUMN=image, a table uploaded with
+    a column `image` has its images taken from it (paths beside the table on S3, and bytes), and a
+    text table found in the same tick runs as text; the run says which column it took."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batch_pipeline.defs.assets import BATCH_ASSETS
+    from batch_pipeline.defs.resources import BatchSelection
+    from batch_pipeline_tests.asset_runs import DATE
+    from batch_pipeline_tests.sensor_ticks import evaluate, turned_on
+
+    monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")  # DATE is fixed; the default window follows today
+    monkeypatch.setenv("TABLE_IMAGE_COLUMN", "image")
+    inbox = f"s3://{s3_bucket}/incoming"
+    store = StorageResource(input_path=inbox, output_path=f"s3://{s3_bucket}/output")
+    on = turned_on(store)
+    red, blue = png("red"), png("blue")
+    storage.write_bytes(f"{inbox}/{DATE}/imgs/red.png", red)
+    greedy = {"max_tokens": [8] * 3, "temperature": [0.0] * 3}
+    catalogue = pa.table({"prompt": ["describe"] * 3, "image": ["imgs/red.png", data_url(blue), None],
+                          "sku": [1, 2, 3], **greedy})
+    photos = pa.table({"prompt": ["describe"], "image": pa.array([red], pa.binary()), "max_tokens": [8],
+                       "temperature": [0.0]})
+    for name, table in (("catalogue", catalogue), ("photos", photos)):
+        sink = pa.BufferOutputStream()
+        pq.write_table(table, sink)
+        storage.write_bytes(f"{inbox}/{DATE}/{name}.parquet", sink.getvalue().to_pybytes())
+    storage.write_bytes(f"{inbox}/{DATE}/tickets.csv", b"prompt,max_tokens,image_caption\ndescribe,8,a red square\n")
+
+    [request] = evaluate(store, on).run_requests  # the date's three tables in one run
+    assert "image_column" not in request.run_config["resources"]["batch"]["config"]
+    with dg.instance_for_test() as instance:
+        result = dg.materialize(BATCH_ASSETS, partition_key=DATE, run_config=request.run_config, raise_on_error=False,
+                                resources={"batch": BatchSelection(), "llm": vlm_llm, "storage": store}, instance=instance)
+        assert result.success
+        messages = [str(r.user_message) for r in instance.all_logs(result.run_id)]
+    assert any("catalogue: images from its column `image` (TABLE_IMAGE_COLUMN)" in m for m in messages), messages
+    assert not any("tickets: images from" in m for m in messages)
+
+    def results(name: str) -> pd.DataFrame:
+        return pq.read_table(pa.BufferReader(storage.read_bytes(f"s3://{s3_bucket}/output/{DATE}/{name}/results.parquet"))).to_pandas()
+
+    by_sensor, photo, text = results("catalogue"), results("photos"), results("tickets")
+    assert list(by_sensor["status"]) == ["completed"] * 3 and list(photo["status"]) == ["completed"]
+    assert "image" not in by_sensor.columns and list(by_sensor["sku"]) == [1, 2, 3]
+    red_answer, blue_answer, no_image = by_sensor["content"]
+    assert red_answer != blue_answer and photo["content"][0] == red_answer  # the images reached the model
+    assert by_sensor["prompt_tokens"][0] > by_sensor["prompt_tokens"][2]
+    # The text table, which has no `image` column, ran as text (not unreadable_file).
+    assert list(text["status"]) == ["completed"] and list(text["image_caption"]) == ["a red square"]
+    validation = json.loads(storage.read_bytes(f"s3://{s3_bucket}/output/{DATE}/catalogue/_work/validation.json"))
+    assert validation["image_column"] == "image"
+    assert "image_column" not in json.loads(storage.read_bytes(f"s3://{s3_bucket}/output/{DATE}/tickets/_work/validation.json"))
+
+
 def test_batch_pipeline_run_takes_a_tables_image_column(vlm_dir, tmp_path):
     """`batch-pipeline run TABLE --image-column photo`, the real command in its own process (its own
     vLLM import and engine): each CSV row's image, a path beside the table or a data URL, reaches

@@ -288,7 +288,7 @@ class BatchSelection(dg.ConfigurableResource):
         description=(
             "Parquet/CSV inputs: the column holding each row's image (bytes, an s3:// or https:// URI, a data: URL, "
             "or a path relative to the table's folder; or a list of them), put in the row's user message for a "
-            "vision-language model. Blank = none"
+            "vision-language model. Blank = TABLE_IMAGE_COLUMN's column in a table that has it, else none"
         ),
     )
     expires_at: int = Field(

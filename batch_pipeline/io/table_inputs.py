@@ -6,7 +6,8 @@ Columns read (any other column is carried through to results.parquet, in input o
   custom_id   optional; default: the row number (1-based, as a string)
   model       optional; default: SERVED_MODEL_NAME
   max_tokens, temperature   optional, per row (blank = the model's default)
-  an image column           optional, named in the run config (`batch.image_column`): per row an
+  an image column           optional, named in the run config (`batch.image_column`), or else the
+                            column TABLE_IMAGE_COLUMN names when the table has it: per row an
                             image (or a list of them) for the user message: bytes, a URI (data:,
                             s3://, https://) or a path relative to the table's own folder
 
@@ -28,6 +29,7 @@ import base64
 import hashlib
 import json
 import math
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,6 +66,15 @@ class ImageColumn:
             return None
         return cls(name, table_uri.rsplit("/", 1)[0] if "/" in table_uri else ".",
                    images.image_settings_from_env().max_image_bytes)
+
+
+def default_image_column(path: Path, env: dict[str, str] | None = None) -> str:
+    """The image column of a run whose config names none (the upload sensor's, the nightly
+    schedule's, a backfill's, `batch-pipeline run` without --image-column): TABLE_IMAGE_COLUMN when
+    this table has a column of that name, else "" (a table without it is a text table, not an error)."""
+    env = os.environ if env is None else env
+    name = env.get("TABLE_IMAGE_COLUMN", "").strip()
+    return name if name and name in file_schema(path).names else ""
 
 
 def is_table(uri: str) -> bool:

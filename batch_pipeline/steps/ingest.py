@@ -46,6 +46,8 @@ def validate_batch(loc: BatchLocation, settings: ValidationSettings, log: Log = 
         table = table_inputs.is_table(loc.input_uri)
         if table:
             summary = validate_table(loc.input_uri, settings, on_valid, on_invalid, loc.work(table_inputs.PASSTHROUGH_NAME))
+            if summary.image_column and not settings.image_column:
+                log(f"{loc.name}: images from its column `{summary.image_column}` (TABLE_IMAGE_COLUMN)")
         else:
             with storage.open_read(loc.input_uri) as src:
                 summary = validate_stream(src, settings, on_valid, on_invalid)
@@ -66,6 +68,7 @@ def validate_batch(loc: BatchLocation, settings: ValidationSettings, log: Log = 
         "endpoint": summary.endpoint,
         "model": summary.models.most_common(1)[0][0] if summary.models else None,
         "file_error": file_error.model_dump() if file_error else None,
+        **({"image_column": summary.image_column} if summary.image_column else {}),
         "created_at": created_at,
         "seconds": round(time.perf_counter() - started, 4),
     }
@@ -79,14 +82,16 @@ def validate_table(uri: str, settings: ValidationSettings, on_valid: Callable[[V
     the columns it carries through go there (for results.parquet). A file that is not a readable
     table is a file-level error of the batch (`unreadable_file`), not a crash of the step."""
     with table_inputs.local_copy(uri) as (path, sha256), ExitStack() as stack:
-        summary, broken = ValidationSummary(), []
+        summary, broken, column = ValidationSummary(), [], ""
         try:
+            # The run config's column (a table without it fails), else TABLE_IMAGE_COLUMN where the table has it.
+            column = settings.image_column or table_inputs.default_image_column(path)
             passthrough = None
             if passthrough_uri:
-                schema = table_inputs.passthrough_schema(table_inputs.file_schema(path), settings.image_column)
+                schema = table_inputs.passthrough_schema(table_inputs.file_schema(path), column)
                 passthrough = stack.enter_context(pq.ParquetWriter(
                     stack.enter_context(storage.open_write(passthrough_uri)), schema, compression="zstd"))
-            image = table_inputs.ImageColumn.of(settings.image_column, uri)
+            image = table_inputs.ImageColumn.of(column, uri)
             rows = _until_unreadable(table_inputs.table_rows(path, settings.served_model_name, passthrough, image), broken)
             summary = validate_rows(rows, settings, on_valid, on_invalid)  # the rows read before a corrupt part count
             if broken:
@@ -97,6 +102,7 @@ def validate_table(uri: str, settings: ValidationSettings, on_valid: Callable[[V
             kind = "Parquet" if path.suffix.lower() == ".parquet" else "CSV"
             summary.unreadable = f"{storage.basename(uri)} cannot be read as {kind}: {str(e)[:300]}"
         summary.sha256, summary.bytes_read = sha256, path.stat().st_size
+        summary.image_column = column
     return summary
 
 

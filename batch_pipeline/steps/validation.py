@@ -74,6 +74,7 @@ class ValidationSummary:
     endpoints: Counter = field(default_factory=Counter)
     models: Counter = field(default_factory=Counter)
     unreadable: str | None = None  # why a table input could not be read (to the end)
+    image_column: str = ""  # a table input's column of images, as the run took it (blank: none)
 
     @property
     def endpoint(self) -> str:
