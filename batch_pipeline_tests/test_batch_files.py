@@ -1,10 +1,11 @@
 """Each batch file on its own: the batch_files partitions, their status from a date's run, a re-run of one file.
 
 Covers, in-process (`dg.materialize` on a persistent test instance, the tiny model, real vLLM): a
-date run registers one batch_files partition per file and marks each green or red by what happened
+date run registers one batch_files partition per file and marks each green, or not, by what happened
 to that file; a broken file (every line invalid) fails alone; fixed, it is re-run alone from its
-partition, and the date's batch_outputs, check and figures are then recorded over the whole date;
-per-date line counts on validated_requests and batch_outputs whichever runs answered the files; a
+partition, which records that file only (the date stays as its failed run left it), and the date
+run after it takes nothing, loads no model and records the date's batch_outputs, check and figures
+over the whole date; per-date line counts on validated_requests and batch_outputs whichever runs answered the files; a
 failed file's reason as a public observation of its partition (file_status.py); refusals of a bad key or a missing
 file; the upload sensor adding the partitions of the files it queues. The UI itself: test_ui_walkthrough.py.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
+from batch_pipeline.defs import file_status
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.defs.jobs import batch_run_config
@@ -64,7 +66,8 @@ def date_with_a_broken_file(tmp_path):
     return inbox, out
 
 
-def test_each_file_of_a_date_shows_alone_and_the_broken_one_reruns_alone(tiny_llm, instance, date_with_a_broken_file):
+def test_each_file_of_a_date_shows_alone_and_the_broken_one_reruns_alone(tiny_llm, instance, date_with_a_broken_file,
+                                                                         monkeypatch):
     inbox, out = date_with_a_broken_file
     first = run_date(tiny_llm, inbox, out, instance)
     assert not first.success  # the broken file fails the date's run...
@@ -77,12 +80,13 @@ def test_each_file_of_a_date_shows_alone_and_the_broken_one_reruns_alone(tiny_ll
     why = {k: v.value for k, v in seen.metadata.items()}
     assert why["status"] == "failed" and why["invalid"] == 2 and why["first_error_lines"] == "1, 2"
     assert why["errors"] == str(out / DATE / "broken" / "errors.jsonl") and sum(why["error_codes"].values()) == 2
+    assert why["run"] == first.run_id and why["job"] == first.dagster_run.job_name  # in-process: an ephemeral job
     records = instance.fetch_materializations(dg.AssetRecordsFilter(FILES, asset_partitions=[f"{DATE}/alpha"]), limit=1)
     alpha = records.records[0].asset_materialization
     assert alpha.metadata["status"].value == "completed" and alpha.metadata["completed"].value == 3
     assert alpha.metadata["results"].value == str(out / DATE / "alpha")
 
-    # Fixed and re-run alone: no config, only its partition.
+    # Fixed and re-run alone: no config, only its partition. It records that file, not the date.
     write_batch(inbox / DATE, "broken.jsonl", [chat_line("fixed-1"), chat_line("fixed-2")])
     rerun = run_file(tiny_llm, inbox, out, instance, f"{DATE}/broken")
     assert rerun.success
@@ -91,18 +95,28 @@ def test_each_file_of_a_date_shows_alone_and_the_broken_one_reruns_alone(tiny_ll
     fixed = json.loads((out / DATE / "broken" / "batch.json").read_text())
     assert fixed["status"] == "completed" and fixed["request_counts"] == {"total": 2, "completed": 2, "failed": 0}
     assert json.loads((out / DATE / "alpha" / "batch.json").read_text())["metadata"]["dagster_run_id"] == first.run_id
+    assert {e.asset_key for e in rerun.get_asset_materialization_events()} == {FILES}
+    assert not rerun.get_asset_check_evaluations()
+    assert "materialize 2026-11-27" in metadata_of(rerun, "batch_files")["date_assets"]
+    date_assets = BATCH_ASSETS[2].partitions_def
+    assert instance.get_status_by_partition(dg.AssetKey("batch_outputs"), [DATE], date_assets)[DATE].value == "FAILED"
 
-    # The date is whole again: batch_outputs and throughput_metrics recorded over its three files.
-    outputs = metadata_of(rerun, "batch_outputs")
+    # The date run after it: nothing left to answer (no model load), the date recorded over its three files.
+    monkeypatch.setattr(type(tiny_llm), "build_engine", lambda self, kwargs: pytest.fail("engine built"))
+    date = run_date(tiny_llm, inbox, out, instance)
+    monkeypatch.undo()
+    assert date.success and "model_load_seconds" not in metadata_of(date, "inference_results")
+    validated = metadata_of(date, "validated_requests")
+    assert (validated["batches"], validated["lines"], validated["valid"], validated["batches_this_run"]) == (3, 7, 6, 0)
+    outputs = metadata_of(date, "batch_outputs")
     assert (outputs["batches"], outputs["completed"], outputs["failed"], outputs["total"]) == (3, 6, 1, 7)
-    assert outputs["rerun"] == "broken"
-    figures = metadata_of(rerun, "throughput_metrics")
+    assert outputs["batches_this_run"] == 0
+    figures = metadata_of(date, "throughput_metrics")
     assert (figures["batches"], figures["requests_completed"], figures["requests_total"]) == (3, 6, 7)
-    [check] = rerun.get_asset_check_evaluations()
+    [check] = date.get_asset_check_evaluations()
     assert check.partition is None and check.check_name == "failed_line_rate" and check.passed is False  # 1 of 7
     assert "beta: 1 of 2" in check.description
-    date_status = instance.get_status_by_partition(dg.AssetKey("batch_outputs"), [DATE],
-                                                   BATCH_ASSETS[2].partitions_def)
+    date_status = instance.get_status_by_partition(dg.AssetKey("batch_outputs"), [DATE], date_assets)
     assert date_status[DATE].value == "MATERIALIZED"  # red after the first run, green now
 
     # Re-running a completed file leaves it as it is.
@@ -150,6 +164,12 @@ def test_a_file_partition_that_cannot_run_says_why(tiny_llm, instance, date_with
     [failure] = [e for e in result.all_events if e.is_step_failure]
     assert message in failure.step_failure_data.error.message
     assert failure.step_failure_data.user_failure_data.description and not list((out).glob("**/batch.json"))
+
+
+def test_a_launch_from_the_asset_graph_is_named_for_what_it_is():
+    assert file_status.job_label("batch_job") == "batch_job"
+    assert file_status.job_label("__ASSET_JOB") == (
+        "__ASSET_JOB (launched from the asset graph; Dagster's UI names no job for it)")
 
 
 def test_file_keys_round_trip():

@@ -7,13 +7,17 @@ storage, the tiny model). In order, sharing one server:
 1. the asset group page; "Materialize all…", a typed range of two dates, "Launch backfill"; the
    backfill daemon runs both dates (two runs sharing the `gpu` pool, limit 1: they queue for it and
    do not fail). The second date holds a broken file (every line invalid): its run fails.
-2. the batch_files asset shows each file of those dates: the others green; the broken one's page
-   says why (status failed, the reason, error codes, first error lines, errors.jsonl) with the run
-   and the job (batch_job) that failed it. The failed_line_rate check reads the same in the check
-   list, on the lineage node and in its pane.
-3. the broken file, fixed, is re-run alone from its partition (no config typed): the launch dialog
-   says the model loads first; the file turns green, and its date's batch_outputs turns green too;
-   the date's throughput_metrics page says the re-run recorded it again, superseding the failed run.
+2. the batch_files asset shows each file of those dates: the others green; the broken one is not
+   green, and its page leads in one click ("View all historical events (1)") to why: status failed,
+   the reason, error codes, first error lines, errors.jsonl, the run and the job that failed it
+   (the Events tab shows the same). The failed_line_rate check reads the same in the check list, on
+   the lineage node and in its pane.
+3. the broken file, fixed, is re-run alone from its partition (no config typed): the file turns
+   green with its model_load_seconds and the run named; the date's pages still tell the failed
+   run's story, and only it (the failure banner over no materialization), and the file's page says
+   how to record the date. The date materialized from Jobs > batch_job then takes nothing, loads no
+   model, and records the date: batch_outputs green, throughput_metrics without the failure banner,
+   the job named batch_job on its page.
 4. the upload sensor turned on afterwards starts no run for the finished files, and the dates'
    throughput figures do not change; they add up the files of each date.
 Screenshots of each step go to UI_SCREENSHOTS_DIR (default: the test's tmp folder; docs/UI.md's
@@ -32,6 +36,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -227,37 +232,45 @@ def test_backfill_of_two_dates_from_the_ui(ui: Walk) -> None:
         assert later.run_id in waited, f"run {later.run_id} waited for the gpu pool without saying so"
 
 
-def test_each_file_shows_on_its_own_the_broken_one_red(ui: Walk) -> None:
+def test_each_file_shows_on_its_own_the_broken_one_not_green(ui: Walk) -> None:
     server, page, dates = ui.server, ui.page, ui.dates
     # Dagster has no public event for a failed partition: the broken file is not materialized (not
-    # green) and its page carries the observation saying why (file_status.py).
+    # green) and its page leads to the observation saying why (file_status.py).
     assert ui.file_status() == {f"{dates[0]}/ui-{dates[0]}": "MATERIALIZED", f"{dates[1]}/ui-{dates[1]}": "MATERIALIZED",
                                 f"{dates[1]}/broken": "MISSING"}
     assert ui.date_status("batch_outputs") == {dates[0]: "MATERIALIZED", dates[1]: "FAILED"}
     failed_run = [r for r in server.instance().get_runs() if r.status.value == "FAILURE"][0]
+    # A backfill launched from the asset graph runs as Dagster's hidden __ASSET_JOB, which the UI
+    # names as no job: the observation names it.
+    assert failed_run.job_name == "__ASSET_JOB"
     page.goto(f"{server.url}/assets/batch_files?view=partitions&partition={dates[1]}/broken")
     visible(page, f"{dates[0]}/ui-{dates[0]}").wait_for()
-    # The page's "Latest materialization" is None (there is none); its historical events hold the
-    # observation of the step that failed the file: the reason, where the error lines are, run, job.
+    # The partition page fills "Latest materialization", Run, Job and Metadata from a materialization
+    # only (Dagster's AssetPartitionDetail): None here. Its one link to the reason: the events.
+    body = body_with(page, "View all historical events (1)")
     ui.shot("4-batch-files")
-    visible(page, "View all historical events").click()
-    page.wait_for_timeout(3000)
+    assert "View all historical events (1)" in body, body[:3000]
+    visible(page, "View all historical events (1)").click()
+    events_dialog = page.get_by_role("dialog")
+    events_dialog.get_by_text(failed_run.run_id[:8]).first.wait_for()  # a row: the observation, its run
+    events_dialog.get_by_text("Observation").first.click()  # the row opens on its metadata
+    shown = ("no_valid_lines", "first_error_lines", "errors.jsonl", "launched from the asset graph")
+    for text in shown:
+        events_dialog.get_by_text(text).first.wait_for()
     ui.shot("4a-broken-file-historical-events")
-    text = page.inner_text("body")
+    text = events_dialog.inner_text()
     page.keyboard.press("Escape")
     page.goto(f"{server.url}/assets/batch_files?view=events&partition={dates[1]}/broken")
     # The Events tab shows the observation of the step that failed the file: why, where its error
-    # lines are, and the run ("observed in run ...").
+    # lines are, the run ("observed in run ...") and its job.
     expected = ("reason", "no_valid_lines", "error_codes", "invalid_json", "first_error_lines", "1, 2",
-                "errors.jsonl", f"observed in run {failed_run.run_id[:8]}")
+                "errors.jsonl", f"observed in run {failed_run.run_id[:8]}",
+                "__ASSET_JOB (launched from the asset graph; Dagster's UI names no job for it)")
     events = body_with(page, *expected)
     ui.shot("4b-broken-file-events")
     print("broken file's historical events:", text[:3000], "\nevents tab:", events[:3000])
     for shown in expected:
         assert shown in events, (shown, events[:3000])
-    # The job column stays blank: a backfill launched from the asset graph runs as Dagster's hidden
-    # __ASSET_JOB, which the UI does not name (launched from Jobs > batch_job it is batch_job).
-    assert failed_run.job_name == "__ASSET_JOB"
 
 
 def test_the_check_reads_the_same_in_the_list_on_the_node_and_in_its_pane(ui: Walk) -> None:
@@ -308,17 +321,60 @@ def test_the_broken_file_fixed_reruns_alone_from_its_partition(ui: Walk) -> None
     fixed = json.loads((ui.out / dates[1] / "broken" / "batch.json").read_text())
     assert fixed["status"] == "completed" and fixed["request_counts"]["completed"] == 2
     assert ui.file_status()[key] == "MATERIALIZED"
-    assert ui.date_status("batch_outputs") == {dates[0]: "MATERIALIZED", dates[1]: "MATERIALIZED"}
+    # It records the file only: the date is as its failed run left it until the date runs again.
+    assert ui.date_status("batch_outputs") == {dates[0]: "MATERIALIZED", dates[1]: "FAILED"}
     page.goto(f"{server.url}/assets/batch_files?view=partitions&partition={key}")
     visible(page, "Materialized (3)").wait_for()
     visible(page, "results").wait_for()  # the file's metadata: status, counts, where its results are
     visible(page, "model_load_seconds").wait_for()  # what the model load took this time
+    visible(page, "date_assets").wait_for()  # how to record the date with it
+    body = body_with(page, run.run_id[:8])
     ui.shot("6-batch-files-after-rerun")
-    # The date's figures after the fix: recorded again by this run, which the page says plainly.
+    assert run.run_id[:8] in body  # the run that re-ran it, on the file's page
+    assert f"materialize {dates[1]}" in body, body[:3000]
+    # The date's figures before its own run: the failed run's story, told once (no later
+    # materialization under the banner).
     page.goto(f"{server.url}/assets/throughput_metrics?view=partitions&partition={dates[1]}")
-    visible(page, "recorded_by").wait_for()
-    visible(page, f"superseding any earlier failed run of {dates[1]}").wait_for()
-    ui.shot("6b-throughput-after-the-fix")
+    body = body_with(page, "failed, and did not materialize this asset")
+    ui.shot("6b-throughput-before-the-date-run")
+    assert "failed, and did not materialize this asset" in body, body[:3000]
+    assert re.search(r"Latest materialization\s+None", body), body[:3000]
+
+
+def test_the_date_run_afterwards_records_the_date_and_names_its_job(ui: Walk) -> None:
+    server, page, dates = ui.server, ui.page, ui.dates
+    before = {r.run_id for r in server.instance().get_runs()}
+    page.goto(f"{server.url}/locations/batch_pipeline/jobs/batch_job")
+    page.get_by_role("button", name="Materialize all…").first.click()
+    dialog = page.get_by_role("dialog")
+    partitions = dialog.locator("input[type=text]").first
+    partitions.wait_for()
+    partitions.fill(dates[1])
+    partitions.press("Enter")
+    dialog.get_by_text("1 partition", exact=True).wait_for()
+    ui.shot("6c-date-run-from-batch-job")
+    dialog.get_by_role("button", name="Launch 1 run").click()
+    dialog.wait_for(state="detached")
+
+    def the_date_run() -> Any:
+        new = [r for r in server.instance().get_runs() if r.run_id not in before]
+        return new[0] if new and new[0].is_finished else None
+
+    run = wait_for("the date's run", the_date_run, BACKFILL_TIMEOUT, interval=1.0, on_timeout=server.log_tail)
+    assert run.status.value == "SUCCESS", server.log_tail()
+    assert (run.job_name, run.tags["dagster/partition"]) == ("batch_job", dates[1])
+    inference = {k: v.value for k, v in server.instance().fetch_materializations(
+        dg.AssetRecordsFilter(dg.AssetKey("inference_results"), asset_partitions=[dates[1]]), limit=1,
+    ).records[0].asset_materialization.metadata.items()}
+    assert "model_load_seconds" not in inference  # nothing left to answer: no model loaded
+    assert ui.date_status("batch_outputs") == {dates[0]: "MATERIALIZED", dates[1]: "MATERIALIZED"}
+    # The date's page now tells one story: no failure banner, this run and its job.
+    page.goto(f"{server.url}/assets/throughput_metrics?view=partitions&partition={dates[1]}")
+    body = body_with(page, "batches_this_run", "batch_job")
+    ui.shot("6d-throughput-after-the-date-run")
+    assert "failed, and did not materialize this asset" not in body, body[:3000]
+    assert re.search(r"Job\s+batch_job", body), body[:3000]
+    assert run.run_id[:8] in body
 
 
 def test_sensor_on_afterwards_starts_nothing_and_figures_add_up(ui: Walk) -> None:

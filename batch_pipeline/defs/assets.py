@@ -157,18 +157,20 @@ def validated_requests(
     output_root = storage.settings().output_path
     file_status.plan(context, taken, output_root)  # each file shows in progress in batch_files
     rows = validate_batches(context, taken, llm, _shard(batch), _endpoint(batch), batch.image_column)
-    if not taken:  # nothing to do: no figures, so the plots keep the date's real ones (no zeros)
+    if taken and not _in_date_layout(taken, output_root):
+        return dg.MaterializeResult(metadata={**_summary(rows, "lines", "valid", "invalid"),
+                                              "batches_this_run": len(rows), "scope": "this run's batches"})
+    # The date's line counts, whichever runs validated its batches: a sensor run for one file does
+    # not replace the date's figures with that file's. A date run with nothing left to do (e.g. after
+    # a file was re-run alone) records them as they are; a date without batches (or results written
+    # elsewhere) gets no figures, so the plots keep the date's real ones (no zeros).
+    whole_date = [] if not taken and batch.output_uri else metrics.date_validations(output_root, context.partition_key)
+    if not whole_date:
         return dg.MaterializeResult(metadata={"batches": 0})
-    if _in_date_layout(taken, output_root):
-        # The date's line counts, whichever runs validated its batches: a sensor run for one file
-        # does not replace the date's figures with that file's.
-        whole_date = metrics.date_validations(output_root, context.partition_key)
-        return dg.MaterializeResult(metadata={
-            **_summary(whole_date, "lines", "valid", "invalid"), "batches_this_run": len(rows),
-            "this_run": _table(rows), "scope": f"every batch of {context.partition_key}",
-        })
-    return dg.MaterializeResult(metadata={**_summary(rows, "lines", "valid", "invalid"), "batches_this_run": len(rows),
-                                          "scope": "this run's batches"})
+    return dg.MaterializeResult(metadata={
+        **_summary(whole_date, "lines", "valid", "invalid"), "batches_this_run": len(rows),
+        "this_run": _table(rows), "scope": f"every batch of {context.partition_key}",
+    })
 
 
 def validate_batches(context: dg.AssetExecutionContext, taken: list[BatchLocation], llm: LLMResource,
@@ -305,10 +307,13 @@ def batch_outputs(
     output_root = storage.settings().output_path
     rows = write_batches(context, taken, _shard(batch), output_root)
     if not taken:
-        # Nothing to do: no figures, so the plots keep the date's real ones (no zeros); the check
-        # judges the date's files as they are (results elsewhere: there is nothing to judge).
+        # Nothing left to do (e.g. after a file was re-run alone): the date's counts and check as its
+        # files are now, so its pages read the same from this run on. A date without batches (or
+        # results elsewhere: nothing to judge) gets no figures, so the plots show no zeros.
         date = [] if batch.output_uri else metrics.date_line_failures(output_root, context.partition_key)
-        return dg.MaterializeResult(metadata={"batches": 0}, check_results=[failed_line_rate(context.partition_key, date)])
+        counts = {**date_line_counts(date), "batches_this_run": 0, "scope": f"every batch of {context.partition_key}"}
+        return dg.MaterializeResult(metadata=counts if date else {"batches": 0},
+                                    check_results=[failed_line_rate(context.partition_key, date)])
     failed = [r["batch"] for r in rows if r["status"] == "failed"]
     metadata = _summary(rows, "completed", "failed", "total")
     if failed:
@@ -427,7 +432,8 @@ def failed_line_rate(scope: str, batches: list[dict[str, Any]]) -> dg.AssetCheck
     deps=[batch_outputs],
     description=(
         "Throughput of the date's batches, whichever runs answered them: requests/s, tokens/s, time split, "
-        "peak memory (a run that wrote no results leaves the figures as they were: batches 0)."
+        "peak memory. A date run with nothing left to do records them again as they are; a run that wrote no results "
+        "elsewhere (or a shard before the last) records none: batches 0."
     ),
 )
 def throughput_metrics(
@@ -435,10 +441,15 @@ def throughput_metrics(
 ) -> dg.MaterializeResult:
     shard = _shard(batch)
     taken = run_batches(context, batch, storage)
+    output_root = storage.settings().output_path
+    if not taken and not batch.output_uri:
+        # Nothing left to do: the date's figures as they are (none for a date without batches).
+        whole_date = metrics.date_metrics(output_root, context.partition_key)
+        if whole_date:
+            return dg.MaterializeResult(metadata=date_figures(output_root, context.partition_key, 0, whole_date))
     per_batch = [metrics.batch_metrics(loc) for loc in taken if _assembled(loc, shard)]
     if not per_batch:
         return dg.MaterializeResult(metadata=metrics.aggregate_metrics(per_batch))
-    output_root = storage.settings().output_path
     if _in_date_layout(taken, output_root):
         return dg.MaterializeResult(metadata=date_figures(output_root, context.partition_key, len(per_batch)))
     # Results written elsewhere (an explicit output_uri, e.g. the CLI): this run's batches alone.
@@ -446,11 +457,13 @@ def throughput_metrics(
                                           "scope": "this run's batches (results outside the date's folder)"})
 
 
-def date_figures(output_root: str, date: str, this_run: int) -> dict[str, Any]:
+def date_figures(output_root: str, date: str, this_run: int,
+                 per_batch: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """throughput_metrics of a date: every batch of it (earlier sensor runs for other files, a
-    backfill, a re-run of one file), read from their metrics.json; also written as one table,
-    `<output>/<date>/metrics.parquet` (a row per batch), for pandas."""
-    per_batch = metrics.date_metrics(output_root, date)
+    backfill, a re-run of one file), read from their metrics.json (`per_batch`, when already read);
+    also written as one table, `<output>/<date>/metrics.parquet` (a row per batch), for pandas."""
+    if per_batch is None:
+        per_batch = metrics.date_metrics(output_root, date)
     table = storage_join(output_root, date, metrics.DATE_TABLE)
     if per_batch:
         tables.write_metrics_table(table, per_batch)

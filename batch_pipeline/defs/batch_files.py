@@ -3,8 +3,14 @@
 The four batch assets run a whole date (backfills, the nightly schedule, the upload sensor), with one
 model load for all of its files; every file they take shows here on its own (defs/file_status.py).
 Materializing a partition of this asset answers that one file (validate, infer, write, measure, as
-batch_job does) and then refreshes its date's figures, so a file fixed after a failure is re-run in
-a few clicks without writing config.
+batch_job does), so a file fixed after a failure is re-run in a few clicks without writing config.
+
+It records that file only. The date's assets are recorded by runs of the date, which Dagster's
+pages read as the date's story: a date's page shows a failure banner while the latest run that
+planned the date failed, even under a later materialization from another run (AssetPartitionDetail
+in Dagster's UI, `latestRunForPartition`, the latest ASSET_MATERIALIZATION_PLANNED event). So the
+re-run says on its page how to record the date again: materialize the date, which takes only the
+files not completed (none is answered twice, and no model loads when none is left).
 """
 
 import functools
@@ -14,19 +20,14 @@ import dagster as dg
 from batch_pipeline.defs import file_status
 from batch_pipeline.defs.assets import (
     INFERENCE_RETRIES,
-    FAILED_LINE_RATE,
     already_done,
-    date_line_counts,
     answer_batches,
-    date_figures,
-    failed_line_rate,
     validate_batches,
     write_batches,
 )
 from batch_pipeline.defs.partitions import batch_file_partitions, daily_partitions, split_file_key
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
 from batch_pipeline.io import locations
-from batch_pipeline.steps import metrics
 from batch_pipeline.io.shards import Shard
 from batch_pipeline.io.storage import read_json
 
@@ -39,10 +40,12 @@ from batch_pipeline.io.storage import read_json
     retry_policy=INFERENCE_RETRIES,
     description=(
         "Each batch file on its own, keyed <date>/<batch name>: green once its results are written (by its date's "
-        "run, an upload sensor run or a re-run here); a file a run failed has an observation saying why (Events). "
-        "Materialize a "
-        "partition to re-run that one file. A re-run loads the model first, which is most of a small file's time "
-        "(about 40 s with the bundled model on 2 CPU cores); the last re-run's model_load_seconds is on its page."
+        "run, an upload sensor run or a re-run here). A file a date's run failed is not green; its reason (codes, "
+        "first error lines, errors.jsonl) is an observation: 'View all historical events' on its page, or Events. "
+        "Materialize a partition to re-run that one file. A re-run loads the model first, which is most of a small "
+        "file's time (about 40 s with the bundled model on 2 CPU cores); each re-run's model_load_seconds is on its "
+        "page. It records the file only: materialize its date afterwards (no model load when no file is left) to "
+        "record the date's figures and clear its failure."
     ),
 )
 def batch_files(
@@ -72,37 +75,19 @@ def batch_files(
     validate_batches(context, [loc], llm, whole, image_column=batch.image_column)
     figures = answer_batches(context, [loc], llm, whole)
     [row] = write_batches(context, [loc], whole, s.output_path, report_files=False)
-    refresh_date(context, s.output_path, date, name)
     written = read_json(loc.out("batch.json"))
     if row["status"] == "failed":
         why = file_status.failed(context, loc, written)
         raise dg.Failure(description=f"{name} of {date} failed ({why['reason']}): see {loc.out('errors.jsonl')}",
                          metadata=why, allow_retries=False)
     load = {"model_load_seconds": figures["model_load_seconds"]} if "model_load_seconds" in figures else {}
-    return dg.MaterializeResult(metadata={**file_status.file_metadata(loc, written), **load})
+    return dg.MaterializeResult(metadata={**file_status.file_metadata(loc, written), **load,
+                                          "date_assets": date_note(date)})
 
 
-def refresh_date(context: dg.AssetExecutionContext, output_root: str, date: str, name: str) -> None:
-    """The re-run changed one file of `date`: its date's figures (throughput_metrics), its line-rate
-    check and, when no file of the date is left failed, batch_outputs (a date made red by this
-    file turns green) are recorded again over every batch of the date."""
-    judged = metrics.date_line_failures(output_root, date)
-    # Said on the date's pages: Dagster's banner "Run ... failed, and did not materialize this asset"
-    # names the date's last run that planned these assets, which a re-run of one file is not.
-    why = (f"recorded again after re-running {name} alone (run {context.run.run_id[:8]}): current, "
-           f"superseding any earlier failed run of {date}")
-    if not any(b["status"] == "failed" for b in judged):
-        context.log_event(dg.AssetMaterialization(
-            "batch_outputs", partition=date, description=f"every batch of {date}, {why}",
-            metadata={**date_line_counts(judged), "scope": f"every batch of {date}", "rerun": name,
-                      "recorded_by": why},
-        ))
-    check = failed_line_rate(date, judged)
-    context.log_event(dg.AssetCheckEvaluation(
-        asset_key=dg.AssetKey("batch_outputs"), check_name=FAILED_LINE_RATE.name, passed=check.passed,
-        severity=check.severity, description=check.description, metadata=check.metadata,
-    ))
-    context.log_event(dg.AssetMaterialization(
-        "throughput_metrics", partition=date, description=f"every batch of {date}, {why}",
-        metadata={**date_figures(output_root, date, 1), "rerun": name, "recorded_by": why},
-    ))
+def date_note(date: str) -> str:
+    """What the re-run's page says of its date: a one-file run plans only batch_files, so Dagster
+    goes on showing the date's last date run (a failure banner if it failed) until the date runs."""
+    return (f"{date}'s own assets show its last date run (and its failure, if it failed), not this file yet: "
+            f"materialize {date} (asset group batch, or Jobs > batch_job) to record the date with it; that run takes "
+            "only the files not completed and loads no model when none is left")

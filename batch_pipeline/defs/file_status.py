@@ -2,16 +2,31 @@
 
 A run of the four date assets answers many files. So that each shows on its own in the batch_files
 asset, the run adds the files' partition keys when it takes them and, from the step that wrote each
-file, records what became of it with Dagster's public events (`context.log_event`), so the file's
-page names the run and the job:
+file, records what became of it with Dagster's public events (`context.log_event`); Dagster stores
+them with that run's id, so the file's page links the run and, for a named job, the job:
 - a completed file: an `AssetMaterialization` of its partition (green), the Batch object in brief;
 - a failed file (a file-level error, e.g. every line invalid): an `AssetObservation` of its
   partition saying why (the file-level error, the codes and their counts, the first error lines'
-  numbers, the errors.jsonl path). Dagster has no public event for "this partition failed": the red
-  square of a failed partition comes only from a planned materialization in a failed run, which a
-  step can plan only for the assets of its own run. A file that failed in a date's run therefore
-  stays "missing" (not green) with the observation on its page; a re-run from its own partition
-  (batch_files) that fails is red, as Dagster marks any failed run of an asset.
+  numbers, the errors.jsonl path, the run and its job).
+
+What Dagster 1.13.27 (the version pinned) does with these, read in its source:
+- A partition is red ("failed") only when a run that planned it (an ASSET_MATERIALIZATION_PLANNED
+  event, which Dagster writes for the assets and partition of the run's own selection) ended in
+  failure with no materialization after it (storage/partition_status_cache.py,
+  build_failed_and_in_progress_partition_subset). A date run plans the date's assets, never a
+  batch_files partition, so a file failed by it is not red: it stays "missing". The event that
+  would say so, ASSET_FAILED_TO_MATERIALIZE (AssetMaterializationFailure, not exported by
+  `dagster`), is dropped by the open-source event storage (EventLogStorage.
+  can_store_asset_failure_events is False; DagsterInstance.should_store_event).
+- The partition page (AssetPartitionDetail.tsx in the UI) fills "Latest materialization", "Run",
+  "Job" and "Metadata" from the latest materialization only, adding the observations newer than
+  it; with none, it shows None and "No metadata entries", and the observation is one click away,
+  under "View all historical events". A green failed file would put its reason there, at the cost
+  of a green square for a failure, so it is not done.
+- "Job" is left blank (None) for runs of Dagster's hidden `__ASSET_JOB`, which every launch from
+  the asset graph is (execution/submit_asset_runs.py; the UI's getCommonJob picks it too), so the
+  observation names the job itself; a run of batch_job (Jobs > batch_job, the sensor, the
+  schedule) is named on the page.
 """
 
 from __future__ import annotations
@@ -106,6 +121,14 @@ def failure_metadata(loc: BatchLocation, batch: dict[str, Any]) -> dict[str, Any
     }
 
 
+def job_label(job_name: str) -> str:
+    """A run's job as a user knows it: a launch from the asset graph runs as Dagster's hidden
+    `__ASSET_JOB`, which the UI shows as no job."""
+    if job_name.startswith("__ASSET_JOB"):
+        return f"{job_name} (launched from the asset graph; Dagster's UI names no job for it)"
+    return job_name
+
+
 def completed(context: dg.AssetExecutionContext, loc: BatchLocation, batch: dict[str, Any]) -> None:
     """Log the file's materialization (its batch_files partition turns green)."""
     context.log_event(dg.AssetMaterialization(BATCH_FILES, partition=key_of(loc), metadata=file_metadata(loc, batch),
@@ -113,9 +136,10 @@ def completed(context: dg.AssetExecutionContext, loc: BatchLocation, batch: dict
 
 
 def failed(context: dg.AssetExecutionContext, loc: BatchLocation, batch: dict[str, Any]) -> dict[str, Any]:
-    """Log why the file failed as an observation of its partition (shown on its page, with this
-    run and job); returns that metadata."""
-    metadata = failure_metadata(loc, batch)
+    """Log why the file failed as an observation of its partition (its run and job among its
+    metadata); returns that metadata."""
+    metadata = {**failure_metadata(loc, batch), "run": dg.MetadataValue.dagster_run(context.run.run_id),
+                "job": job_label(context.job_name)}
     context.log_event(dg.AssetObservation(BATCH_FILES, partition=key_of(loc), metadata=metadata,
                                           description=f"{loc.name} of {loc.partition} failed: {metadata['reason']}"))
     return metadata
