@@ -8,6 +8,7 @@ its own process (cli_runs.py watches its process tree: ranks are titled batch-pi
   not fit, and printed by `doctor`;
 - two ranks answer every line once, both do work, each on its own core, with exactly one engine's
   greedy answers (the bundled SmolLM2, whose answers are also right), and no rank outlives the run;
+  lines with images too (the tiny vision model: each rank prepares its own lines' images);
 - a rank killed with SIGKILL mid-batch fails the step, whose retry resumes from the checkpoints:
   nothing lost or doubled, no process left;
 - Ctrl-C (SIGINT) mid-batch cancels the batch and stops every rank.
@@ -179,6 +180,52 @@ def test_two_ranks_answer_every_line_once_each_on_its_own_core(bundled_model_dir
     assert ranks_seen(one) == [], "DATA_PARALLEL_SIZE=1 runs the engine in the run process"
     assert choices(tmp_path / "two") == choices(tmp_path / "one")
     assert json.loads((tmp_path / "one" / "metrics.json").read_text())["requests_per_rank"] == [len(ids)]
+
+
+def test_two_ranks_answer_image_lines_as_one_engine_does(tmp_path, cli_runs):
+    """Lines with images over two ranks (the tiny vision model, tiny_vlm.py): each rank fetches and
+    decodes the images of its own lines ahead of its engine. Every line is answered once, both ranks
+    do work, the greedy answers are one engine's, a bad image is its line's error either way, and the
+    images answered are counted."""
+    from batch_pipeline.config import models
+    from batch_pipeline_tests.image_data import data_url, png
+    from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
+
+    name = "tiny-idefics3"
+    vlm = build_tiny_vlm(models.cache_root() / "test-models" / name)
+    rows = []
+    for i in range(8):
+        parts = [{"type": "text", "text": "describe"},
+                 {"type": "image_url", "image_url": {"url": data_url(png((30 * i, 255 - 30 * i, 90), (64, 48)))}}]
+        rows.append({"custom_id": f"img-{i}", "body": {"model": name, "messages": [{"role": "user", "content": parts}],
+                                                      "max_tokens": 6, "temperature": 0}})
+    rows.append({"custom_id": "not-an-image", "body": {"model": name, "max_tokens": 6, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(b"plain text, not an image")}}]}]}})
+    batch = tmp_path / "images.jsonl"
+    batch.write_text("\n".join(json.dumps({**r, "method": "POST", "url": "/v1/chat/completions"}) for r in rows) + "\n")
+    ids = [r["custom_id"] for r in rows]
+    base = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "SERVED_MODEL_NAME", "DAGSTER_HOME")}
+    env = {n: {**base, **ALONE, "DATA_PARALLEL_SIZE": n, "MODEL_PATH": str(vlm), "SERVED_MODEL_NAME": name,
+               "MAX_MODEL_LEN": "512", "SEED": "0", "KV_CACHE_MEMORY_BYTES": str(64 * 2**20)} for n in ("1", "2")}
+
+    results = {}
+    for n in ("2", "1"):
+        run = cli_runs(batch, tmp_path / n, env[n], engine_title=RANK_TITLE)
+        assert run.wait(timeout=600) == 0, run.tail()
+        assert len(ranks_seen(run)) == (2 if n == "2" else 0)
+        assert_no_engine_process_left(run)
+        outputs, errors, _ = read_results(tmp_path / n)
+        answered_once(outputs, errors, ids)
+        [error] = errors
+        assert error["custom_id"] == "not-an-image" and error["error"]["code"] == "invalid_request"
+        assert error["error"]["message"] == "line 9: body.messages[0].content[0].image_url: not an image format that can be read"
+        metrics = json.loads((tmp_path / n / "metrics.json").read_text())
+        assert len(metrics["requests_per_rank"]) == int(n) and min(metrics["requests_per_rank"]) > 0, metrics
+        assert json.loads((tmp_path / n / "_work" / "inference.json").read_text())["images"] == 8
+        results[n] = {o["custom_id"]: (o["response"]["body"]["choices"], o["response"]["body"]["usage"]["prompt_tokens"])
+                      for o in outputs}
+    assert results["2"] == results["1"]
+    assert len({str(choices) for choices, _ in results["1"].values()}) > 1  # the images decide the answers
 
 
 # -- a rank killed, a run cancelled --------------------------------------------------------
