@@ -20,6 +20,7 @@ storage, the tiny model). In order, sharing one server:
    the job named batch_job on its page.
 4. the upload sensor turned on afterwards starts no run for the finished files, and the dates'
    throughput figures do not change; they add up the files of each date.
+5. a new upload: the sensor runs it as batch_job, and the file's page names that job (and its run).
 Screenshots of each step go to UI_SCREENSHOTS_DIR (default: the test's tmp folder; docs/UI.md's
 pictures in docs/ui/ come from `UI_SCREENSHOTS_DIR=docs/ui`).
 
@@ -400,6 +401,28 @@ def test_sensor_on_afterwards_starts_nothing_and_figures_add_up(ui: Walk) -> Non
     ui.shot("7-throughput-per-date")
     open_group(server, page)
     ui.shot("8-asset-group-after")
+
+
+def test_a_new_upload_runs_as_batch_job_and_its_page_names_the_job(ui: Walk) -> None:
+    server, page, dates = ui.server, ui.page, ui.dates
+    before = {r.run_id for r in server.instance().get_runs()}
+    (ui.inbox / dates[1] / "late.jsonl").write_text("\n".join(chat_line(f"late-{i}") for i in range(2)) + "\n")
+
+    def the_sensor_run() -> Any:
+        new = [r for r in server.instance().get_runs() if r.run_id not in before]
+        return new[0] if new and new[0].is_finished else None
+
+    run = wait_for("the sensor's run of the new upload", the_sensor_run, BACKFILL_TIMEOUT, interval=1.0,
+                   on_timeout=server.log_tail)
+    assert run.status.value == "SUCCESS", server.log_tail()
+    assert (run.job_name, run.tags["dagster/partition"]) == ("batch_job", dates[1])
+    key = f"{dates[1]}/late"
+    assert ui.file_status()[key] == "MATERIALIZED"
+    page.goto(f"{server.url}/assets/batch_files?view=partitions&partition={key}")
+    body = body_with(page, run.run_id[:8], "batch_job")
+    ui.shot("9-new-upload-named-job")
+    assert re.search(r"Job\s+batch_job", body), body[:3000]  # the sensor's job, on the file's page
+    assert run.run_id[:8] in body
 
 
 def step_ready(server: DagsterDev, run_id: str) -> float:
