@@ -34,6 +34,20 @@ from batch_pipeline.contract.lines import Answer
 # more from the run process): the engine goes on stepping what it holds and asks again.
 NOTHING_YET = object()
 
+
+class _Feed:
+    """A request stream read a little at a time: take() gives the next item, or None when there is
+    nothing ready yet (NOTHING_YET) or nothing more (then `exhausted`)."""
+
+    def __init__(self, source: Iterator[Any]) -> None:
+        self.source, self.exhausted = source, False
+
+    def take(self) -> Any:
+        item = next(self.source, None)
+        if item is None:
+            self.exhausted = True
+        return None if item is NOTHING_YET else item
+
 # vLLM's own extensions to the OpenAI body, honoured as its online server honours them.
 VLLM_SAMPLING_EXTRAS = contract.VLLM_SAMPLING_EXTRAS
 
@@ -238,15 +252,12 @@ class GenerationEngine(vllm_adapter.ServedModel):
         collected: dict[tuple[str, int], list[Any]] = {}  # (batch, input line) -> outputs per prompt
         clock, began = self.clock, time.perf_counter()
         source = _images_ahead(iter(requests), self._images, lambda: bool(pending), clock)
-        exhausted = False
+        feed = _Feed(source)
         try:
             while True:
-                while not exhausted and len(pending) < window:
-                    got = next(source, None)
+                while not feed.exhausted and len(pending) < window:
+                    got = feed.take()
                     if got is None:
-                        exhausted = True
-                        break
-                    if got is NOTHING_YET:
                         break
                     req, loaded = got
                     of = req.batch_id or batch_id
@@ -266,7 +277,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
                     for index, enqueued_id in enumerate(enqueued):
                         pending[vllm_adapter.output_request_id(enqueued_id)] = (prepared, index, enqueued_id)
                 if not pending:
-                    if exhausted:
+                    if feed.exhausted:
                         return
                     continue
                 if not vllm_adapter.has_unfinished(self.llm):
@@ -334,16 +345,13 @@ def _images_ahead(requests: Iterator[Any], resolver: Callable[[], images.ImageRe
     counted in `clock.image_wait`. The resolver is made at the first image, and closed at the end."""
     pool: images.ImageResolver | None = None
     ahead: deque[tuple[Any, Any]] = deque()  # (request, Future[LineImages] or None)
-    exhausted = False
+    feed = _Feed(requests)
     try:
         while True:
             lookahead = 4 * pool.settings.concurrency if pool is not None else 1
-            while not exhausted and len(ahead) < lookahead:
-                req = next(requests, None)
+            while not feed.exhausted and len(ahead) < lookahead:
+                req = feed.take()
                 if req is None:
-                    exhausted = True
-                    break
-                if req is NOTHING_YET:
                     break
                 future = None
                 if req.url in CHAT_URLS and isinstance(req.body, dict) and images.has_images(req.url, req.body):
@@ -352,7 +360,7 @@ def _images_ahead(requests: Iterator[Any], resolver: Callable[[], images.ImageRe
                 ahead.append((req, future))
                 lookahead = 4 * pool.settings.concurrency if pool is not None else 1
             if not ahead:
-                if exhausted:
+                if feed.exhausted:
                     return
                 yield NOTHING_YET
                 continue
