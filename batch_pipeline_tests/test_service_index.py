@@ -210,14 +210,15 @@ def test_a_list_page_reads_its_own_records_however_long_the_history(unlimited, m
     body, touched, records = listed(limit=2)
     assert [b["id"] for b in body["data"]] == created[:2] and touched == set(created[:2]) and records == 2
     assert len(reads) == alone, reads
-    # A page deep in the history: its 20 batches, read; none of the other 483.
+    # A page deep in the history: its 20 batches, read, and the `after` batch's record (its day); none
+    # of the other 482.
     body, touched, records = listed(limit=20, after=past[300])
     assert [b["id"] for b in body["data"]] == past[299:279:-1] and body["has_more"] is True
-    assert touched == set(past[280:300]) and records == 20
+    assert touched == set(past[280:301]) and records == 21
     assert body["first_id"] == past[299] and body["last_id"] == past[280]
     # The last page says so; an unknown `after` is an empty page, as before the index.
     body, _, records = listed(limit=20, after=past[5])
-    assert [b["id"] for b in body["data"]] == past[4::-1] and body["has_more"] is False and records == 5
+    assert [b["id"] for b in body["data"]] == past[4::-1] and body["has_more"] is False and records == 6
     body, _, records = listed(limit=20, after="batch_nosuch")
     assert body["data"] == [] and body["has_more"] is False and records == 0
 
@@ -247,7 +248,7 @@ def test_pages_walk_every_batch_once_newest_first_across_concurrent_creates_and_
     restarted = type(service)(Store(store.output_root), service.keys, service.dagster_url, _dagster=service.dagster)
     assert restarted.store.index_listing() == 0
     ids_again, reads = list_all(restarted, 7)
-    assert ids_again == ids and max(reads) == 7
+    assert ids_again == ids and max(reads) == 8  # 7 records and the `after` batch's
     # A record an older replica wrote after this start (no marker) is listed after the next start.
     old = {**store.batch(TENANT, first[0]), "id": "batch_olderreplica", "created_at": 4102444800}  # 2100: newest
     old.pop("open")
@@ -261,8 +262,8 @@ def test_a_listing_marker_without_its_record_is_skipped(unlimited):
     service, store = unlimited, unlimited.store
     create_batches(service, 2)
     created = newest_first(store)
-    crashed = {"id": "batch_crashed", "tenant": TENANT, "created_at": 1}  # the marker written, then a crash
-    storage.write_bytes(store._listed_uri(crashed), b"")
+    crashed = {"id": "batch_crashed", "tenant": TENANT, "created_at": 1}  # the markers written, then a crash
+    store._list_marker(crashed)
     page, more = store.batch_page(TENANT, None, 2)
     assert [r["id"] for r in page] == created and more is False
     page, more = store.batch_page(TENANT, None, 1)
@@ -297,3 +298,41 @@ def test_a_second_metrics_scrape_reads_only_batches_not_seen_finished(unlimited)
     before = store.reads
     figures(service, finished)
     assert store.reads - before == 2
+
+
+def test_a_page_lists_only_the_days_it_needs(unlimited, monkeypatch):
+    store = unlimited.store
+    made = []  # 3 batches a day over 30 days, as an older service wrote them (no markers)
+    for day in range(30):
+        for k in range(3):
+            record = {"id": f"batch_day{day:03d}n{k}", "tenant": TENANT, "created_at": 1767225600 + day * 86400 + k * 60}
+            store.save_batch(record)
+            made.append(record["id"])
+    assert store.index_listing() == 90
+    expected = made[::-1]
+    assert newest_first(store) == expected
+    listings: list[str] = []
+    real = storage.list_objects
+    monkeypatch.setattr(storage, "list_objects",
+                        lambda prefix, *args, **kwargs: (listings.append(prefix), real(prefix, *args, **kwargs))[1])
+    page, more = store.batch_page(TENANT, None, 5)
+    assert [r["id"] for r in page] == expected[:5] and more is True
+    assert len(listings) == 3  # the tenant's days, the newest day (3 batches) and the day before (2 and 1 more)
+    listings.clear()
+    # From the middle: the rest of the `after` batch's day (1), the day before (3), and the next day's
+    # first name for has_more; the 13 newer days and the 14 older ones are not listed.
+    page, more = store.batch_page(TENANT, expected[40], 4)
+    assert [r["id"] for r in page] == expected[41:45] and more is True and len(listings) == 4
+    ids, _ = list_all(unlimited, 7)
+    assert ids == expected
+
+
+def test_markers_of_the_first_layout_without_days_are_indexed_again(unlimited):
+    store = unlimited.store
+    record = {"id": "batch_firstlayout", "tenant": TENANT, "created_at": 1767225600}
+    store.save_batch(record)
+    # As 84a428a wrote it: listed/<tenant hash>/<created_at>-<id>.json, no day folder.
+    storage.write_bytes(storage.join(store._listed_folder(TENANT), "001767225600-batch_firstlayout.json"), b"")
+    assert store.index_listing() == 1
+    assert store.batch_ids() == ["batch_firstlayout"]
+    assert [r["id"] for r in store.batch_page(TENANT, None, 5)[0]] == ["batch_firstlayout"]

@@ -9,15 +9,17 @@ Batches that may still be unfinished are indexed per tenant (`_batch_api/open/<t
 id>`): a marker written when the batch is created and deleted once the service sees it finished, so
 the limit check at create reads a tenant's open batches only, however long its history.
 
-Every batch is also listed per tenant in creation order (`_batch_api/listed/<tenant hash>/<created_at,
-12 digits>-<batch id>.json`, an empty marker written at create, before the record), so a page of
-`GET /v1/batches` is one listing of names and a record read per batch on the page, however long the
-history. Each marker is its own object, so concurrent creates (several replicas) never overwrite one
-another's; a marker whose record is missing (a crash between the two writes) is skipped. Records
-written before this index existed get their markers when a service starts (`index_listing`: one
-listing of the records, one of the markers, a read of each record without a marker; run again at
-each start, so records an older replica wrote meanwhile are picked up too), or on the first list of
-a store no service has indexed in this process.
+Every batch is also listed per tenant in creation order, by day (UTC): an empty marker
+`_batch_api/listed/<tenant hash>/<day>/<created_at, 12 digits>-<batch id>.json`, and the day itself
+as `_batch_api/listed/<tenant hash>/days/<day>`, both written at create before the record. A page of
+`GET /v1/batches` lists the tenant's days, then the days from the newest (or from the day of the
+`after` batch, its record read once) until the page is full, and reads the page's records: its cost
+follows the page and the busiest day it touches, not the history. Each marker is its own object, so
+concurrent creates (several replicas) never overwrite one another's; a marker whose record is missing
+(a crash between the writes) is skipped. Records written before this index existed get their markers
+when a service starts (`index_listing`: one listing of the records, one of the markers, a read of each
+record without a marker; run again at each start, so records an older replica wrote meanwhile are
+picked up too), or on the first list of a store no service has indexed in this process.
 
 Expiry (files' `expires_after`, batches' `output_expires_after`) is swept lazily: a file past its
 `expires_at` has its content deleted from storage the first time it is read, listed or counted, and
@@ -28,9 +30,10 @@ stays in storage until then.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +53,7 @@ def new_id(prefix: str) -> str:
 INDEXED_MARKER = "INDEXED"
 # `<created_at>-<batch id>.json`: the creation time zero-padded, so names sort as (created_at, id).
 LISTED_TIME_DIGITS = 12
+LISTED_DAYS = "days"  # listed/<tenant hash>/days/<YYYY-MM-DD>: the days a tenant created batches on
 
 
 @dataclass
@@ -138,7 +142,7 @@ class Store:
         """A new batch: its marker in its tenant's listing, its record (`open`), and its marker among its
         tenant's open batches. The listing marker first: a crash after it leaves a marker list skips,
         never a record list cannot find."""
-        storage.write_bytes(self._listed_uri(record), b"")
+        self._list_marker(record)
         record["open"] = True
         self.save_batch(record)
         storage.write_json(self._open_uri(record["tenant"], record["id"]), {"id": record["id"]})
@@ -194,45 +198,64 @@ class Store:
         return self._uri("listed", _tenant_folder(tenant))
 
     def _listed_uri(self, record: dict[str, Any]) -> str:
-        return storage.join(self._listed_folder(record["tenant"]), _listed_name(record["created_at"], record["id"]))
+        return storage.join(self._listed_folder(record["tenant"]), _day(record["created_at"]),
+                            _listed_name(record["created_at"], record["id"]))
 
-    def listed_ids(self, tenant: str) -> list[str]:
-        """The ids of the tenant's batches, newest first (created_at, then id, descending): one listing,
-        no record read."""
+    def _list_marker(self, record: dict[str, Any]) -> None:
+        """The batch's markers in its tenant's listing: its day (written once), then the batch."""
+        day = storage.join(self._listed_folder(record["tenant"]), LISTED_DAYS, _day(record["created_at"]))
+        if not storage.exists(day):  # two creates of a new day both write it: the same empty object
+            storage.write_bytes(day, b"")
+        storage.write_bytes(self._listed_uri(record), b"")
+
+    def _listed_names(self, folder: str, suffix: str | None = None) -> list[str]:
+        """Names in one folder of the listing, newest first."""
+        return sorted((storage.basename(o.uri) for o in storage.list_objects(folder + "/", suffix=suffix,
+                                                                             recursive=False)), reverse=True)
+
+    def _ids_after(self, tenant: str, after: str | None) -> Iterator[str]:
+        """The tenant's batch ids newest first (created_at, then id, descending), from just after the
+        batch `after` (nothing when it is not the tenant's): the days' names, then each day's names,
+        listed only as far as the caller reads."""
         if not self._listing_checked:
             self.index_listing()
-        names = sorted((storage.basename(o.uri) for o in
-                        storage.list_objects(self._listed_folder(tenant) + "/", suffix=".json", recursive=False)),
-                       reverse=True)
-        return [name[LISTED_TIME_DIGITS + 1:-len(".json")] for name in names]
+        folder = self._listed_folder(tenant)
+        days = self._listed_names(storage.join(folder, LISTED_DAYS))
+        start = None
+        if after:
+            record = self.batch(tenant, after)
+            if record is None:
+                return
+            start = _listed_name(record["created_at"], record["id"])
+            days = [d for d in days if d <= _day(record["created_at"])]
+        for day in days:
+            for name in self._listed_names(storage.join(folder, day), suffix=".json"):
+                if start is None or name < start:
+                    yield name[LISTED_TIME_DIGITS + 1:-len(".json")]
 
     def batch_page(self, tenant: str, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """(up to `limit` of the tenant's batch records after the batch `after`, newest first; whether
-        more follow): the listing's names, then the records of this page only. An unknown `after` gives
-        an empty page (as before the index)."""
-        ids = self.listed_ids(tenant)
-        if after:
-            start = ids.index(after) + 1 if after in ids else len(ids)
-        else:
-            start = 0
+        more follow): the listing's names as far as the page needs, then the page's records only. An
+        unknown `after` gives an empty page (as before the index)."""
+        ids = self._ids_after(tenant, after)
         page: list[dict[str, Any]] = []
-        i = start
-        while i < len(ids) and len(page) < limit:
-            record = self.batch(tenant, ids[i])
-            i += 1
+        for batch_id in ids:
+            if len(page) == limit:
+                # More follow when a later marker has its record: the next one, but for a crashed create's.
+                more = storage.exists(self._uri("batches", f"{batch_id}.json")) or any(
+                    storage.exists(self._uri("batches", f"{later}.json")) for later in ids)
+                return page, more
+            record = self.batch(tenant, batch_id)
             if record is not None:  # a marker without its record (a create that crashed): skipped
                 page.append(record)
-        # More follow when a later marker has its record: the next one, but for a crashed create's marker.
-        more = any(storage.exists(self._uri("batches", f"{batch_id}.json")) for batch_id in ids[i:])
-        return page, more
+        return page, False
 
     def index_listing(self) -> int:
         """List the records that have no listing marker (written before the listing index existed, or by
         an older replica since): one listing of the records, one of the markers, and a read of each
         record without one; the number indexed. Run when a service starts and on the first list of a
         Store; idempotent (a marker's name follows from its record), so replicas may run it together."""
-        listed = {storage.basename(o.uri)[LISTED_TIME_DIGITS + 1:-len(".json")]
-                  for o in storage.list_objects(self._uri("listed") + "/", suffix=".json")}
+        listed = set(self._marked_ids())
         missing = [o.uri for o in storage.list_objects(self._uri("batches") + "/", suffix=".json", recursive=False)
                    if storage.basename(o.uri)[:-len(".json")] not in listed]
 
@@ -241,7 +264,7 @@ class Store:
                 record = self._read_batch(uri)
             except FileNotFoundError:
                 return 0
-            storage.write_bytes(self._listed_uri(record), b"")
+            self._list_marker(record)
             return 1
 
         # A one-off of a whole store is a read and a write per record: overlapped (S3 round trips, fsyncs).
@@ -254,8 +277,17 @@ class Store:
         """Every batch id of every tenant, from the listing index (no record read)."""
         if not self._listing_checked:
             self.index_listing()
-        return [storage.basename(o.uri)[LISTED_TIME_DIGITS + 1:-len(".json")]
-                for o in storage.list_objects(self._uri("listed") + "/", suffix=".json")]
+        return self._marked_ids()
+
+    def _marked_ids(self) -> list[str]:
+        """The ids of every batch marker in a day folder (`listed/<tenant hash>/<day>/`: markers of
+        the first layout, without days, count as none), each once."""
+        ids: dict[str, None] = {}
+        for o in storage.list_objects(self._uri("listed") + "/", suffix=".json"):
+            parent = storage.basename(o.uri[:-len(storage.basename(o.uri)) - 1])
+            if _DAY.fullmatch(parent):
+                ids[storage.basename(o.uri)[LISTED_TIME_DIGITS + 1:-len(".json")]] = None
+        return list(ids)
 
     def batch_by_id(self, batch_id: str) -> dict[str, Any] | None:
         """Any tenant's batch record (the service's own figures); None when there is none."""
@@ -294,6 +326,13 @@ class Store:
 def _tenant_folder(tenant: str) -> str:
     """Tenants are the operator's free text: hashed into a safe folder name."""
     return hashlib.sha256(tenant.encode()).hexdigest()[:32]
+
+
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+
+
+def _day(created_at: int) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(int(created_at)))
 
 
 def _listed_name(created_at: int, batch_id: str) -> str:
