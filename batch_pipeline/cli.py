@@ -1,6 +1,6 @@
 """`batch-pipeline`: validate a batch file, run one through the Dagster assets, serve the Batch API.
 
-    batch-pipeline validate INPUT
+    batch-pipeline validate INPUT [--image-column COLUMN]
     batch-pipeline run INPUT --output-dir DIR [--date YYYY-MM-DD] [--image-column COLUMN]
     batch-pipeline serve [--host 127.0.0.1] [--port 8000]
     batch-pipeline usage --since YYYY-MM-DD [--tenant T] [--csv]
@@ -40,6 +40,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     settings = LLMResource().validation_settings()
     if args.served_model_name:
         settings = dataclasses.replace(settings, served_model_name=args.served_model_name)
+    image_column = args.image_column.strip()
+    if image_column:  # as `run --image-column`: a table's column of images, checked as the run checks them
+        if not is_table(args.input):
+            _err(f"--image-column is for Parquet/CSV inputs; a JSONL line gives its images in its own body ({args.input})")
+            return EXIT_FAILED
+        settings = dataclasses.replace(settings, image_column=image_column)
     shown = 0
 
     def on_invalid(bad: Any) -> None:
@@ -277,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input", help="batch file: a local path or s3://bucket/key")
     p.add_argument("--served-model-name", default="", help="model name body.model must say (default: SERVED_MODEL_NAME)")
     p.add_argument("--max-errors", type=int, default=100, help="invalid lines to print (0 = all)")
+    p.add_argument("--image-column", default="", metavar="COLUMN",
+                   help="Parquet/CSV input: the column holding each row's image, as `run --image-column` takes it "
+                   "(default: TABLE_IMAGE_COLUMN where the table has it)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("run", help="run a batch file through the pipeline")

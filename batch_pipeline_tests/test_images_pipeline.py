@@ -760,3 +760,34 @@ def test_images_load_ahead_in_order_and_an_interrupted_stream_does_not_wait_on_a
         assert time.monotonic() - started < 2
     finally:
         silent.close()
+
+
+def test_batch_pipeline_validate_takes_a_tables_image_column(tmp_path, vision_folder, monkeypatch, capsys):
+    """`batch-pipeline validate TABLE --image-column photo` checks each row's image as the run would,
+    without fetching or decoding it; without the flag the rows are text; JSONL is refused."""
+    import pandas as pd
+
+    from batch_pipeline import cli
+
+    for var in ("MODELS_FILE", "LORA_MODULES", "TABLE_IMAGE_COLUMN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("MODEL_PATH", str(vision_folder))
+    monkeypatch.setenv("SERVED_MODEL_NAME", VLM)
+    table = tmp_path / "t.csv"
+    pd.DataFrame({"prompt": ["a", "b"], "photo": [data_url(image_data.png("red")), "data:image/png;base64,@@@@"]}).to_csv(
+        table, index=False)
+
+    assert cli.main(["validate", str(table), "--image-column", "photo"]) == 1
+    out = capsys.readouterr().out
+    assert "2 requests: 1 valid, 1 invalid" in out
+    [bad] = [line for line in out.splitlines() if line.startswith("  line ")]
+    assert bad.startswith("  line 2 [invalid_request]") and "image_url" in bad and "base64" in bad, bad
+
+    assert cli.main(["validate", str(table)]) == 0  # no image column named: two text rows
+    assert "2 requests: 2 valid, 0 invalid" in capsys.readouterr().out
+    assert cli.main(["validate", str(table), "--image-column", "nope"]) == 1
+    assert "the batch would fail: t.csv: the image column `nope`" in capsys.readouterr().out
+    lines = tmp_path / "b.jsonl"
+    lines.write_text("{}\n")
+    assert cli.main(["validate", str(lines), "--image-column", "photo"]) == 2
+    assert "--image-column is for Parquet/CSV inputs" in capsys.readouterr().err
