@@ -155,7 +155,9 @@ SLOW_FILES = (
 # The fast lane (`make test-fast`: -m "not engine and not server"): a test is marked by what it
 # uses, so a new test that builds an engine or starts a server leaves the lane by itself. Every
 # fixture that loads a model (directly or through the fixtures built on it) ...
-ENGINE_FIXTURES = {"tiny_model_dir", "bundled_model_dir", "thinking_model_dir"}
+# The tiny vision model's folder, and `cli_runs` (a `batch-pipeline run` in its own process, which
+# builds its own engine) count too: without them three image tests (~75 s) ran in the fast lane.
+ENGINE_FIXTURES = {"tiny_model_dir", "bundled_model_dir", "thinking_model_dir", "vlm_dir", "cli_runs"}
 # ... and every fixture that starts a server (moto's S3, a PostgreSQL database; dagster dev, the
 # Batch API and Chromium start from fixtures that need the tiny model too).
 SERVER_FIXTURES = {"moto_server", "history_server", "database"}
