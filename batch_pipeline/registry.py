@@ -92,12 +92,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     aliases = model_aliases.read_aliases(_output_root())
     registry = s.model_registry()
     versioned = s.versioned_models()
+    chosen = s.resolved_versions(aliases)  # what new batches use, per model
     rows = []
     for name, model in versioned.items():
-        chosen = s.resolved_versions(aliases)[name]
         for version in model.versions:
             marks = []
-            if version == chosen:
+            if version == chosen[name]:
                 marks.append("new batches")
             if version == model.current:
                 marks.append("MODELS_FILE current")

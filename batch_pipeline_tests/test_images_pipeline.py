@@ -33,6 +33,7 @@ from batch_pipeline.defs.resources import LLMResource, StorageResource
 from batch_pipeline.io import images, storage
 from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidLine
 from batch_pipeline_tests import image_data
+from batch_pipeline_tests.asset_runs import write_batch
 from batch_pipeline_tests.cli_runs import answered_once, killed_after_parts, read_results
 from batch_pipeline_tests.image_data import data_url
 from batch_pipeline_tests.conftest import SessionLLM
@@ -306,9 +307,7 @@ def test_images_reach_the_model_through_the_pipeline_and_bad_ones_fail_their_lin
                               f"no such S3 object: s3://{s3_bucket}/gone.png"),
     }
     lines = good[:3] + [line(i, b, RESPONSES if i.startswith("responses") else CHAT) for i, (b, _, _) in bad.items()] + good[3:]
-    batch = tmp_path / "in" / "images.jsonl"
-    batch.parent.mkdir()
-    batch.write_text("\n".join(lines) + "\n")
+    batch = write_batch(tmp_path / "in", "images.jsonl", lines)
     out = tmp_path / "out"
 
     result, messages = run(vlm_llm, batch, out)
@@ -372,9 +371,7 @@ def test_a_prompt_its_images_make_longer_than_the_context_is_context_length_exce
              line("long-text", {"model": VLM, "messages": [{"role": "user", "content": text}], "max_tokens": 4}),
              line("short-with-images", chat_body(red, blue, max_tokens=4)),
              line("long-responses", responses_body(red, blue, text=text, max_output_tokens=4), RESPONSES)]
-    batch = tmp_path / "in" / "long.jsonl"
-    batch.parent.mkdir()
-    batch.write_text("\n".join(lines) + "\n")
+    batch = write_batch(tmp_path / "in", "long.jsonl", lines)
     out = tmp_path / "out"
 
     result, _ = run(vlm_llm, batch, out)
@@ -442,9 +439,7 @@ def test_a_resumed_run_fetches_only_the_images_of_lines_not_answered(vlm_llm, s3
         storage.write_bytes(urls[custom_id], png((n * 15, 255 - n * 15, 90)))
     # Short lines finish within the first steps, long ones are still running when the "terminate" comes.
     lines = [line(i, chat_body(urls[i], max_tokens=2 if n % 2 else 60, ignore_eos=True)) for n, i in enumerate(ids)]
-    batch = tmp_path / "in" / "resume.jsonl"
-    batch.parent.mkdir()
-    batch.write_text("\n".join(lines) + "\n")
+    batch = write_batch(tmp_path / "in", "resume.jsonl", lines)
     out = tmp_path / "out"
     fetched = _counting_fetches(monkeypatch)
 
@@ -480,9 +475,7 @@ def test_an_image_heavy_batch_killed_with_sigkill_and_rerun_answers_every_line_o
     lines = [line(i, chat_body(f"s3://{s3_bucket}/p{n % 16}.png", data_url(png((200, n % 256, 0), (40, 40 + n % 7))),
                                max_tokens=16 + (n * 7) % 33, ignore_eos=True))
              for n, i in enumerate(ids)]
-    batch = tmp_path / "in" / "heavy.jsonl"
-    batch.parent.mkdir()
-    batch.write_text("\n".join(lines) + "\n")
+    batch = write_batch(tmp_path / "in", "heavy.jsonl", lines)
     out = tmp_path / "out"
     env = {**os.environ, "MODEL_PATH": str(vlm_dir), "SERVED_MODEL_NAME": VLM, "MAX_MODEL_LEN": "512", "SEED": "0",
            "CHECKPOINT_ANSWERS": "10", "BATCH_SIZE": "16", "ORDER": "planned"}

@@ -35,10 +35,6 @@ def line(custom_id: str, model: str) -> str:
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": contract.CHAT_URL, "body": body})
 
 
-def yaml_sums(sums: dict[str, str]) -> str:
-    return "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in sums.items()) + "}"
-
-
 @pytest.fixture
 def versioned(tmp_path, bundled_model_dir, tiny_model_dir, monkeypatch):
     """MODELS_FILE with summ@v1 (SmolLM2) and summ@v2 (tiny), v1 current; STORAGE_OUTPUT_PATH for the alias."""
@@ -47,8 +43,8 @@ def versioned(tmp_path, bundled_model_dir, tiny_model_dir, monkeypatch):
         "summ:\n"
         "  seed: 3\n"
         "  versions:\n"
-        f"    v1: {{path: {bundled_model_dir}, max_model_len: 2048, sha256: {yaml_sums(checksums_of(bundled_model_dir))}}}\n"
-        f"    v2: {{path: {tiny_model_dir}, max_model_len: 512, sha256: {yaml_sums(checksums_of(tiny_model_dir))}}}\n"
+        f"    v1: {{path: {bundled_model_dir}, max_model_len: 2048, sha256: {json.dumps(checksums_of(bundled_model_dir))}}}\n"
+        f"    v2: {{path: {tiny_model_dir}, max_model_len: 512, sha256: {json.dumps(checksums_of(tiny_model_dir))}}}\n"
         "  current: v1\n")
     out = tmp_path / "out"
     monkeypatch.setenv("MODELS_FILE", str(path))
@@ -116,7 +112,7 @@ def test_a_changed_or_truncated_weight_file_is_refused_before_the_model_loads(ti
     sums = checksums_of(copy)
     [weights] = list(sums)
     models_file = tmp_path / "models.yaml"
-    models_file.write_text(f"summ:\n  versions:\n    v1: {{path: {copy}, max_model_len: 512, sha256: {yaml_sums(sums)}}}\n")
+    models_file.write_text(f"summ:\n  versions:\n    v1: {{path: {copy}, max_model_len: 512, sha256: {json.dumps(sums)}}}\n")
     monkeypatch.setenv("MODELS_FILE", str(models_file))
     monkeypatch.setenv("STORAGE_OUTPUT_PATH", str(tmp_path / "out"))
     assert verify_checksums("summ@v1", copy, sums) == 1 and verify_checksums("summ@v1", copy, sums) == 0  # remembered
@@ -236,8 +232,8 @@ def test_model_verify_compares_a_golden_batch_with_the_current_version(tiny_mode
                for k, v in tensors.items()}, noisy / weights, metadata={"format": "pt"})
     models_file = tmp_path / "models.yaml"
     models_file.write_text("summ:\n  max_model_len: 512\n  versions:\n"
-                           f"    v1: {tiny_model_dir}\n    v2: {{path: {same}, sha256: {yaml_sums(checksums_of(same))}}}\n"
-                           f"    v3: {{path: {noisy}, sha256: {yaml_sums(checksums_of(noisy))}}}\n  current: v1\n")
+                           f"    v1: {tiny_model_dir}\n    v2: {{path: {same}, sha256: {json.dumps(checksums_of(same))}}}\n"
+                           f"    v3: {{path: {noisy}, sha256: {json.dumps(checksums_of(noisy))}}}\n  current: v1\n")
     golden = tmp_path / "golden.jsonl"
     lines = [json.loads(line(f"g{i}", "summ")) for i in range(6)]
     for i, item in enumerate(lines):
@@ -298,3 +294,21 @@ def test_schedule_and_sensor_runs_are_pinned_to_the_versions_of_their_tick(tmp_p
     tick = nightly_schedule_for(NIGHTLY_CRON)(dg.build_schedule_context(
         scheduled_execution_time=dt.datetime(2026, 11, 30, 2, tzinfo=dt.timezone.utc)))
     assert not tick.run_config  # without versioned models the nightly run's config stays blank
+
+
+def test_an_unversioned_entry_with_checksums_is_verified_too(tmp_path):
+    """sha256 on a plain MODELS_FILE entry is checked before its load like a version's (no builder is reached)."""
+    from batch_pipeline.engine.engines import Engines
+
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"weights")
+    models_file = tmp_path / "models.yaml"
+    models_file.write_text(f"plain: {{path: {folder}, sha256: {json.dumps({'model.safetensors': '0' * 64})}}}\n")
+
+    def builder(_kwargs):
+        raise AssertionError("the model was loaded before its checksum was checked")
+
+    engines = Engines(EngineSettings(models_file=str(models_file)), "/default", "default", None, None, builder=builder)
+    with pytest.raises(ConfigError, match=r"plain: weight file .*model.safetensors does not match its checksum"):
+        engines._model("plain")

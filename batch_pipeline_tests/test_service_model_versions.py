@@ -26,10 +26,6 @@ KEY = "key-versions-0123456789"
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
-def sums(folder: Path) -> str:
-    return "{" + ", ".join(f"{json.dumps(k)}: {v}" for k, v in checksums_of(folder).items()) + "}"
-
-
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("versions")
@@ -37,8 +33,8 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any
     shutil.copytree(tiny_model_dir, second)
     models_file = root / "models.yaml"
     models_file.write_text("summ:\n  max_model_len: 512\n  versions:\n"
-                           f"    v1: {{path: {tiny_model_dir}, sha256: {sums(tiny_model_dir)}}}\n"
-                           f"    v2: {{path: {second}, sha256: {sums(second)}}}\n"
+                           f"    v1: {{path: {tiny_model_dir}, sha256: {json.dumps(checksums_of(tiny_model_dir))}}}\n"
+                           f"    v2: {{path: {second}, sha256: {json.dumps(checksums_of(second))}}}\n"
                            "  current: v1\n")
     with service_stack(root, tiny_model_dir, {"BATCH_API_KEYS": f"team:{KEY}"},
                        pipeline_extra={"MODELS_FILE": str(models_file)}) as s:

@@ -6,10 +6,11 @@ resources expose the same fields in the launchpad; a value set there wins over t
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from batch_pipeline.base.env import coerce, int_in_range, number_in_range
 from batch_pipeline.base.errors import ConfigError
@@ -157,33 +158,31 @@ class EngineSettings:
         `name@version` for each version, each on top of the entry's shared settings; plain `name` is
         resolved to one of them (versioned_models(), config/model_versions.py).
         """
-        return {name: settings for name, (settings, _sums) in self._models_file().items()}
+        return self._models_file.registry
 
     def versioned_models(self) -> dict[str, ModelVersions]:
         """MODELS_FILE's entries with `versions`, by plain name (empty: none or unset)."""
-        if not self.models_file:
-            return {}
-        out: dict[str, ModelVersions] = {}
-        sums_of = {served: sums for served, (_settings, sums) in self._models_file().items()}
-        for name, entry in _read_models_file(self.models_file).items():
-            if isinstance(entry, dict) and "versions" in entry:
-                versions = tuple(str(v) for v in entry["versions"])
-                current = str(entry.get("current") or versions[-1])
-                if current not in versions:
-                    raise ConfigError(f"MODELS_FILE={self.models_file}: model {name!r}: current {current!r} is not one "
-                                      f"of its versions ({', '.join(versions)})")
-                out[str(name)] = ModelVersions(str(name), versions, current,
-                                               {v: sums_of[versioned_name(str(name), v)] for v in versions
-                                                if sums_of.get(versioned_name(str(name), v))})
-        return out
+        return self._models_file.versioned
 
-    def _models_file(self) -> dict[str, tuple["EngineSettings", dict[str, str]]]:
-        """{served name: (EngineSettings, {weight file: sha256})}: a versioned entry gives one per version."""
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        """{served name: {weight file: sha256}} of MODELS_FILE's entries that list checksums, each
+        verified before that model loads (engine/engines.py)."""
+        return self._models_file.checksums
+
+    @functools.cached_property
+    def _models_file(self) -> "_ModelsFile":
+        """MODELS_FILE, read once for these settings: a versioned entry gives one served model per version."""
+        found = _ModelsFile({}, {}, {})
         if not self.models_file:
-            return {}
+            return found
         where = f"MODELS_FILE={self.models_file}"
         base = {k: v for k, v in asdict(self).items() if k not in _NOT_INHERITED}
-        registry: dict[str, tuple[EngineSettings, dict[str, str]]] = {}
+
+        def add(served: str, label: str, entry: dict[str, Any]) -> None:
+            found.registry[served], sums = self._entry(where, served, label, entry, base)
+            if sums:
+                found.checksums[served] = sums
+
         for name, entry in _read_models_file(self.models_file).items():
             name = str(name)
             if VERSION_SEP in name:
@@ -196,7 +195,7 @@ class EngineSettings:
             if not isinstance(entry, dict):
                 raise ConfigError(f"{where}: model {name!r} needs a path (the model folder)")
             if "versions" not in entry:
-                registry[name] = self._entry(where, name, name, dict(entry), base)
+                add(name, name, dict(entry))
                 continue
             shared = {k: v for k, v in entry.items() if k not in ("versions", "current")}
             if "path" in shared or "sha256" in shared:
@@ -205,14 +204,21 @@ class EngineSettings:
             if not isinstance(versions, dict) or not versions:
                 raise ConfigError(f"{where}: model {name!r}: versions must map a version to its folder "
                                   "(or to {path, sha256, settings})")
+            listed = []
             for version, spec in versions.items():
                 version = check_version_name(where, name, version)
                 spec = {"path": spec} if isinstance(spec, str) else spec
                 if not isinstance(spec, dict):
                     raise ConfigError(f"{where}: model {name!r} version {version!r} needs a path (the model folder)")
-                served = versioned_name(name, version)
-                registry[served] = self._entry(where, served, f"{name}@{version}", {**shared, **spec}, base)
-        return registry
+                add(versioned_name(name, version), f"{name}@{version}", {**shared, **spec})
+                listed.append(version)
+            current = str(entry.get("current") or listed[-1])
+            if current not in listed:
+                raise ConfigError(f"{where}: model {name!r}: current {current!r} is not one of its versions "
+                                  f"({', '.join(listed)})")
+            found.versioned[name] = ModelVersions(name, tuple(listed), current, {
+                v: found.checksums[versioned_name(name, v)] for v in listed if versioned_name(name, v) in found.checksums})
+        return found
 
     def _entry(self, where: str, served: str, label: str, entry: dict[str, Any],
                base: dict[str, Any]) -> tuple["EngineSettings", dict[str, str]]:
@@ -261,6 +267,12 @@ class EngineSettings:
         values = asdict(self)
         values.update({k: v for k, v in overrides.items() if v is not None and v != ""})
         return EngineSettings(**values)
+
+
+class _ModelsFile(NamedTuple):
+    registry: dict[str, EngineSettings]  # served name -> settings
+    versioned: dict[str, ModelVersions]  # plain name -> its versions
+    checksums: dict[str, dict[str, str]]  # served name -> {weight file: sha256}, where listed
 
 
 # What a MODELS_FILE entry may set, and what it does not take over from the default model.

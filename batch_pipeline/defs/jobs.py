@@ -4,11 +4,10 @@ from typing import Any
 
 import dagster as dg
 
-from batch_pipeline.config.model_versions import format_pins
 from batch_pipeline.config.settings import ConfigError, engine_settings_from_env, storage_settings_from_env
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.batch_files import batch_files
-from batch_pipeline.io.model_aliases import read_aliases
+from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.io.storage import StorageError
 
 batch_job = dg.define_asset_job(
@@ -28,12 +27,8 @@ def model_versions_now() -> str:
     """MODELS_FILE's versioned models pinned to the versions their aliases name now ("name=v ..."), or
     "" (no versioned models, or a models file that cannot be read: the run then says why when it starts)."""
     settings = engine_settings_from_env()
-    if not settings.models_file:
-        return ""
     try:
-        if not settings.versioned_models():
-            return ""
-        return format_pins(settings.resolved_versions(read_aliases(storage_settings_from_env().output_path)))
+        return resolved_pins(settings, storage_settings_from_env().output_path)
     except (ConfigError, OSError, StorageError):
         return ""
 

@@ -22,7 +22,7 @@ from batch_pipeline.engine.placement import plan_ranks
 from batch_pipeline.engine.ranks import RankedEngines
 from batch_pipeline.base.runtime import configure_runtime_env, gpu_count
 from batch_pipeline.engine.vllm_adapter import build_llm, vllm_version
-from batch_pipeline.config.model_versions import format_pins, versioned_name
+from batch_pipeline.config.model_versions import versioned_name
 from batch_pipeline.config.presets import PRESETS
 from batch_pipeline.config.settings import (
     ConfigError,
@@ -32,7 +32,7 @@ from batch_pipeline.config.settings import (
     storage_settings_from_env,
     validation_limits_from_env,
 )
-from batch_pipeline.io.model_aliases import read_aliases
+from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.steps.validation import ValidationSettings
 
 BUNDLED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
@@ -142,16 +142,9 @@ class LLMResource(dg.ConfigurableResource):
     def _pinned(self, s: EngineSettings) -> EngineSettings:
         """The settings with every versioned model pinned to one version, resolved once per resource
         (a step): MODEL_VERSIONS first, then the operator's alias, then MODELS_FILE's current."""
-        if not s.models_file:
-            return s
-        versioned = s.versioned_models()
-        if not versioned:
-            return s
         if self._versions is None:
-            pins = s.pinned_versions()
-            aliases = {} if set(versioned) <= set(pins) else read_aliases(storage_settings_from_env().output_path)
-            self._versions = format_pins(s.resolved_versions(aliases))
-        return s.with_overrides(model_versions=self._versions)
+            self._versions = resolved_pins(s, storage_settings_from_env().output_path)
+        return s.with_overrides(model_versions=self._versions) if self._versions else s
 
     # -- names and identity (no model loading) ---------------------------------------------
 

@@ -59,11 +59,9 @@ class Engines:
             raise ConfigError(f"MODELS_FILE={settings.models_file}: {served_name!r} is already the served model")
         # Versioned models: plain `name` answers with the version this run resolved (the resource pins
         # every one in MODEL_VERSIONS before the engines open; unpinned: MODELS_FILE's current).
-        versioned = settings.versioned_models()
         self.versions = settings.resolved_versions({})
         self.aliases = {name: versioned_name(name, version) for name, version in self.versions.items()}
-        self.checksums = {model.served(version): sums for model in versioned.values()
-                          for version, sums in model.checksums.items()}
+        self.checksums = settings.weight_checksums()  # every entry that lists sha256, versioned or not
         self.owns = owns  # False: engines are shared beyond this object (tests), never shut down here
         self.model_path = model_path
         self.served_name = served_name

@@ -18,7 +18,8 @@ import time
 from typing import Any
 
 from batch_pipeline.base.errors import ConfigError
-from batch_pipeline.config.model_versions import ModelVersions
+from batch_pipeline.config.model_versions import ModelVersions, format_pins, resolve
+from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.io import storage
 
 FOLDER = "_models"
@@ -44,6 +45,19 @@ def read_aliases(output_root: str) -> dict[str, str]:
     """{model: version} as switched by an operator (models never switched are absent)."""
     return {name: str(entry.get("version", "")) for name, entry in read_document(output_root).items()
             if isinstance(entry, dict) and entry.get("version")}
+
+
+def resolved_pins(settings: EngineSettings, output_root: str) -> str:
+    """MODELS_FILE's versioned models, each pinned to one version ("name=v ..."): MODEL_VERSIONS first,
+    then the alias kept under `output_root`, then the file's `current`; "" without versioned models.
+    The one resolution of the Batch API's create, the schedule's and sensor's ticks and a run's start.
+    Raises what reading them raises (ConfigError, StorageError)."""
+    versioned = settings.versioned_models()
+    if not versioned:
+        return ""
+    pins = settings.pinned_versions()
+    aliases = {} if set(versioned) <= set(pins) else read_aliases(output_root)  # all pinned: no read
+    return format_pins(resolve(versioned, aliases, pins))
 
 
 def switch(output_root: str, model: ModelVersions, version: str, action: str = "use", by: str = "") -> dict[str, Any]:

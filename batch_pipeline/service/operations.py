@@ -12,11 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batch_pipeline.contract import contract
-from batch_pipeline.config.model_versions import format_pins
 from batch_pipeline.config.priority import PRIORITY_BOUND
 from batch_pipeline.config.settings import ConfigError, engine_settings_from_env
 from batch_pipeline.io import storage
-from batch_pipeline.io.model_aliases import read_aliases
+from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.service import status
 from batch_pipeline.service.audit import AuditLog
 from batch_pipeline.service.auth import tenant_of
@@ -163,10 +162,7 @@ class Service:
         """MODELS_FILE's versioned models pinned to the versions new batches use ("name=v ..."); blank
         without versioned models. A models file the service cannot read leaves the pin to the run."""
         try:
-            settings = engine_settings_from_env()
-            if not settings.models_file or not settings.versioned_models():
-                return ""
-            return format_pins(settings.resolved_versions(read_aliases(self.store.output_root)))
+            return resolved_pins(engine_settings_from_env(), self.store.output_root)
         except ConfigError as e:
             log.error("model versions not pinned at create (%s); the run resolves them when it starts", e)
             return ""
