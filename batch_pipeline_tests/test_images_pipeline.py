@@ -780,6 +780,10 @@ def test_batch_pipeline_validate_takes_a_tables_image_column(tmp_path, vision_fo
     assert "2 requests: 2 valid, 0 invalid" in capsys.readouterr().out
     assert cli.main(["validate", str(table), "--image-column", "nope"]) == 1
     assert "the batch would fail: t.csv: the image column `nope`" in capsys.readouterr().out
+    # The command as a user runs it: its own process, which must exit with the same verdict.
+    proc = subprocess.run([str(Path(sys.executable).with_name("batch-pipeline")), "validate", str(table),
+                           "--image-column", "photo"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "2 requests: 1 valid, 1 invalid" in proc.stdout, proc.stdout + proc.stderr
     lines = tmp_path / "b.jsonl"
     lines.write_text("{}\n")
     assert cli.main(["validate", str(lines), "--image-column", "photo"]) == 2
