@@ -3,7 +3,10 @@ dev` (its daemon launching runs of the tiny model), driven by the openai SDK.
 
 Covered: a cancel that arrives while the run is STARTING (which Dagster refuses to terminate) answers
 200 `cancelling`, not 500, and the run is terminated once it has started: the batch ends `cancelled`
-and its run CANCELED. Not covered here: cancelling queued or running batches (test_batch_api.py).
+and its run CANCELED; the service's sweep carries a pending cancel out without a read (Dagster's side
+scripted); a terminate Dagster half-did (the run marked CANCELING, its interrupt not delivered: the run
+stops itself, test_run_watch.py) is taken, not a 500. Not covered here: cancelling queued or running
+batches (test_batch_api.py).
 """
 
 from __future__ import annotations
@@ -83,3 +86,39 @@ def test_a_cancel_left_pending_is_carried_out_by_the_sweep_without_a_read(tmp_pa
     assert "terminate_pending" not in service.store.batch("team-a", "batch_1")
     assert storage.list_objects(str(pending) + "/") == []  # nothing left to sweep
     assert service.sweep_pending_terminations() == 0 and dagster.terminated == ["run-1"]  # once only
+
+
+class UninterruptibleRun(StartingRun):
+    """Dagster's side when the interrupt is lost: the terminate mutation marks the run CANCELING and then
+    fails (its code server does not know the run), as DefaultRunLauncher.terminate does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.status = "STARTED"
+
+    def terminate_run(self, run_id: str) -> None:
+        self.status = "CANCELING"
+        raise RuntimeError(f"Unable to terminate run {run_id}")
+
+
+def test_a_cancel_dagster_marked_but_could_not_interrupt_is_taken_not_a_500(tmp_path):
+    """The run is CANCELING (it stops itself: test_run_watch.py), so the cancel is answered as taken;
+    any other failure of the terminate still raises."""
+    from batch_pipeline.service.operations import Service
+    from batch_pipeline.service.store import Store
+
+    dagster = UninterruptibleRun()
+    service = Service(store=Store(str(tmp_path)), keys={"k" * 16: "team-a"}, dagster_url="http://unused",
+                      _dagster=dagster)
+    record = {"id": "batch_1", "tenant": "team-a", "run_id": "run-1", "metadata": {}, "created_at": 1}
+    service.store.add_batch(record)
+    service.terminate(record, wait=0)
+    assert dagster.status == "CANCELING" and "terminate_pending" not in service.store.batch("team-a", "batch_1")
+
+    refused = UninterruptibleRun()
+    refused.terminate_run = lambda run_id: (_ for _ in ()).throw(RuntimeError("web server unreachable"))  # status stays STARTED
+    service = Service(store=Store(str(tmp_path / "b")), keys={"k" * 16: "team-a"}, dagster_url="http://unused",
+                      _dagster=refused)
+    service.store.add_batch(dict(record))
+    with pytest.raises(RuntimeError, match="web server unreachable"):
+        service.terminate(dict(record), wait=0)

@@ -12,6 +12,7 @@ import dagster as dg
 from batch_pipeline.defs import file_status
 from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
+from batch_pipeline.defs.run_watch import CancelWatch
 from batch_pipeline.io import checkpoints, locations, tables
 from batch_pipeline.contract import contract
 from batch_pipeline.steps import metrics
@@ -239,12 +240,15 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
             groups: dict[int, list[BatchLocation]] = {}
             for loc in pending:
                 groups.setdefault(order.get(models[loc.name], 0), []).append(loc)
-            with llm.open(log=context.log.info) as engines:
+            # The watch: a cancel whose interrupt never came still stops the answering (run_watch.py).
+            watch = CancelWatch(context.instance, context.run.run_id, context.log.warning)
+            with llm.open(log=context.log.info) as engines, watch.running():
                 identity = llm.identity()
                 for _, group in sorted(groups.items()):
                     infos = infer_batches(
                         group, engines, identity, settings.checkpoint_answers, settings.checkpoint_seconds,
                         log=context.log.info, shard=shard, deadline=deadline, order=settings.order,
+                        cancelled=watch.requested,
                     )
                     for loc, info in zip(group, infos):
                         if info["computed_requests"]:

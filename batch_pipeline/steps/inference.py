@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from batch_pipeline.contract import contract
@@ -18,6 +18,7 @@ from batch_pipeline.engine.ranks import RankedEngines
 from batch_pipeline.io.shards import Shard, merge_if_complete
 from batch_pipeline.engine.gpu import GpuSampler
 from batch_pipeline.io.locations import BatchLocation
+from batch_pipeline.base.errors import CancelRequested
 from batch_pipeline.base.runtime import peak_memory_mb
 from batch_pipeline.steps.ordering import Plan, PlanPart, chat_template_renderer, make_joint_plan
 from batch_pipeline.base.progress import Log, Progress, quiet
@@ -162,6 +163,7 @@ def infer_batch(
     shard: Shard = Shard(),
     deadline: float | None = None,
     order: str = DEFAULT_ORDER,
+    cancelled: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Answer the requests in _work/requests.jsonl (of `shard` only, when given) that no earlier
     attempt answered; returns what the shard's record (_work/inference.json for a whole batch)
@@ -175,11 +177,16 @@ def infer_batch(
     passed: the record gets `expired_at` instead of `finished_at`, and the results step reports the
     requests still unanswered as batch_expired (their answers so far are kept, in the checkpoints).
 
+    `cancelled`, asked after every answer: once it says True, answering stops (the engine drops what
+    it holds, every answer so far is checkpointed) and CancelRequested is raised, as a Ctrl-C would be
+    (defs/run_watch.py: a run Dagster marks cancelling whose interrupt never came).
+
     `order`: "input" feeds the requests in file order; "planned" (ORDER's default) in the order
     steps/ordering.py plans (shared prefixes together, long decodes first). Which one changes only
     the speed: answers are checkpointed by line and the results written in input order.
     """
-    return infer_batches([loc], engines, identity, checkpoint_answers, checkpoint_seconds, log, shard, deadline, order)[0]
+    return infer_batches([loc], engines, identity, checkpoint_answers, checkpoint_seconds, log, shard, deadline, order,
+                         cancelled)[0]
 
 
 def infer_batches(
@@ -192,6 +199,7 @@ def infer_batches(
     shard: Shard = Shard(),
     deadline: float | None = None,
     order: str = DEFAULT_ORDER,
+    cancelled: Callable[[], bool] | None = None,
 ) -> list[dict[str, Any]]:
     """infer_batch for each of `locs` (a run's batches of one model), their records in that order.
 
@@ -215,13 +223,14 @@ def infer_batches(
     ids = [w.batch_id for w in works]
     together = order == "planned" and len(works) > 1 and len(set(ids)) == len(ids)
     for group in ([works] if together else [[w] for w in works]) if works else []:
-        _answer(group, engines, identity, checkpoint_answers, checkpoint_seconds, log, shard, deadline, order)
+        _answer(group, engines, identity, checkpoint_answers, checkpoint_seconds, log, shard, deadline, order, cancelled)
     infos = iter(w.info for w in works)
     return [final if final is not None else next(infos) for final in finals]
 
 
 def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict[str, Any], checkpoint_answers: int,
-            checkpoint_seconds: float, log: Log, shard: Shard, deadline: float | None, order: str) -> None:
+            checkpoint_seconds: float, log: Log, shard: Shard, deadline: float | None, order: str,
+            cancelled: Callable[[], bool] | None = None) -> None:
     """Answer what is left of `works` in one engine stream; writes each one's record."""
     total, answered = sum(w.total for w in works), sum(w.answered for w in works)
     label = works[0].label if len(works) == 1 else f"{len(works)} batches"
@@ -280,6 +289,9 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
                 expired = True
                 stream.close()  # the engine drops the requests still running
                 break
+            if cancelled is not None and answered < total and cancelled():
+                stream.close()  # as above; the checkpoints keep every answer when the stack unwinds
+                raise CancelRequested(f"{label}: cancelled after {answered} of {total} requests")
     if expired:
         log(f"{label}: its deadline passed; {answered} of {total} requests answered, {total - answered} expire")
     else:
