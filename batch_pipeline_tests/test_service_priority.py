@@ -102,8 +102,18 @@ def cancel_all(queue: dict[str, Any], batches: list[tuple[openai.OpenAI, str]]) 
                 sdk.batches.retrieve(batch_id)  # a cancel that came while the run was starting: it terminates it
         return all(status in ENDED for status in statuses.values())
 
+    def what_happened() -> str:  # if it ever hangs again: each run's status and its last events, the service's log
+        lines = []
+        for _, batch_id in batches:
+            run = batch_runs(server, batch_id)[0]
+            events = [f"    {entry.dagster_event_type or 'log'}: {(entry.message or '')[:200]}"
+                      for entry in server.instance().all_logs(run["runId"])[-12:]]
+            lines += [f"{batch_id} run {run['runId']} {run['status']} (cancel asked: {batch_id in asked})", *events]
+        service_log = Path(queue["log"]).read_text(errors="replace").splitlines()[-30:]
+        return "\n".join(lines + ["serve.log:", *service_log, "dagster dev:", server.log_tail(30)])
+
     wait_for(f"the runs of batches {[batch_id for _, batch_id in batches]} ended", ended, RUN_TIMEOUT, interval=0.5,
-             on_timeout=server.log_tail)
+             on_timeout=what_happened)
 
 
 def test_priority_is_checked_capped_and_given_to_the_run(queue):
