@@ -8,28 +8,39 @@ its own process (cli_runs.py watches its process tree: ranks are titled batch-pi
   not fit, and printed by `doctor`;
 - two ranks answer every line once, both do work, each on its own core, with exactly one engine's
   greedy answers (the bundled SmolLM2, whose answers are also right), and no rank outlives the run;
-  lines with images too (the tiny vision model: each rank prepares its own lines' images);
+  lines with images too (the tiny vision model: each rank prepares its own lines' images). The one
+  engine is DATA_PARALLEL_SIZE=1's: run_batch (what `batch-pipeline run` runs) in this process, on
+  a session engine (conftest.py) with the ranks' settings, built in the run's own process (no rank),
+  while the two ranks come up (a second CLI process would only add a vLLM import);
 - a rank killed with SIGKILL mid-batch fails the step, whose retry resumes from the checkpoints:
   nothing lost or doubled, no process left;
 - Ctrl-C (SIGINT) mid-batch cancels the batch and stops every rank.
+  (These two runs start at once, in a module fixture that interrupts each after its first answer.)
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import signal
 import subprocess
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from batch_pipeline.cli import run_batch
+from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.engine import placement
 from batch_pipeline.doctor import run_checks
 from batch_pipeline.engine.ranks import RANK_TITLE
 from batch_pipeline.config.settings import ConfigError, EngineSettings, engine_settings_from_env
 from batch_pipeline_tests.cli_runs import (
     CLI,
+    CliRun,
     answered_once,
     assert_engine_shut_down_with_its_step,
     assert_no_engine_process_left,
@@ -38,7 +49,7 @@ from batch_pipeline_tests.cli_runs import (
     wait_for,
     write_batch,
 )
-from batch_pipeline_tests.conftest import tiny_env
+from batch_pipeline_tests.conftest import SessionLLM, tiny_env
 
 # One request at a time per engine (BATCH_SIZE=1): a greedy answer then does not depend on which
 # requests share its batch, so two ranks must give exactly one engine's answers. (Sampled answers
@@ -60,6 +71,48 @@ def choices(out: Path) -> dict[str, list]:
     outputs, errors, batch = read_results(out)
     assert errors == [] and batch["status"] == "completed", (errors[:3], batch["status"])
     return {o["custom_id"]: o["response"]["body"]["choices"] for o in outputs}
+
+
+def rank_cores(run) -> Future:
+    """The two ranks and their CPU cores, read (in a thread) as soon as both are seen running."""
+    def read() -> tuple[list, list[set[int]]]:
+        ranks = wait_for(lambda: len(ranks_seen(run)) == 2 and ranks_seen(run), 300, "two rank processes", run)
+        return ranks, [set(p.cpu_affinity()) for p in ranks]
+
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(read)
+    finally:
+        pool.shutdown(wait=False)
+
+
+BUILT_HERE: list[str] = []  # model folders EngineInThisProcess was asked for
+
+
+class EngineInThisProcess(SessionLLM):
+    """The session's engines (conftest.py), noting each model asked for: with DATA_PARALLEL_SIZE=1
+    the resource builds its engine in the run's own process (ranks build theirs in their own)."""
+
+    def build_engine(self, kwargs: dict) -> object:
+        BUILT_HERE.append(str(kwargs["model"]))
+        return super().build_engine(kwargs)
+
+
+def one_engine_run(model_dir: Path, served: str, batch: Path, out: Path, **settings) -> None:
+    """`batch` answered with DATA_PARALLEL_SIZE=1 and the ranks' engine `settings` (BATCH_SIZE=1
+    too): run_batch, what `batch-pipeline run` runs, in this process. The model is reached through
+    a link of its own, so its session engine (kept by model folder) is built with these settings,
+    not another test's engine of the same model (one that batches requests together)."""
+    link = out.parent / f"{out.name}-model" / served
+    link.parent.mkdir(parents=True)
+    link.symlink_to(model_dir, target_is_directory=True)
+    llm = EngineInThisProcess(model_path=str(link), served_model_name=served, data_parallel_size=1, batch_size=1,
+                              **settings)
+    storage_resource = StorageResource(input_path=str(batch.parent), output_path=str(out))
+    result = run_batch(str(batch), str(out), dt.datetime.now(dt.timezone.utc).date().isoformat(),
+                       resources={"llm": llm, "storage": storage_resource})
+    assert result.success
+    assert str(link) in BUILT_HERE, "DATA_PARALLEL_SIZE=1 runs the engine in the run process"
 
 
 # -- the plan --------------------------------------------------------------------------------
@@ -155,12 +208,16 @@ def test_two_ranks_answer_every_line_once_each_on_its_own_core(bundled_model_dir
     # two ranks agree with one engine, which this checks too).
     batch, ids = capitals_batch(tmp_path / "in.jsonl", bundled_model_dir.name)
     base = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "SERVED_MODEL_NAME", "DAGSTER_HOME")}
-    env = {n: {**base, **ALONE, "DATA_PARALLEL_SIZE": n, "MAX_MODEL_LEN": "1024",
-               "KV_CACHE_MEMORY_BYTES": str(256 * 2**20)} for n in ("1", "2")}
+    max_model_len, kv_bytes = 1024, 256 * 2**20
+    env = {**base, **ALONE, "DATA_PARALLEL_SIZE": "2", "MAX_MODEL_LEN": str(max_model_len),
+           "KV_CACHE_MEMORY_BYTES": str(kv_bytes)}
 
-    two = cli_runs(batch, tmp_path / "two", env["2"], engine_title=RANK_TITLE)
-    ranks = wait_for(lambda: len(ranks_seen(two)) == 2 and ranks_seen(two), 120, "two rank processes", two)
-    cores = [set(p.cpu_affinity()) for p in ranks]
+    two = cli_runs(batch, tmp_path / "two", env, engine_title=RANK_TITLE)
+    seen = rank_cores(two)
+    # One engine's answers, in this process while the ranks come up (the same settings: ALONE's BATCH_SIZE=1).
+    one_engine_run(bundled_model_dir, bundled_model_dir.name, batch, tmp_path / "one",
+                   max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes)
+    ranks, cores = seen.result(timeout=600)
     assert two.wait(timeout=600) == 0, two.tail()
     assert cores[0] and cores[1] and not cores[0] & cores[1], f"ranks share cores: {cores}"
     assert sorted(two.titles[p.pid] for p in ranks) == [f"{RANK_TITLE}0", f"{RANK_TITLE}1"]
@@ -175,9 +232,6 @@ def test_two_ranks_answer_every_line_once_each_on_its_own_core(bundled_model_dir
 
     answers = {k: v[0]["message"]["content"] for k, v in choices(tmp_path / "two").items()}  # real answers, right ones
     assert "Paris" in answers["france"] and "Berlin" in answers["germany"], answers
-    one = cli_runs(batch, tmp_path / "one", env["1"], engine_title=RANK_TITLE)
-    assert one.wait(timeout=600) == 0, one.tail()
-    assert ranks_seen(one) == [], "DATA_PARALLEL_SIZE=1 runs the engine in the run process"
     assert choices(tmp_path / "two") == choices(tmp_path / "one")
     assert json.loads((tmp_path / "one" / "metrics.json").read_text())["requests_per_rank"] == [len(ids)]
 
@@ -185,8 +239,8 @@ def test_two_ranks_answer_every_line_once_each_on_its_own_core(bundled_model_dir
 def test_two_ranks_answer_image_lines_as_one_engine_does(tmp_path, cli_runs):
     """Lines with images over two ranks (the tiny vision model, tiny_vlm.py): each rank fetches and
     decodes the images of its own lines ahead of its engine. Every line is answered once, both ranks
-    do work, the greedy answers are one engine's, a bad image is its line's error either way, and the
-    images answered are counted."""
+    do work, the greedy answers are one engine's (DATA_PARALLEL_SIZE=1 in this process, see
+    one_engine_run), a bad image is its line's error either way, and the images answered are counted."""
     from batch_pipeline.config import models
     from batch_pipeline_tests.image_data import data_url, png
     from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
@@ -205,15 +259,18 @@ def test_two_ranks_answer_image_lines_as_one_engine_does(tmp_path, cli_runs):
     batch.write_text("\n".join(json.dumps({**r, "method": "POST", "url": "/v1/chat/completions"}) for r in rows) + "\n")
     ids = [r["custom_id"] for r in rows]
     base = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "SERVED_MODEL_NAME", "DAGSTER_HOME")}
-    env = {n: {**base, **ALONE, "DATA_PARALLEL_SIZE": n, "MODEL_PATH": str(vlm), "SERVED_MODEL_NAME": name,
-               "MAX_MODEL_LEN": "512", "SEED": "0", "KV_CACHE_MEMORY_BYTES": str(64 * 2**20)} for n in ("1", "2")}
+    max_model_len, seed, kv_bytes = 512, 0, 64 * 2**20
+    env = {**base, **ALONE, "DATA_PARALLEL_SIZE": "2", "MODEL_PATH": str(vlm), "SERVED_MODEL_NAME": name,
+           "MAX_MODEL_LEN": str(max_model_len), "SEED": str(seed), "KV_CACHE_MEMORY_BYTES": str(kv_bytes)}
 
+    run = cli_runs(batch, tmp_path / "2", env, engine_title=RANK_TITLE)
+    # One engine's answers, in this process while the ranks come up (the same settings: ALONE's BATCH_SIZE=1).
+    one_engine_run(vlm, name, batch, tmp_path / "1", max_model_len=max_model_len, seed=seed, kv_cache_memory_bytes=kv_bytes)
+    assert run.wait(timeout=600) == 0, run.tail()
+    assert len(ranks_seen(run)) == 2
+    assert_no_engine_process_left(run)
     results = {}
-    for n in ("2", "1"):
-        run = cli_runs(batch, tmp_path / n, env[n], engine_title=RANK_TITLE)
-        assert run.wait(timeout=600) == 0, run.tail()
-        assert len(ranks_seen(run)) == (2 if n == "2" else 0)
-        assert_no_engine_process_left(run)
+    for n in ("2", "1"):  # "1": no rank, its engine built in this process (one_engine_run checks it)
         outputs, errors, _ = read_results(tmp_path / n)
         answered_once(outputs, errors, ids)
         [error] = errors
@@ -237,22 +294,69 @@ def test_two_ranks_answer_image_lines_as_one_engine_does(tmp_path, cli_runs):
 LONG_LINES, LONG_TOKENS = 32, 64
 
 
-def start_long_run(tiny_model_dir: Path, tmp_path: Path, cli_runs, prefix: str):
-    ids = [f"{prefix}-{i:02d}" for i in range(LONG_LINES)]
-    out = tmp_path / "out"
-    run = cli_runs(write_batch(tmp_path / "in.jsonl", ids, LONG_TOKENS), out,
-                   ranks_env(tiny_model_dir, 2, CHECKPOINT_ANSWERS="1"), throttle_engine=True, engine_title=RANK_TITLE)
-    wait_for(lambda: part_files(out) or run.proc.poll() is not None, 600, "the first checkpoint part", run)
-    assert run.proc.poll() is None, "the run ended before it could be interrupted\n" + run.tail()
-    return run, out, ids
+@dataclass
+class LongRun:
+    """A long two-rank run, interrupted after its first checkpoint part (see `interrupted`)."""
+
+    run: CliRun
+    out: Path
+    ids: list[str]
+    running_when_interrupted: bool = False
+    first: dict = field(default_factory=dict)  # rank title -> process, when interrupted
+    saved: int = 0  # answers checkpointed when interrupted
 
 
-def test_a_rank_killed_mid_batch_fails_the_step_and_the_retry_resumes(tiny_model_dir, tmp_path, cli_runs):
-    run, out, ids = start_long_run(tiny_model_dir, tmp_path, cli_runs, "kill")
-    first = {run.titles[p.pid]: p for p in ranks_seen(run)}
-    first[f"{RANK_TITLE}1"].kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
-    run.stop_throttling()
-    saved = sum(p.read_text().count("\n") for p in part_files(out))
+def kill_rank_1(long: LongRun) -> None:
+    long.first = {long.run.titles[p.pid]: p for p in ranks_seen(long.run)}
+    long.first[f"{RANK_TITLE}1"].kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
+    long.run.stop_throttling()
+    long.saved = sum(p.read_text().count("\n") for p in part_files(long.out))
+
+
+def ctrl_c(long: LongRun) -> None:
+    os.killpg(long.run.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the run process and its ranks
+    long.run.stop_throttling()
+
+
+INTERRUPTIONS = {"kill": kill_rank_1, "int": ctrl_c}
+
+
+@pytest.fixture(scope="module")
+def interrupted(tiny_model_dir, tmp_path_factory):
+    """Both long runs, started at once (their five vLLM imports overlap, and each run's paused ranks
+    leave the other the cores), each interrupted as soon as its first checkpoint part is written:
+    "kill" loses rank 1 to SIGKILL, "int" gets Ctrl-C. The tests wait for the outcomes."""
+    runs: dict[str, LongRun] = {}
+    try:
+        for prefix in INTERRUPTIONS:
+            folder = tmp_path_factory.mktemp(f"long-{prefix}")
+            ids = [f"{prefix}-{i:02d}" for i in range(LONG_LINES)]
+            out = folder / "out"
+            run = CliRun(write_batch(folder / "in.jsonl", ids, LONG_TOKENS), out,
+                         ranks_env(tiny_model_dir, 2, CHECKPOINT_ANSWERS="1"), throttle_engine=True,
+                         engine_title=RANK_TITLE)
+            runs[prefix] = LongRun(run, out, ids)
+        waiting, deadline = dict(runs), time.monotonic() + 600
+        while waiting and time.monotonic() < deadline:
+            for prefix, long in list(waiting.items()):
+                if part_files(long.out) or long.run.proc.poll() is not None:
+                    long.running_when_interrupted = long.run.proc.poll() is None
+                    if long.running_when_interrupted:
+                        INTERRUPTIONS[prefix](long)
+                    del waiting[prefix]
+            time.sleep(0.1)
+        for prefix, long in waiting.items():
+            pytest.fail(f"timed out after 600s waiting for the first checkpoint part of {prefix}\n{long.run.tail()}")
+        yield runs
+    finally:
+        for long in runs.values():
+            long.run.kill_everything()
+
+
+def test_a_rank_killed_mid_batch_fails_the_step_and_the_retry_resumes(interrupted):
+    long = interrupted["kill"]
+    run, out, ids, first, saved = long.run, long.out, long.ids, long.first, long.saved
+    assert long.running_when_interrupted, "the run ended before it could be interrupted\n" + run.tail()
 
     wait_for(lambda: run.line_at("already answered; resuming") or run.proc.poll() is not None, 180,
              "the retry of inference_results after a rank was killed", run)
@@ -270,10 +374,10 @@ def test_a_rank_killed_mid_batch_fails_the_step_and_the_retry_resumes(tiny_model
     assert_no_engine_process_left(run)
 
 
-def test_ctrl_c_mid_batch_cancels_and_stops_every_rank(tiny_model_dir, tmp_path, cli_runs):
-    run, out, ids = start_long_run(tiny_model_dir, tmp_path, cli_runs, "int")
-    os.killpg(run.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the run process and its ranks
-    run.stop_throttling()
+def test_ctrl_c_mid_batch_cancels_and_stops_every_rank(interrupted):
+    long = interrupted["int"]
+    run, out, ids = long.run, long.out, long.ids
+    assert long.running_when_interrupted, "the run ended before it could be interrupted\n" + run.tail()
     code = run.wait(timeout=300)
     assert code in (130, 2), f"exit code {code}\n{run.tail()}"
     assert run.line_at("already answered; resuming") is None, "the cancelled step was retried\n" + run.tail()
