@@ -19,10 +19,13 @@ VLLM_ENABLE_V1_MULTIPROCESSING=1, and the tests watch its process tree (vLLM nam
 A run resumed after a cancellation is the same in either engine mode (the checkpoints are the
 pipeline's): test_reliability.py covers it.
 
-Each test starts its own CLI processes (a fresh vLLM import and engine, about 20-45 s on 2 busy
+Each test has a CLI process of its own (a fresh vLLM import and engine, about 20-45 s on 2 busy
 cores): multiprocess mode never reaches the session's shared in-process engines (conftest.py).
-In the tests that interrupt an engine, its processes are paused (SIGSTOP) half of the time from
-when the model is loaded until the interruption (see LONG_ENV).
+The three runs start at once, in a module fixture (`interrupted`) that interrupts each as soon as
+its first answer is checkpointed (their imports and loads overlap, and each run's paused engine
+leaves the others the cores); each test then checks its own run's outcome.
+Until the interruption, each run's engine processes are paused (SIGSTOP) half of the time from
+when the model is loaded (see LONG_ENV).
 Not covered here: the in-process variants of the same failures (test_reliability.py), GPUs,
 tensor parallelism (more than one worker process) and the embedding engine.
 """
@@ -33,11 +36,13 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from batch_pipeline_tests.cli_runs import (  # the cli_runs fixture comes from there too (conftest.py)
+from batch_pipeline_tests.cli_runs import (
+    CliRun,
     answered_once,
     assert_engine_shut_down_with_its_step,
     assert_no_engine_process_left,
@@ -68,28 +73,84 @@ def multiprocess_env(tiny_model_dir: Path, **extra: str) -> dict[str, str]:
     return tiny_env(tiny_model_dir, VLLM_ENABLE_V1_MULTIPROCESSING="1", PYTHONUNBUFFERED="1", **extra)
 
 
-@pytest.mark.parametrize(
-    "target",
-    # kill -INT (and Dagster's termination) signal the CLI process only: the pipeline must stop its
-    # engine core. Ctrl-C in a terminal signals the whole process group, the engine core included.
-    ["process", "process group"],
-    ids=["kill -INT pid", "ctrl-c"],
-)
-def test_sigint_mid_inference_cancels_the_batch_and_stops_the_engine_core(target, tiny_model_dir, tmp_path, cli_runs):
-    ids = [f"int-{i:02d}" for i in range(LONG_LINES)]
-    batch_file = write_batch(tmp_path / "in.jsonl", ids, LONG_TOKENS)
-    out = tmp_path / "out"
-    env = multiprocess_env(tiny_model_dir, **LONG_ENV)
-    run = cli_runs(batch_file, out, env, throttle_engine=True)
-    wait_for(lambda: part_files(out) or run.proc.poll() is not None, 600, "the first checkpoint part", run)
-    assert run.proc.poll() is None, "the run ended before it could be interrupted\n" + run.tail()
-    assert run.alive(ENGINE_CORE), f"no engine core process while inferring: {run.titles}"
-    signalled = time.monotonic()
-    if target == "process":
-        os.kill(run.proc.pid, signal.SIGINT)
-    else:
-        os.killpg(run.proc.pid, signal.SIGINT)
-    run.stop_throttling()
+@dataclass
+class LongRun:
+    """A long run in multiprocess mode, interrupted after its first checkpoint part (see `interrupted`)."""
+
+    run: CliRun
+    out: Path
+    ids: list[str]
+    running_when_interrupted: bool = False
+    cores_alive: list[str] = field(default_factory=list)  # engine core processes running when interrupted
+    killed: list = field(default_factory=list)  # the engine core process SIGKILLed ("kill")
+    signalled: float = 0.0  # time.monotonic() of the interruption
+    saved: int = 0  # answers checkpointed when interrupted
+
+
+def sigint_process(long: LongRun) -> None:
+    os.kill(long.run.proc.pid, signal.SIGINT)
+
+
+def sigint_process_group(long: LongRun) -> None:
+    os.killpg(long.run.proc.pid, signal.SIGINT)
+
+
+def sigkill_engine_core(long: LongRun) -> None:
+    deadline = time.monotonic() + 10  # the engine core is seen (sampled every 0.1 s) by its first answer
+    while not long.killed and time.monotonic() < deadline:
+        long.killed = long.run.engine_processes(ENGINE_CORE)
+        time.sleep(0.1)
+    if len(long.killed) == 1:
+        long.killed[0].kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
+
+
+# kill -INT (and Dagster's termination) signal the CLI process only: the pipeline must stop its
+# engine core. Ctrl-C in a terminal signals the whole process group, the engine core included.
+INTERRUPTIONS = {"process": sigint_process, "process group": sigint_process_group, "kill": sigkill_engine_core}
+
+
+@pytest.fixture(scope="module")
+def interrupted(tiny_model_dir, tmp_path_factory):
+    """The three long runs (SIGINT to the process, to its group, SIGKILL to its engine core), started
+    at once and each interrupted as soon as its first checkpoint part is written; then the engine is
+    no longer paused. The tests wait for the outcomes."""
+    runs: dict[str, LongRun] = {}
+    try:
+        for target in INTERRUPTIONS:
+            prefix = "kill" if target == "kill" else "int"
+            folder = tmp_path_factory.mktemp(f"long-{prefix}")
+            ids = [f"{prefix}-{i:02d}" for i in range(LONG_LINES)]
+            out = folder / "out"
+            run = CliRun(write_batch(folder / "in.jsonl", ids, LONG_TOKENS), out,
+                         multiprocess_env(tiny_model_dir, **LONG_ENV), throttle_engine=True)
+            runs[target] = LongRun(run, out, ids)
+        waiting, deadline = dict(runs), time.monotonic() + 600
+        while waiting and time.monotonic() < deadline:
+            for target, long in list(waiting.items()):
+                if part_files(long.out) or long.run.proc.poll() is not None:
+                    long.running_when_interrupted = long.run.proc.poll() is None
+                    if long.running_when_interrupted:
+                        long.cores_alive = long.run.alive(ENGINE_CORE)
+                        long.signalled = time.monotonic()
+                        INTERRUPTIONS[target](long)
+                        long.run.stop_throttling()
+                        long.saved = sum(p.read_text().count("\n") for p in part_files(long.out))
+                    del waiting[target]
+            time.sleep(0.1)
+        for target, long in waiting.items():
+            pytest.fail(f"timed out after 600s waiting for the first checkpoint part ({target})\n{long.run.tail()}")
+        yield runs
+    finally:
+        for long in runs.values():
+            long.run.kill_everything()
+
+
+@pytest.mark.parametrize("target", ["process", "process group"], ids=["kill -INT pid", "ctrl-c"])
+def test_sigint_mid_inference_cancels_the_batch_and_stops_the_engine_core(target, interrupted):
+    long = interrupted[target]
+    run, out, ids = long.run, long.out, long.ids
+    assert long.running_when_interrupted, "the run ended before it could be interrupted\n" + run.tail()
+    assert long.cores_alive, f"no engine core process while inferring: {run.titles}"
     code = run.wait(timeout=300)
 
     # Cancelled, not retried: Dagster's RetryPolicy must not run the cancelled step again.
@@ -103,20 +164,15 @@ def test_sigint_mid_inference_cancels_the_batch_and_stops_the_engine_core(target
     assert batch["request_counts"] == {"total": LONG_LINES, "completed": len(outputs), "failed": len(errors)}
     assert_no_engine_process_left(run)
     assert_engine_shut_down_with_its_step(run, ENGINE_CORE)
-    assert run.exited_at - signalled < 120, "the cancelled run took long to end"
+    assert run.exited_at - long.signalled < 120, "the cancelled run took long to end"
 
 
-def test_engine_core_killed_mid_batch_is_retried_and_resumes(tiny_model_dir, tmp_path, cli_runs):
-    ids = [f"kill-{i:02d}" for i in range(LONG_LINES)]
-    out = tmp_path / "out"
-    run = cli_runs(write_batch(tmp_path / "in.jsonl", ids, LONG_TOKENS), out,
-                   multiprocess_env(tiny_model_dir, **LONG_ENV), throttle_engine=True)
-    wait_for(lambda: part_files(out) or run.proc.poll() is not None, 600, "the first checkpoint part", run)
-    assert run.proc.poll() is None, "the run ended before its engine core could be killed\n" + run.tail()
-    [core] = wait_for(lambda: run.engine_processes(ENGINE_CORE), 10, "the engine core process", run)
-    core.kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
-    run.stop_throttling()
-    saved = sum(p.read_text().count("\n") for p in part_files(out))
+def test_engine_core_killed_mid_batch_is_retried_and_resumes(interrupted):
+    long = interrupted["kill"]
+    run, out, ids, saved = long.run, long.out, long.ids, long.saved
+    assert long.running_when_interrupted, "the run ended before its engine core could be killed\n" + run.tail()
+    assert len(long.killed) == 1, f"the one engine core process to kill: {run.titles}"
+    [core] = long.killed
 
     # The step fails (no hang on the dead core) and Dagster's retry resumes in the same run.
     wait_for(lambda: run.line_at("already answered; resuming") or run.proc.poll() is not None, 120,
