@@ -11,7 +11,8 @@ its own process (cli_runs.py watches its process tree: ranks are titled batch-pi
   lines with images too (the tiny vision model: each rank prepares its own lines' images). The one
   engine is DATA_PARALLEL_SIZE=1's: run_batch (what `batch-pipeline run` runs) in this process, on
   a session engine (conftest.py) with the ranks' settings, built in the run's own process (no rank),
-  while the two ranks come up (a second CLI process would only add a vLLM import);
+  while the two ranks work (a second CLI process would only add a vLLM import). The two two-rank
+  runs start at once, in a module fixture;
 - a rank killed with SIGKILL mid-batch fails the step, whose retry resumes from the checkpoints:
   nothing lost or doubled, no process left;
 - Ctrl-C (SIGINT) mid-batch cancels the batch and stops every rank.
@@ -203,50 +204,10 @@ def capitals_batch(path: Path, model: str) -> tuple[Path, list[str]]:
     return path, list(questions)
 
 
-def test_two_ranks_answer_every_line_once_each_on_its_own_core(bundled_model_dir, tmp_path, cli_runs):
-    # The bundled SmolLM2, whose answers can be checked (the tiny random model would show only that
-    # two ranks agree with one engine, which this checks too).
-    batch, ids = capitals_batch(tmp_path / "in.jsonl", bundled_model_dir.name)
-    base = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "SERVED_MODEL_NAME", "DAGSTER_HOME")}
-    max_model_len, kv_bytes = 1024, 256 * 2**20
-    env = {**base, **ALONE, "DATA_PARALLEL_SIZE": "2", "MAX_MODEL_LEN": str(max_model_len),
-           "KV_CACHE_MEMORY_BYTES": str(kv_bytes)}
-
-    two = cli_runs(batch, tmp_path / "two", env, engine_title=RANK_TITLE)
-    seen = rank_cores(two)
-    # One engine's answers, in this process while the ranks come up (the same settings: ALONE's BATCH_SIZE=1).
-    one_engine_run(bundled_model_dir, bundled_model_dir.name, batch, tmp_path / "one",
-                   max_model_len=max_model_len, kv_cache_memory_bytes=kv_bytes)
-    ranks, cores = seen.result(timeout=600)
-    assert two.wait(timeout=600) == 0, two.tail()
-    assert cores[0] and cores[1] and not cores[0] & cores[1], f"ranks share cores: {cores}"
-    assert sorted(two.titles[p.pid] for p in ranks) == [f"{RANK_TITLE}0", f"{RANK_TITLE}1"]
-    assert_no_engine_process_left(two)
-    assert_engine_shut_down_with_its_step(two, RANK_TITLE)
-
-    outputs, errors, _ = read_results(tmp_path / "two")
-    answered_once(outputs, errors, ids)
-    metrics = json.loads((tmp_path / "two" / "metrics.json").read_text())
-    assert metrics["data_parallel_size"] == 2 and metrics["shards"] == 1
-    assert sum(metrics["requests_per_rank"]) == len(ids) and min(metrics["requests_per_rank"]) > 0, metrics
-
-    answers = {k: v[0]["message"]["content"] for k, v in choices(tmp_path / "two").items()}  # real answers, right ones
-    assert "Paris" in answers["france"] and "Berlin" in answers["germany"], answers
-    assert choices(tmp_path / "two") == choices(tmp_path / "one")
-    assert json.loads((tmp_path / "one" / "metrics.json").read_text())["requests_per_rank"] == [len(ids)]
-
-
-def test_two_ranks_answer_image_lines_as_one_engine_does(tmp_path, cli_runs):
-    """Lines with images over two ranks (the tiny vision model, tiny_vlm.py): each rank fetches and
-    decodes the images of its own lines ahead of its engine. Every line is answered once, both ranks
-    do work, the greedy answers are one engine's (DATA_PARALLEL_SIZE=1 in this process, see
-    one_engine_run), a bad image is its line's error either way, and the images answered are counted."""
-    from batch_pipeline.config import models
+def image_batch(path: Path, name: str) -> tuple[Path, list[str]]:
+    """Eight lines with an image each (their colours differ) and a line whose image is not one."""
     from batch_pipeline_tests.image_data import data_url, png
-    from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
 
-    name = "tiny-idefics3"
-    vlm = build_tiny_vlm(models.cache_root() / "test-models" / name)
     rows = []
     for i in range(8):
         parts = [{"type": "text", "text": "describe"},
@@ -255,34 +216,110 @@ def test_two_ranks_answer_image_lines_as_one_engine_does(tmp_path, cli_runs):
                                                       "max_tokens": 6, "temperature": 0}})
     rows.append({"custom_id": "not-an-image", "body": {"model": name, "max_tokens": 6, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": data_url(b"plain text, not an image")}}]}]}})
-    batch = tmp_path / "images.jsonl"
-    batch.write_text("\n".join(json.dumps({**r, "method": "POST", "url": "/v1/chat/completions"}) for r in rows) + "\n")
-    ids = [r["custom_id"] for r in rows]
-    base = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "SERVED_MODEL_NAME", "DAGSTER_HOME")}
-    max_model_len, seed, kv_bytes = 512, 0, 64 * 2**20
-    env = {**base, **ALONE, "DATA_PARALLEL_SIZE": "2", "MODEL_PATH": str(vlm), "SERVED_MODEL_NAME": name,
-           "MAX_MODEL_LEN": str(max_model_len), "SEED": str(seed), "KV_CACHE_MEMORY_BYTES": str(kv_bytes)}
+    path.write_text("\n".join(json.dumps({**r, "method": "POST", "url": "/v1/chat/completions"}) for r in rows) + "\n")
+    return path, [r["custom_id"] for r in rows]
 
-    run = cli_runs(batch, tmp_path / "2", env, engine_title=RANK_TITLE)
-    # One engine's answers, in this process while the ranks come up (the same settings: ALONE's BATCH_SIZE=1).
-    one_engine_run(vlm, name, batch, tmp_path / "1", max_model_len=max_model_len, seed=seed, kv_cache_memory_bytes=kv_bytes)
+
+@dataclass
+class TwoRanks:
+    """A two-rank run of `batch` into `folder / "two"`, with the model and engine settings its
+    one-engine baseline (one_engine_run) must share."""
+
+    run: CliRun
+    folder: Path
+    batch: Path
+    ids: list[str]
+    model_dir: Path
+    served: str
+    settings: dict
+    cores: Future | None = None  # the ranks and their cores (rank_cores), where the test checks them
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(bundled_model_dir, tmp_path_factory):
+    """The two end-to-end two-rank runs, started at once (their six vLLM imports overlap): the
+    capitals on the bundled SmolLM2 ("capitals") and the image lines on the tiny vision model
+    ("images", tiny_vlm.py). The tests wait for them."""
+    from batch_pipeline.config import models
+    from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
+
+    base = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "SERVED_MODEL_NAME", "DAGSTER_HOME")}
+    vlm_name = "tiny-idefics3"
+    vlm = build_tiny_vlm(models.cache_root() / "test-models" / vlm_name)
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("capitals", "images")}
+    planned = {
+        "capitals": (*capitals_batch(folders["capitals"] / "in.jsonl", bundled_model_dir.name), bundled_model_dir,
+                     bundled_model_dir.name, {"max_model_len": 1024, "kv_cache_memory_bytes": 256 * 2**20}),
+        "images": (*image_batch(folders["images"] / "images.jsonl", vlm_name), vlm, vlm_name,
+                   {"max_model_len": 512, "seed": 0, "kv_cache_memory_bytes": 64 * 2**20}),
+    }
+    runs: dict[str, TwoRanks] = {}
+    try:
+        for name, (batch, ids, model_dir, served, settings) in planned.items():
+            env = {**base, **ALONE, "DATA_PARALLEL_SIZE": "2", **{key.upper(): str(value) for key, value in settings.items()},
+                   # the capitals on the bundled model as MODEL_PATH left blank gives it
+                   **({"MODEL_PATH": str(model_dir), "SERVED_MODEL_NAME": served} if name == "images" else {})}
+            run = CliRun(batch, folders[name] / "two", env, engine_title=RANK_TITLE)
+            runs[name] = TwoRanks(run, folders[name], batch, ids, model_dir, served, settings)
+        runs["capitals"].cores = rank_cores(runs["capitals"].run)
+        yield runs
+    finally:
+        for two in runs.values():
+            two.run.kill_everything()
+
+
+def test_two_ranks_answer_every_line_once_each_on_its_own_core(two_rank_runs):
+    # The bundled SmolLM2, whose answers can be checked (the tiny random model would show only that
+    # two ranks agree with one engine, which this checks too).
+    capitals = two_rank_runs["capitals"]
+    two, ids, folder = capitals.run, capitals.ids, capitals.folder
+    # One engine's answers, in this process while the ranks work (the same settings: ALONE's BATCH_SIZE=1).
+    one_engine_run(capitals.model_dir, capitals.served, capitals.batch, folder / "one", **capitals.settings)
+    ranks, cores = capitals.cores.result(timeout=600)
+    assert two.wait(timeout=600) == 0, two.tail()
+    assert cores[0] and cores[1] and not cores[0] & cores[1], f"ranks share cores: {cores}"
+    assert sorted(two.titles[p.pid] for p in ranks) == [f"{RANK_TITLE}0", f"{RANK_TITLE}1"]
+    assert_no_engine_process_left(two)
+    assert_engine_shut_down_with_its_step(two, RANK_TITLE)
+
+    outputs, errors, _ = read_results(folder / "two")
+    answered_once(outputs, errors, ids)
+    metrics = json.loads((folder / "two" / "metrics.json").read_text())
+    assert metrics["data_parallel_size"] == 2 and metrics["shards"] == 1
+    assert sum(metrics["requests_per_rank"]) == len(ids) and min(metrics["requests_per_rank"]) > 0, metrics
+
+    answers = {k: v[0]["message"]["content"] for k, v in choices(folder / "two").items()}  # real answers, right ones
+    assert "Paris" in answers["france"] and "Berlin" in answers["germany"], answers
+    assert choices(folder / "two") == choices(folder / "one")
+    assert json.loads((folder / "one" / "metrics.json").read_text())["requests_per_rank"] == [len(ids)]
+
+
+def test_two_ranks_answer_image_lines_as_one_engine_does(two_rank_runs):
+    """Lines with images over two ranks (the tiny vision model, tiny_vlm.py): each rank fetches and
+    decodes the images of its own lines ahead of its engine. Every line is answered once, both ranks
+    do work, the greedy answers are one engine's (DATA_PARALLEL_SIZE=1 in this process, see
+    one_engine_run), a bad image is its line's error either way, and the images answered are counted."""
+    images = two_rank_runs["images"]
+    run, ids, folder = images.run, images.ids, images.folder
+    # One engine's answers, in this process (the same settings: ALONE's BATCH_SIZE=1).
+    one_engine_run(images.model_dir, images.served, images.batch, folder / "one", **images.settings)
     assert run.wait(timeout=600) == 0, run.tail()
     assert len(ranks_seen(run)) == 2
     assert_no_engine_process_left(run)
     results = {}
-    for n in ("2", "1"):  # "1": no rank, its engine built in this process (one_engine_run checks it)
-        outputs, errors, _ = read_results(tmp_path / n)
+    for n, out in ((2, folder / "two"), (1, folder / "one")):  # 1: no rank, its engine built in this process
+        outputs, errors, _ = read_results(out)
         answered_once(outputs, errors, ids)
         [error] = errors
         assert error["custom_id"] == "not-an-image" and error["error"]["code"] == "invalid_request"
         assert error["error"]["message"] == "line 9: body.messages[0].content[0].image_url: not an image format that can be read"
-        metrics = json.loads((tmp_path / n / "metrics.json").read_text())
-        assert len(metrics["requests_per_rank"]) == int(n) and min(metrics["requests_per_rank"]) > 0, metrics
-        assert json.loads((tmp_path / n / "_work" / "inference.json").read_text())["images"] == 8
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert len(metrics["requests_per_rank"]) == n and min(metrics["requests_per_rank"]) > 0, metrics
+        assert json.loads((out / "_work" / "inference.json").read_text())["images"] == 8
         results[n] = {o["custom_id"]: (o["response"]["body"]["choices"], o["response"]["body"]["usage"]["prompt_tokens"])
                       for o in outputs}
-    assert results["2"] == results["1"]
-    assert len({str(choices) for choices, _ in results["1"].values()}) > 1  # the images decide the answers
+    assert results[2] == results[1]
+    assert len({str(choices) for choices, _ in results[1].values()}) > 1  # the images decide the answers
 
 
 # -- a rank killed, a run cancelled --------------------------------------------------------
