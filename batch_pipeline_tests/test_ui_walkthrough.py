@@ -6,7 +6,8 @@ storage, the tiny model). In order, sharing one server:
    `.nux/nux.yaml`, as `make dev` writes it).
 1. the asset group page; "Materialize all…", a typed range of two dates, "Launch backfill"; the
    backfill daemon runs both dates (two runs sharing the `gpu` pool, limit 1: they queue for it and
-   do not fail). The second date holds a broken file (every line invalid): its run fails.
+   do not fail). The second date holds a broken file (every line invalid): its run fails, and the
+   daemon records the backfill failed (checked, with its page, while step 3's re-run comes up).
 2. the batch_files asset shows each file of those dates: the others green; the broken one is not
    green, and its page leads in one click ("View all historical events (1)") to why: status failed,
    the reason, error codes, first error lines, errors.jsonl, the run and the job that failed it
@@ -116,6 +117,8 @@ class Walk:
 
     def __init__(self, server: DagsterDev, page: Any, dates: list[str], inbox: Path, out: Path, shots: Path):
         self.server, self.page, self.dates, self.inbox, self.out, self.shots = server, page, dates, inbox, out, shots
+        self.backfill_id = ""  # step 1's backfill and its two runs, checked again once it is recorded
+        self.backfill_run_ids: list[str] = []
 
     def shot(self, name: str) -> None:
         self.page.screenshot(path=str(self.shots / f"{name}.png"))
@@ -196,21 +199,20 @@ def test_backfill_of_two_dates_from_the_ui(ui: Walk) -> None:
     dialog.wait_for(state="detached")
 
     instance = server.instance()
-    [backfill] = wait_for("the backfill in the instance", instance.get_backfills, 30)
+    [backfill] = wait_for("the backfill in the instance", instance.get_backfills, 30, interval=0.5)
+    ui.backfill_id = backfill.backfill_id
 
-    def finished() -> Any:
-        current = server.instance().get_backfill(backfill.backfill_id)
-        return current if current.status.value not in ("REQUESTED", "CANCELING") else None
+    # Its runs, once both finished. The daemon records the backfill's own outcome on its next pass
+    # (every 30 s): that, and the backfill's page, are checked while the next run answers
+    # (check_backfill_done, from the re-run's step).
+    def runs_finished() -> Any:
+        found = backfill_runs(server, backfill.backfill_id)
+        return found if len(found) == 2 and all(r.is_finished for r in found) else None
 
-    done = wait_for(f"backfill {backfill.backfill_id} finished", finished, BACKFILL_TIMEOUT, interval=1.0,
-                    on_timeout=server.log_tail)
-    page.goto(f"{server.url}/runs/b/{backfill.backfill_id}?tab=runs")
-    visible(page, "Failure").wait_for()
-    visible(page, "Success").wait_for()
-    ui.shot("3-backfill")
+    runs = wait_for(f"backfill {backfill.backfill_id}'s two runs finished", runs_finished, BACKFILL_TIMEOUT,
+                    interval=0.5, on_timeout=server.log_tail)
+    ui.backfill_run_ids = sorted(r.run_id for r in runs)
     # The first date's run succeeds; the second fails on its broken file (and only that file fails).
-    assert done.status.value == "COMPLETED_FAILED", server.log_tail()
-    runs = server.instance().get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill.backfill_id}))
     by_date = {r.tags["dagster/partition"]: r for r in runs}
     assert sorted(by_date) == dates
     assert (by_date[dates[0]].status.value, by_date[dates[1]].status.value) == ("SUCCESS", "FAILURE")
@@ -231,6 +233,29 @@ def test_backfill_of_two_dates_from_the_ui(ui: Walk) -> None:
     ready = step_ready(server, later.run_id)
     if ready < spans[0][1]:  # it reached inference while the other held the gpu slot: its log says so
         assert later.run_id in waited, f"run {later.run_id} waited for the gpu pool without saying so"
+
+
+def backfill_runs(server: DagsterDev, backfill_id: str) -> list[Any]:
+    return list(server.instance().get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id})))
+
+
+def check_backfill_done(ui: Walk) -> None:
+    """The backfill of step 1, as the daemon records it once both its runs are over: failed (one
+    date failed), with no run but those two, and its page listing them (a Failure and a Success)."""
+    server, page = ui.server, ui.page
+
+    def finished() -> Any:
+        current = server.instance().get_backfill(ui.backfill_id)
+        return current if current.status.value not in ("REQUESTED", "CANCELING") else None
+
+    done = wait_for(f"backfill {ui.backfill_id} finished", finished, BACKFILL_TIMEOUT, interval=0.5,
+                    on_timeout=server.log_tail)
+    assert done.status.value == "COMPLETED_FAILED", server.log_tail()
+    assert sorted(r.run_id for r in backfill_runs(server, ui.backfill_id)) == ui.backfill_run_ids
+    page.goto(f"{server.url}/runs/b/{ui.backfill_id}?tab=runs")
+    visible(page, "Failure").wait_for()
+    visible(page, "Success").wait_for()
+    ui.shot("3-backfill")
 
 
 def test_each_file_shows_on_its_own_the_broken_one_not_green(ui: Walk) -> None:
@@ -311,12 +336,13 @@ def test_the_broken_file_fixed_reruns_alone_from_its_partition(ui: Walk) -> None
     print("launch dialog says the model loads:", "loads the model" in dialog.inner_text())
     dialog.get_by_role("button", name="Launch 1 run").click()
     dialog.wait_for(state="detached")
+    check_backfill_done(ui)  # while the re-run comes up (step 1's backfill, recorded by now or soon)
 
     def the_rerun() -> Any:
         new = [r for r in server.instance().get_runs() if r.run_id not in before]
         return new[0] if new and new[0].is_finished else None
 
-    run = wait_for("the re-run of the broken file", the_rerun, BACKFILL_TIMEOUT, interval=1.0, on_timeout=server.log_tail)
+    run = wait_for("the re-run of the broken file", the_rerun, BACKFILL_TIMEOUT, interval=0.5, on_timeout=server.log_tail)
     assert run.status.value == "SUCCESS", server.log_tail()
     assert run.tags["dagster/partition"] == key  # that file alone
     fixed = json.loads((ui.out / dates[1] / "broken" / "batch.json").read_text())
@@ -361,7 +387,7 @@ def test_the_date_run_afterwards_records_the_date_and_names_its_job(ui: Walk) ->
         new = [r for r in server.instance().get_runs() if r.run_id not in before]
         return new[0] if new and new[0].is_finished else None
 
-    run = wait_for("the date's run", the_date_run, BACKFILL_TIMEOUT, interval=1.0, on_timeout=server.log_tail)
+    run = wait_for("the date's run", the_date_run, BACKFILL_TIMEOUT, interval=0.5, on_timeout=server.log_tail)
     assert run.status.value == "SUCCESS", server.log_tail()
     assert (run.job_name, run.tags["dagster/partition"]) == ("batch_job", dates[1])
     inference = {k: v.value for k, v in server.instance().fetch_materializations(
@@ -412,7 +438,7 @@ def test_a_new_upload_runs_as_batch_job_and_its_page_names_the_job(ui: Walk) -> 
         new = [r for r in server.instance().get_runs() if r.run_id not in before]
         return new[0] if new and new[0].is_finished else None
 
-    run = wait_for("the sensor's run of the new upload", the_sensor_run, BACKFILL_TIMEOUT, interval=1.0,
+    run = wait_for("the sensor's run of the new upload", the_sensor_run, BACKFILL_TIMEOUT, interval=0.5,
                    on_timeout=server.log_tail)
     assert run.status.value == "SUCCESS", server.log_tail()
     assert (run.job_name, run.tags["dagster/partition"]) == ("batch_job", dates[1])
