@@ -8,12 +8,19 @@ line in errors.jsonl with its code, batch.json completed with exact counts); lat
 second run. nightly_batch_schedule fired by the scheduler daemon itself: its cron cannot change at
 run time, so the test rewinds the schedule's start time in the instance to just before the last
 02:00 UTC, and the daemon catches that tick up; the run is for the day before the tick, a date with
-no files, and finishes without loading the model.
+no files, and finishes without loading the model. The schedule has a `dagster dev` of its own (own
+instance and bucket), so its run never waits for the gpu pool behind another run's model load: its
+duration is asserted.
 
 The queue trigger (INPUT_QUEUE_URL) through its own `dagster dev`: the bucket notifies an SQS queue,
 the sensor receives the upload's message and is held (its HEAD of the object hangs at a proxy), the
 whole server is killed with SIGKILL, a new one starts on the same instance, and once the message is
-visible again the file runs exactly once and the queue ends empty.
+visible again the file runs exactly once and the queue ends empty. It has its own bucket, queue,
+proxy and instance.
+
+The schedule's and then the queue's stories run in a thread started with the module, alongside the
+sensor's and `make dev`'s tests (most of their time is waiting on the scheduler's minute, ticks, the
+run queue and SQS's visibility timeout); their tests report them.
 
 S3 and SQS are moto's server (a subprocess, over HTTP); nothing is mocked. Does not test the UI
 (test_ui_walkthrough.py) or the sensor's edge cases (test_sensors.py).
@@ -24,6 +31,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +41,7 @@ import pytest
 from batch_pipeline_tests.cli_runs import jsonl_records
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
-from batch_pipeline_tests.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
+from batch_pipeline_tests.fault_proxy import FaultProxy
 from batch_pipeline_tests.s3_server import _FOREIGN_AWS_VARS, MotoS3
 from batch_pipeline_tests.sqs_queue import notifying_queue, queue_depth
 
@@ -78,67 +87,30 @@ def rewind_schedule_start(server: DagsterDev, name: str, start: float) -> None:
     instance.update_instigator_state(state.with_data(ScheduleInstigatorData(cron_schedule=data.cron_schedule, start_timestamp=start)))
 
 
-@pytest.fixture(scope="module")
-def e2e(moto_server: MotoS3, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    bucket = moto_server.create_bucket()
-    root = tmp_path_factory.mktemp("dagster_e2e")
+def s3_server_env(moto_server: MotoS3, tiny_model_dir: Path, bucket: str) -> dict[str, str | None]:
     env: dict[str, str | None] = {name: None for name in _FOREIGN_AWS_VARS}
     env.update(moto_server.env())
     env.update(pipeline_env(tiny_model_dir, f"s3://{bucket}/incoming", f"s3://{bucket}/output"))
-    server = start_dagster_dev(root / "home", env, root / "dagster-dev.log")
+    return env
+
+
+@pytest.fixture(scope="module")
+def e2e(moto_server: MotoS3, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+        request: pytest.FixtureRequest) -> Any:
+    request.getfixturevalue("background")  # under way while this server comes up
+    bucket = moto_server.create_bucket()
+    root = tmp_path_factory.mktemp("dagster_e2e")
+    server = start_dagster_dev(root / "home", s3_server_env(moto_server, tiny_model_dir, bucket), root / "dagster-dev.log")
     try:
         server.start_sensor(SENSOR)
-        # Start the schedule and rewind it inside one scheduler minute (see rewind_schedule_start).
-        if time.time() % 60 > 45:
-            time.sleep(61 - time.time() % 60)
-        server.start_schedule(SCHEDULE)
-        tick = last_nightly_tick(dt.datetime.now(dt.timezone.utc))
-        rewind_schedule_start(server, SCHEDULE, tick.timestamp() - 60)
-        yield server, bucket, tick
+        yield server, bucket
     finally:
         print(f"dagster dev log: {server.log_path}")
         server.stop()
 
 
-def runs_tagged(server: DagsterDev, key: str, value: str) -> list[Any]:
-    import dagster as dg
-
-    return list(server.instance().get_runs(filters=dg.RunsFilter(tags={key: value})))
-
-
-def finished_run(server: DagsterDev, run_id: str, timeout: float = 120.0) -> Any:
-    def done() -> Any:
-        run = server.instance().get_run_by_id(run_id)
-        return run if run.is_finished else None
-
-    return wait_for(f"run {run_id} finished", done, timeout, on_timeout=server.log_tail)
-
-
-def materialization_metadata(server: DagsterDev, run_id: str, asset: str) -> dict[str, Any]:
-    import dagster as dg
-
-    for entry in server.instance().all_logs(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION):
-        materialization = entry.dagster_event.event_specific_data.materialization
-        if materialization.asset_key.to_user_string() == asset:
-            return {k: v.value for k, v in materialization.metadata.items()}
-    raise AssertionError(f"no materialization of {asset} in run {run_id}")
-
-
-def read_jsonl(client: Any, bucket: str, key: str) -> list[dict[str, Any]]:
-    text = client.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
-    return jsonl_records(text)
-
-
-def batch_json(client: Any, bucket: str, folder: str) -> dict[str, Any] | None:
-    """The Batch object in s3://bucket/folder/, once written."""
-    try:
-        return json.loads(client.get_object(Bucket=bucket, Key=f"{folder}/batch.json")["Body"].read())
-    except client.exceptions.NoSuchKey:
-        return None
-
-
 def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
-    server, bucket, _ = e2e
+    server, bucket = e2e
     client = moto_server.client()
 
     # The first tick finds nothing and stores its cursor; the upload comes after it.
@@ -152,7 +124,7 @@ def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
     uri, etag = f"s3://{bucket}/{key}", head["ETag"].strip('"')
     out = f"output/{date}/{BATCH}"
 
-    batch = wait_for(f"s3://{bucket}/{out}/batch.json", lambda: batch_json(client, bucket, out), RUN_TIMEOUT, interval=2.0,
+    batch = wait_for(f"s3://{bucket}/{out}/batch.json", lambda: batch_json(client, bucket, out), RUN_TIMEOUT, interval=1.0,
                      on_timeout=lambda: f"runs: {[(r.run_id, r.status) for r in runs_tagged(server, 'dagster/sensor_name', SENSOR)]}\n{server.log_tail()}")
 
     outputs = read_jsonl(client, bucket, f"{out}/output.jsonl")
@@ -192,29 +164,164 @@ def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
     assert len(runs_tagged(server, "dagster/sensor_name", SENSOR)) == 1
 
 
-def test_schedule_fired_by_the_daemon_runs_an_empty_date_fast(e2e) -> None:
-    server, _, tick = e2e
-    partition = (tick - dt.timedelta(days=1)).date().isoformat()
+def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`make dev` (the README's UI command) comes up with the code location loaded and the daemons
+    healthy, and prints no warning on the way (Dagster's or Python's)."""
+    import os
+    import re
+    import signal
+    import subprocess
 
-    [run] = wait_for("a run launched by nightly_batch_schedule",
-                     lambda: runs_tagged(server, "dagster/schedule_name", SCHEDULE), 150, interval=2.0,
-                     on_timeout=server.log_tail)
-    run = finished_run(server, run.run_id)
-    assert run.status.value == "SUCCESS", server.log_tail()
-    assert run.tags["dagster/partition"] == partition
-    assert run.tags["dagster/run_key"] == f"nightly-{partition}"
+    from batch_pipeline_tests.dagster_server import REPO, DagsterDev, free_port
 
-    stats = server.instance().get_run_stats(run.run_id)
-    # Measured ~10 s here (process start and Dagster imports); with the model it would be 25 s+.
-    assert stats.end_time - stats.start_time < 60
-    inference = materialization_metadata(server, run.run_id, "inference_results")
-    assert inference["batches"] == 0 and "model_load_seconds" not in inference  # no zeros in the plots
-    assert materialization_metadata(server, run.run_id, "validated_requests")["batches"] == 0
+    home, port, log_path = tmp_path / "home", free_port(), tmp_path / "make-dev.log"
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_AWS_VARS}
+    env.update({k: v for k, v in pipeline_env(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out")).items()
+                if v is not None})
+    env["DAGSTER_HOME"] = str(home)
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(["make", "--no-print-directory", "dev", f"DEV_PORT={port}"], cwd=REPO, env=env,
+                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = DagsterDev(process=process, home=home, port=port, log_path=log_path)
+    try:
+        wait_for("make dev ready (location loaded, daemons healthy)", server._ready, 180, on_timeout=server.log_tail)
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.stop()
+    text = log_path.read_text(errors="replace")
+    assert "Serving dagster-webserver" in text, text[-2000:]
+    warnings = [line for line in text.splitlines() if re.search(r" - WARNING - |\w+Warning: ", re.sub(r"\x1b\[[0-9;]*m", "", line))]
+    assert not warnings, "\n".join(warnings)
+    assert (home / "dagster.yaml").read_text() == (REPO / "dagster.yaml").read_text()
+    # No "Join the Dagster community" dialog over the first page a user opens (issue #28).
+    assert (home / ".nux" / "nux.yaml").read_text() == "seen: 1\n"
 
 
-def test_queue_trigger_survives_a_server_killed_between_receive_and_run_request(
-    moto_server: MotoS3, tiny_model_dir: Path, tmp_path: Path, fault_proxy: FaultProxy  # noqa: F811
-) -> None:
+def runs_tagged(server: DagsterDev, key: str, value: str) -> list[Any]:
+    import dagster as dg
+
+    return list(server.instance().get_runs(filters=dg.RunsFilter(tags={key: value})))
+
+
+def finished_run(server: DagsterDev, run_id: str, timeout: float = 120.0) -> Any:
+    def done() -> Any:
+        run = server.instance().get_run_by_id(run_id)
+        return run if run.is_finished else None
+
+    return wait_for(f"run {run_id} finished", done, timeout, on_timeout=server.log_tail)
+
+
+def materialization_metadata(server: DagsterDev, run_id: str, asset: str) -> dict[str, Any]:
+    import dagster as dg
+
+    for entry in server.instance().all_logs(run_id, of_type=dg.DagsterEventType.ASSET_MATERIALIZATION):
+        materialization = entry.dagster_event.event_specific_data.materialization
+        if materialization.asset_key.to_user_string() == asset:
+            return {k: v.value for k, v in materialization.metadata.items()}
+    raise AssertionError(f"no materialization of {asset} in run {run_id}")
+
+
+def read_jsonl(client: Any, bucket: str, key: str) -> list[dict[str, Any]]:
+    text = client.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    return jsonl_records(text)
+
+
+def batch_json(client: Any, bucket: str, folder: str) -> dict[str, Any] | None:
+    """The Batch object in s3://bucket/folder/, once written."""
+    try:
+        return json.loads(client.get_object(Bucket=bucket, Key=f"{folder}/batch.json")["Body"].read())
+    except client.exceptions.NoSuchKey:
+        return None
+
+
+# Tests whose work runs in a background thread started with the module (by `e2e`, or by the first of
+# them to run), in turn: most of the schedule's time is waiting for the scheduler's next minute, most
+# of the queue scenario's for sensor ticks, the run queue and SQS's visibility timeout; the sensor's
+# and `make dev`'s tests fill that time.
+BACKGROUND = {
+    "test_schedule_fired_by_the_daemon_runs_an_empty_date_fast": "schedule",
+    "test_queue_trigger_survives_a_server_killed_between_receive_and_run_request": "queue",
+}
+
+
+@pytest.fixture(scope="module")
+def background(request: pytest.FixtureRequest, moto_server: MotoS3, tiny_model_dir: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
+    """The selected ones of BACKGROUND's scenarios, in turn in one thread (the schedule's, then the
+    queue's): name -> its future."""
+    selected = {BACKGROUND[item.name] for item in request.session.items
+                if item.name in BACKGROUND and item.path == request.path}
+    with ThreadPoolExecutor(1, thread_name_prefix="e2e-background") as pool:
+        futures = {}
+        if "schedule" in selected:
+            futures["schedule"] = pool.submit(schedule_scenario, moto_server, tiny_model_dir,
+                                              tmp_path_factory.mktemp("schedule"))
+        if "queue" in selected:
+            futures["queue"] = pool.submit(queue_trigger_scenario, moto_server, tiny_model_dir,
+                                           tmp_path_factory.mktemp("queue_trigger"))
+        yield futures
+        # Leaving the block waits for them (each scenario's own `finally` stops its servers).
+
+
+def schedule_scenario(moto_server: MotoS3, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """nightly_batch_schedule fired by the scheduler daemon of its own `dagster dev` (own instance and
+    bucket: no other run holds the gpu pool before its inference step); raises what fails."""
+    bucket = moto_server.create_bucket()
+    server = start_dagster_dev(tmp_path / "home", s3_server_env(moto_server, tiny_model_dir, bucket),
+                               tmp_path / "dagster-dev.log")
+    try:
+        # Start the schedule and rewind it inside one scheduler minute (see rewind_schedule_start).
+        if time.time() % 60 > 45:
+            time.sleep(61 - time.time() % 60)
+        server.start_schedule(SCHEDULE)
+        tick = last_nightly_tick(dt.datetime.now(dt.timezone.utc))
+        rewind_schedule_start(server, SCHEDULE, tick.timestamp() - 60)
+        partition = (tick - dt.timedelta(days=1)).date().isoformat()
+
+        [run] = wait_for("a run launched by nightly_batch_schedule",
+                         lambda: runs_tagged(server, "dagster/schedule_name", SCHEDULE), 150, interval=1.0,
+                         on_timeout=server.log_tail)
+        run = finished_run(server, run.run_id)
+        assert run.status.value == "SUCCESS", server.log_tail()
+        assert run.tags["dagster/partition"] == partition
+        assert run.tags["dagster/run_key"] == f"nightly-{partition}"
+
+        stats = server.instance().get_run_stats(run.run_id)
+        # Measured ~10 s here (process start and Dagster imports); with the model it would be 25 s+.
+        assert stats.end_time - stats.start_time < 60
+        inference = materialization_metadata(server, run.run_id, "inference_results")
+        assert inference["batches"] == 0 and "model_load_seconds" not in inference  # no zeros in the plots
+        assert materialization_metadata(server, run.run_id, "validated_requests")["batches"] == 0
+    finally:
+        print(f"dagster dev log: {server.log_path}")
+        server.stop()
+
+
+def test_schedule_fired_by_the_daemon_runs_an_empty_date_fast(background: dict[str, Future]) -> None:
+    """See schedule_scenario (it ran alongside the tests above; this raises what it raised)."""
+    background["schedule"].result()
+
+
+def test_queue_trigger_survives_a_server_killed_between_receive_and_run_request(background: dict[str, Future]) -> None:
+    """Received, held, server killed, message back, run exactly once, queue empty: see
+    queue_trigger_scenario (it ran alongside the tests above; this raises what it raised)."""
+    background["queue"].result()
+
+
+def queue_trigger_scenario(moto_server: MotoS3, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The queue trigger's whole story (test_queue_trigger_survives_a_server_killed_between_receive_and_run_request),
+    on its own bucket, queue, proxy and `dagster dev`s; raises what fails."""
+    fault_proxy = FaultProxy(moto_server.endpoint_url).start()
+    try:
+        _queue_trigger_scenario(moto_server, tiny_model_dir, tmp_path, fault_proxy)
+    finally:
+        fault_proxy.stop()
+
+
+def _queue_trigger_scenario(moto_server: MotoS3, tiny_model_dir: Path, tmp_path: Path, fault_proxy: FaultProxy) -> None:
     bucket = moto_server.create_bucket()
     client = moto_server.client()
     url = notifying_queue(moto_server, bucket)
@@ -250,51 +357,15 @@ def test_queue_trigger_survives_a_server_killed_between_receive_and_run_request(
         out = f"output/{date}/{BATCH}-queued"
 
         batch = wait_for(f"s3://{bucket}/{out}/batch.json", lambda: batch_json(client, bucket, out), RUN_TIMEOUT,
-                         interval=2.0, on_timeout=server.log_tail)
+                         interval=1.0, on_timeout=server.log_tail)
         assert batch["status"] == "completed"
         assert sorted(o["custom_id"] for o in read_jsonl(client, bucket, f"{out}/output.jsonl")) == GOOD_IDS
         [run] = runs_tagged(server, "dagster/sensor_name", SENSOR)
         assert run.tags["dagster/run_key"] == f"s3://{bucket}/{key}@{head['ETag'].strip(chr(34))}"
         assert finished_run(server, run.run_id).status.value == "SUCCESS"
         # The tick after the one that asked for the run deletes the message.
-        wait_for("an empty queue", lambda: queue_depth(moto_server, url) == (0, 0) or None, 120, interval=2.0)
+        wait_for("an empty queue", lambda: queue_depth(moto_server, url) == (0, 0) or None, 120, interval=1.0)
         assert len(runs_tagged(server, "dagster/sensor_name", SENSOR)) == 1
     finally:
         print(f"dagster dev logs: {tmp_path}")
         server.stop()
-
-
-def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """`make dev` (the README's UI command) comes up with the code location loaded and the daemons
-    healthy, and prints no warning on the way (Dagster's or Python's)."""
-    import os
-    import re
-    import signal
-    import subprocess
-
-    from batch_pipeline_tests.dagster_server import REPO, DagsterDev, free_port
-
-    home, port, log_path = tmp_path / "home", free_port(), tmp_path / "make-dev.log"
-    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_AWS_VARS}
-    env.update({k: v for k, v in pipeline_env(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out")).items()
-                if v is not None})
-    env["DAGSTER_HOME"] = str(home)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(["make", "--no-print-directory", "dev", f"DEV_PORT={port}"], cwd=REPO, env=env,
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = DagsterDev(process=process, home=home, port=port, log_path=log_path)
-    try:
-        wait_for("make dev ready (location loaded, daemons healthy)", server._ready, 180, on_timeout=server.log_tail)
-    finally:
-        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.stop()
-    text = log_path.read_text(errors="replace")
-    assert "Serving dagster-webserver" in text, text[-2000:]
-    warnings = [line for line in text.splitlines() if re.search(r" - WARNING - |\w+Warning: ", re.sub(r"\x1b\[[0-9;]*m", "", line))]
-    assert not warnings, "\n".join(warnings)
-    assert (home / "dagster.yaml").read_text() == (REPO / "dagster.yaml").read_text()
-    # No "Join the Dagster community" dialog over the first page a user opens (issue #28).
-    assert (home / ".nux" / "nux.yaml").read_text() == "seen: 1\n"
