@@ -68,6 +68,24 @@ def part_files(out: Path) -> list[Path]:
     return sorted(folder.glob("*/part-*.jsonl")) if folder.exists() else []
 
 
+def interrupt_each_after_first_part(runs: dict[str, Any], interrupt: Callable[[str, Any], None],
+                                    timeout: float = 600) -> None:
+    """Runs started at once (each value has `run`, a CliRun, and `out`, its output folder): as soon as
+    one's first checkpoint part is written, `interrupt(name, value)` if it is still running. Sets each
+    value's `running_when_interrupted` (False: it ended before; the test says so)."""
+    waiting, deadline = dict(runs), time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        for name, long in list(waiting.items()):
+            if part_files(long.out) or long.run.proc.poll() is not None:
+                long.running_when_interrupted = long.run.proc.poll() is None
+                if long.running_when_interrupted:
+                    interrupt(name, long)
+                del waiting[name]
+        time.sleep(0.1)
+    for name, long in waiting.items():
+        pytest.fail(f"timed out after {timeout:.0f}s waiting for the first checkpoint part ({name})\n{long.run.tail()}")
+
+
 def killed_after_parts(command: list[str], env: dict[str, str], out: Path, parts: int = 2,
                        timeout: float = 300) -> int:
     """Start the CLI `command`, SIGKILL its whole process group once `parts` checkpoint parts are

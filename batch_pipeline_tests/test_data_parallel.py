@@ -26,7 +26,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from batch_pipeline_tests.cli_runs import (
     CLI,
     CliRun,
     answered_once,
+    interrupt_each_after_first_part,
     assert_engine_shut_down_with_its_step,
     assert_no_engine_process_left,
     part_files,
@@ -373,17 +373,7 @@ def interrupted(tiny_model_dir, tmp_path_factory):
                          ranks_env(tiny_model_dir, 2, CHECKPOINT_ANSWERS="1"), throttle_engine=True,
                          engine_title=RANK_TITLE)
             runs[prefix] = LongRun(run, out, ids)
-        waiting, deadline = dict(runs), time.monotonic() + 600
-        while waiting and time.monotonic() < deadline:
-            for prefix, long in list(waiting.items()):
-                if part_files(long.out) or long.run.proc.poll() is not None:
-                    long.running_when_interrupted = long.run.proc.poll() is None
-                    if long.running_when_interrupted:
-                        INTERRUPTIONS[prefix](long)
-                    del waiting[prefix]
-            time.sleep(0.1)
-        for prefix, long in waiting.items():
-            pytest.fail(f"timed out after 600s waiting for the first checkpoint part of {prefix}\n{long.run.tail()}")
+        interrupt_each_after_first_part(runs, lambda prefix, long: INTERRUPTIONS[prefix](long))
         yield runs
     finally:
         for long in runs.values():

@@ -45,6 +45,7 @@ from batch_pipeline_tests.cli_runs import (
     CliRun,
     answered_once,
     assert_engine_shut_down_with_its_step,
+    interrupt_each_after_first_part,
     assert_no_engine_process_left,
     part_files,
     read_results,
@@ -124,21 +125,14 @@ def interrupted(tiny_model_dir, tmp_path_factory):
             run = CliRun(write_batch(folder / "in.jsonl", ids, LONG_TOKENS), out,
                          multiprocess_env(tiny_model_dir, **LONG_ENV), throttle_engine=True)
             runs[target] = LongRun(run, out, ids)
-        waiting, deadline = dict(runs), time.monotonic() + 600
-        while waiting and time.monotonic() < deadline:
-            for target, long in list(waiting.items()):
-                if part_files(long.out) or long.run.proc.poll() is not None:
-                    long.running_when_interrupted = long.run.proc.poll() is None
-                    if long.running_when_interrupted:
-                        long.cores_alive = long.run.alive(ENGINE_CORE)
-                        long.signalled = time.monotonic()
-                        INTERRUPTIONS[target](long)
-                        long.run.stop_throttling()
-                        long.saved = sum(p.read_text().count("\n") for p in part_files(long.out))
-                    del waiting[target]
-            time.sleep(0.1)
-        for target, long in waiting.items():
-            pytest.fail(f"timed out after 600s waiting for the first checkpoint part ({target})\n{long.run.tail()}")
+        def interrupt(target: str, long: LongRun) -> None:
+            long.cores_alive = long.run.alive(ENGINE_CORE)
+            long.signalled = time.monotonic()
+            INTERRUPTIONS[target](long)
+            long.run.stop_throttling()
+            long.saved = sum(p.read_text().count("\n") for p in part_files(long.out))
+
+        interrupt_each_after_first_part(runs, interrupt)
         yield runs
     finally:
         for long in runs.values():
