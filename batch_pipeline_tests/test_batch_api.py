@@ -435,7 +435,9 @@ def test_a_tenant_at_its_limit_of_batches_in_flight_gets_429(service):
     assert [b.id for b in sdk.batches.list().data] == [first.id]  # the refused one left no record and no run
     # Once the first is finished (cancelled here: cheaper than answering), the next one is taken.
     sdk.batches.cancel(first.id)
-    assert finished(sdk, first.id, service["server"]).status == "cancelled"
+    # Finished either way: on a loaded machine its one line was once answered before the cancel reached
+    # the run (a cancel waits for a starting run to start); the limit is the point here, not the cancel.
+    assert finished(sdk, first.id, service["server"]).status in ("cancelled", "completed")
     second = create()
     assert second.status in ("validating", "in_progress")
     sdk.batches.cancel(second.id)
