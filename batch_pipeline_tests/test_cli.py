@@ -112,6 +112,10 @@ def test_console_script_runs_a_batch_and_records_it_in_dagster_home(tiny_model_d
         assert run.tags["batch_pipeline/input_uri"] == str(batch) and run.tags["batch_pipeline/output_uri"] == str(out)
         event = instance.get_latest_materialization_event(dg.AssetKey("batch_outputs"))
         assert event is not None and event.run_id == run.run_id
+        # vLLM is imported in the validation step, not while the GPU step holds its pool slot.
+        said = [(e.step_key, e.message or "") for e in instance.all_logs(run.run_id)]
+        assert [step for step, message in said if "vLLM imported ahead of the GPU step" in message] == ["validated_requests"]
+        assert not [m for step, m in said if step == "inference_results" and "importing vLLM and torch" in m]
 
 
 def pooling_line(custom_id: str, url: str, **body) -> str:

@@ -17,6 +17,7 @@ from batch_pipeline.io import checkpoints, locations, tables
 from batch_pipeline.contract import contract
 from batch_pipeline.steps import metrics
 from batch_pipeline.base import progress
+from batch_pipeline.engine import vllm_adapter
 from batch_pipeline.engine.engine_args import require_hardware
 from batch_pipeline.steps.ingest import validate_batch
 from batch_pipeline.steps.inference import answered_in_full, infer_batches
@@ -158,6 +159,7 @@ def validated_requests(
     output_root = storage.settings().output_path
     file_status.plan(context, taken, output_root)  # each file shows in progress in batch_files
     rows = validate_batches(context, taken, llm, _shard(batch), _endpoint(batch), batch.image_column)
+    import_engine_ahead(context, taken, rows, llm, _shard(batch))
     if taken and not _in_date_layout(taken, output_root):
         return dg.MaterializeResult(metadata={**_summary(rows, "lines", "valid", "invalid"),
                                               "batches_this_run": len(rows), "scope": "this run's batches"})
@@ -172,6 +174,25 @@ def validated_requests(
         **_summary(whole_date, "lines", "valid", "invalid"), "batches_this_run": len(rows),
         "this_run": _table(rows), "scope": f"every batch of {context.partition_key}",
     })
+
+
+def import_engine_ahead(context: dg.AssetExecutionContext, taken: list[BatchLocation], rows: list[dict[str, Any]],
+                        llm: LLMResource, shard: Shard) -> None:
+    """Import vLLM here, not in inference_results, when that step will build an engine in this process
+    (valid lines not yet answered, one rank: ranks import it in their own processes). The GPU step
+    holds its pool slot from start to end, and the import is 10-30 s of CPU: done here, a run that
+    waits for the GPU loads its model as soon as the slot frees, and no run holds the GPU to import."""
+    try:
+        if llm.settings().data_parallel_size > 1 or not any(row["valid"] for row in rows):
+            return
+        identity = llm.identity()
+        if all(answered_in_full(loc, identity, shard) for loc, row in zip(taken, rows) if row["valid"]):
+            return
+    except (ConfigError, OSError, KeyError):  # a setting or a record the GPU step reports better
+        return
+    took = vllm_adapter.import_vllm()
+    if took is not None:
+        context.log.info(f"vLLM imported ahead of the GPU step in {took:.1f}s")
 
 
 def validate_batches(context: dg.AssetExecutionContext, taken: list[BatchLocation], llm: LLMResource,

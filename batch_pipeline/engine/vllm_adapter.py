@@ -17,6 +17,8 @@ import importlib.metadata
 import queue
 import re
 import threading
+import sys
+import time
 from typing import Any, NamedTuple
 
 from batch_pipeline.base.progress import LOGGING_SETUP
@@ -34,6 +36,18 @@ class ServedModel:
         self.model_path = model_path
         self.tokenizer = llm.get_tokenizer()
         self.max_model_len = max_model_len(llm)
+
+
+def import_vllm() -> float | None:
+    """Import vLLM's LLM (torch with it) now, as build_llm would; the seconds it took, None when it was
+    imported already. The run does this before its GPU step, which holds the GPU pool's slot from its
+    start to its end: the import (10-30 s of CPU) is then not paid while holding the GPU."""
+    if "vllm.entrypoints.llm" in sys.modules:
+        return None
+    started = time.perf_counter()
+    with gc_paused():
+        from vllm import LLM  # noqa: F401
+    return time.perf_counter() - started
 
 
 def build_llm(kwargs: dict[str, Any]) -> Any:
