@@ -130,25 +130,29 @@ def smollm2_llm(bundled_model_dir, monkeypatch) -> SessionLLM:
 
 
 # Test files that start real servers and subprocesses (dagster dev, the Batch API, engine ranks,
-# Chromium), costliest first: seconds of test time each in a full run on 2 workers, 2026-12-02.
+# Chromium), costliest first: seconds of test time each (setup, calls and teardown of its tests, from
+# --durations=0) in a full `make test` on 2 workers, 2026-12-03 16:58-17:17 (973 passed in 18:36).
 # `make test` hands out whole files in collection order (pytest-xdist --dist loadfile
 # --no-loadscope-reorder), and these come first, so the run does not end on one of them while the
 # other worker has nothing left. (xdist's default order, most tests first, put the files with few
 # long tests last.) The other files follow in their usual order.
 SLOW_FILES = (
-    # Alone, on a machine at load 15-20 (2026-12-03): 456-535 s, most of it four runs that must each
-    # come up and answer in turn (the queue's order is the point); the longest file of the suite.
-    "test_service_priority.py",
-    "test_data_parallel.py",  # 389 s
-    "test_batch_api.py",  # 195 s, with the production instance's killed-run retry since then
-    "test_service_usage.py",  # 431 s alone at load 15-30 (2026-12-03): three real runs of two tenants
-    "test_service_model_versions.py",  # three API batches in turn over dagster dev (new, 2026-12-03)
-    "test_images_pipeline.py",  # the kill -9 of an image batch: ~2 min of its time
-    "test_ui_walkthrough.py",  # 174 s
-    "test_engine_multiprocess.py",  # 171 s
-    "test_dagster_e2e.py",  # 154 s
-    "test_reliability.py",  # 68 s
-    "test_shards.py",  # 60 s
+    "test_ui_walkthrough.py",  # 225 s: Chromium over dagster dev, a backfill of two dates and re-runs
+    "test_service_priority.py",  # 202 s: queued runs that must come up one after another (their order is the point)
+    "test_batch_api.py",  # 198 s
+    "test_dagster_e2e.py",  # 180 s: two dagster dev (the schedule's own), the sensor, the SQS queue
+    "test_data_parallel.py",  # 170 s
+    "test_engine_multiprocess.py",  # 164 s
+    "test_service_model_versions.py",  # 116 s: three API batches in turn
+    "test_service_usage.py",  # 95 s: three real runs of two tenants
+    "test_cli.py",  # 86 s: real batch-pipeline processes, two at a time
+    "test_images_pipeline.py",  # 70 s
+    "test_model_versions.py",  # 64 s: two model verify processes
+    "test_alert_sensor_e2e.py",  # 59 s
+    "test_reliability.py",  # 58 s
+    "test_shards.py",  # 33 s
+    "test_service_cancel.py",  # 32 s
+    "test_service_audit.py",  # 31 s
 )
 
 
