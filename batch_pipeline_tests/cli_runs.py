@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
@@ -68,11 +69,21 @@ def part_files(out: Path) -> list[Path]:
     return sorted(folder.glob("*/part-*.jsonl")) if folder.exists() else []
 
 
+@dataclass
+class InterruptedRun:
+    """A long `batch-pipeline run` started to be interrupted mid-batch (interrupt_each_after_first_part)."""
+
+    run: "CliRun"
+    out: Path
+    ids: list[str]
+    running_when_interrupted: bool = False  # False: it ended before it could be interrupted
+    saved: int = 0  # answers checkpointed when interrupted
+
+
 def interrupt_each_after_first_part(runs: dict[str, Any], interrupt: Callable[[str, Any], None],
                                     timeout: float = 600) -> None:
-    """Runs started at once (each value has `run`, a CliRun, and `out`, its output folder): as soon as
-    one's first checkpoint part is written, `interrupt(name, value)` if it is still running. Sets each
-    value's `running_when_interrupted` (False: it ended before; the test says so)."""
+    """Runs started at once (InterruptedRun values): as soon as one's first checkpoint part is written,
+    `interrupt(name, value)` if it is still running. Sets each one's `running_when_interrupted`."""
     waiting, deadline = dict(runs), time.monotonic() + timeout
     while waiting and time.monotonic() < deadline:
         for name, long in list(waiting.items()):

@@ -42,6 +42,7 @@ from batch_pipeline_tests.cli_runs import (
     CLI,
     CliRun,
     answered_once,
+    InterruptedRun,
     interrupt_each_after_first_part,
     assert_engine_shut_down_with_its_step,
     assert_no_engine_process_left,
@@ -332,15 +333,10 @@ LONG_LINES, LONG_TOKENS = 32, 64
 
 
 @dataclass
-class LongRun:
+class LongRun(InterruptedRun):
     """A long two-rank run, interrupted after its first checkpoint part (see `interrupted`)."""
 
-    run: CliRun
-    out: Path
-    ids: list[str]
-    running_when_interrupted: bool = False
     first: dict = field(default_factory=dict)  # rank title -> process, when interrupted
-    saved: int = 0  # answers checkpointed when interrupted
 
 
 def kill_rank_1(long: LongRun) -> None:

@@ -45,6 +45,7 @@ from batch_pipeline_tests.cli_runs import (
     CliRun,
     answered_once,
     assert_engine_shut_down_with_its_step,
+    InterruptedRun,
     interrupt_each_after_first_part,
     assert_no_engine_process_left,
     part_files,
@@ -75,17 +76,12 @@ def multiprocess_env(tiny_model_dir: Path, **extra: str) -> dict[str, str]:
 
 
 @dataclass
-class LongRun:
+class LongRun(InterruptedRun):
     """A long run in multiprocess mode, interrupted after its first checkpoint part (see `interrupted`)."""
 
-    run: CliRun
-    out: Path
-    ids: list[str]
-    running_when_interrupted: bool = False
     cores_alive: list[str] = field(default_factory=list)  # engine core processes running when interrupted
     killed: list = field(default_factory=list)  # the engine core process SIGKILLed ("kill")
     signalled: float = 0.0  # time.monotonic() of the interruption
-    saved: int = 0  # answers checkpointed when interrupted
 
 
 def sigint_process(long: LongRun) -> None:
