@@ -58,8 +58,9 @@ def build_llm(kwargs: dict[str, Any]) -> Any:
     moves what exists after the build out of the collector's sight (vLLM's own server does the
     same after start-up); shutdown_llm() gives them back so a closed engine's cycles can be freed.
     """
-    with gc_paused():
-        from vllm import LLM
+    import_vllm()
+    from vllm import LLM  # imported above, with the collector paused
+
     configure_vllm_logging()
     gc.freeze()
     llm = LLM(**kwargs)
