@@ -3,7 +3,7 @@
 `Serve` runs one `batch-pipeline serve` on a free port (stdout and stderr to one log, or stdout to a
 file of its own: the audit log's stdout form), `service_stack` starts a `dagster dev` on an
 instance's settings (the repo's dagster.yaml unless given) and the service over it, and the rest
-drives and reads them: the openai SDK on a key, a request line, the Dagster runs of a batch, and
+drives and reads them: the openai SDK on a key, a request line (and one the run refuses), the Dagster runs of a batch, and
 `lower_priority` for a run that only holds a run slot.
 """
 
@@ -33,6 +33,16 @@ def request_line(custom_id: str, content: str | None = None, max_tokens: int = 4
     body = {"model": TINY_NAME, "messages": [{"role": "user", "content": content or f"say {custom_id}"}],
             "max_tokens": max_tokens, "ignore_eos": True}
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body})
+
+
+def refused_line(custom_id: str) -> str:
+    """A request line the run refuses (its messages are not a list). A batch of only such lines takes a
+    queue slot and a run worker like any other, then its run ends at validation (no valid lines: the
+    batch and its run fail) without importing vLLM or loading the model: ~17 CPU-s less a run on these
+    cores. For the runs whose start is what a test checks, not their answers."""
+    line = json.loads(request_line(custom_id))
+    line["body"]["messages"] = "not a list"
+    return json.dumps(line)
 
 
 def serve_env(extra: dict[str, str | None]) -> dict[str, str]:

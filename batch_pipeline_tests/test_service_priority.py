@@ -38,8 +38,8 @@ import openai
 import pytest
 import yaml
 
-from batch_pipeline_tests.api_service import (RUN_TIMEOUT, batch_runs, client, lower_priority, request_line, run_status,
-                                              serve_env, service_stack, upload, wait_run_status)
+from batch_pipeline_tests.api_service import (RUN_TIMEOUT, batch_runs, client, lower_priority, refused_line, request_line,
+                                              run_status, serve_env, service_stack, upload, wait_run_status)
 from batch_pipeline_tests.dagster_server import REPO, wait_for
 
 KEY_A, KEY_B, KEY_C = "key-prio-a-0123456789", "key-prio-b-0123456789", "key-prio-c-0123456789"
@@ -73,16 +73,6 @@ def long_lines(tag: str) -> list[str]:
     """Over ten minutes of answering on the tiny model (800 of these lines took 84 s on 2 cores): the run
     stays in progress until it is cancelled."""
     return [request_line(f"{tag}-{i}", max_tokens=256) for i in range(10_000)]
-
-
-def refused_line(custom_id: str) -> str:
-    """A request line the run refuses (its messages are not a list). A batch of only such lines takes a
-    queue slot and a run worker like any other, then its run ends at validation (no valid lines: the
-    batch and its run fail) without importing vLLM or loading the model: ~17 CPU-s less a run on these
-    cores. For the runs whose start is what a test checks, not their answers."""
-    line = json.loads(request_line(custom_id))
-    line["body"]["messages"] = "not a list"
-    return json.dumps(line)
 
 
 def create(sdk: openai.OpenAI, file_id: str, **metadata: Any) -> Any:
