@@ -235,6 +235,12 @@ def test_backfill_of_two_dates_from_the_ui(ui: Walk) -> None:
         assert later.run_id in waited, f"run {later.run_id} waited for the gpu pool without saying so"
 
 
+def new_run_finished(server: DagsterDev, before: set[str]) -> Any:
+    """The newest run whose id is not in `before`, once it has finished (None until then)."""
+    new = [r for r in server.instance().get_runs() if r.run_id not in before]
+    return new[0] if new and new[0].is_finished else None
+
+
 def backfill_runs(server: DagsterDev, backfill_id: str) -> list[Any]:
     return list(server.instance().get_runs(filters=dg.RunsFilter(tags={"dagster/backfill": backfill_id})))
 
@@ -302,7 +308,7 @@ def test_each_file_shows_on_its_own_the_broken_one_not_green(ui: Walk) -> None:
 def test_the_check_reads_the_same_in_the_list_on_the_node_and_in_its_pane(ui: Walk) -> None:
     """The check's latest execution is what the list and the pane show, and the node shows no
     per-date count ("0 / 1")."""
-    server, page, dates = ui.server, ui.page, ui.dates
+    server, page = ui.server, ui.page
     [latest] = server.instance().event_log_storage.get_asset_check_execution_history(
         dg.AssetCheckKey(dg.AssetKey("batch_outputs"), "failed_line_rate"), limit=1)
     print("latest failed_line_rate execution:", latest.status, latest.run_id)
@@ -338,11 +344,8 @@ def test_the_broken_file_fixed_reruns_alone_from_its_partition(ui: Walk) -> None
     dialog.wait_for(state="detached")
     check_backfill_done(ui)  # while the re-run comes up (step 1's backfill, recorded by now or soon)
 
-    def the_rerun() -> Any:
-        new = [r for r in server.instance().get_runs() if r.run_id not in before]
-        return new[0] if new and new[0].is_finished else None
-
-    run = wait_for("the re-run of the broken file", the_rerun, BACKFILL_TIMEOUT, interval=0.5, on_timeout=server.log_tail)
+    run = wait_for("the re-run of the broken file", lambda: new_run_finished(server, before), BACKFILL_TIMEOUT,
+                   interval=0.5, on_timeout=server.log_tail)
     assert run.status.value == "SUCCESS", server.log_tail()
     assert run.tags["dagster/partition"] == key  # that file alone
     fixed = json.loads((ui.out / dates[1] / "broken" / "batch.json").read_text())
@@ -383,11 +386,8 @@ def test_the_date_run_afterwards_records_the_date_and_names_its_job(ui: Walk) ->
     dialog.get_by_role("button", name="Launch 1 run").click()
     dialog.wait_for(state="detached")
 
-    def the_date_run() -> Any:
-        new = [r for r in server.instance().get_runs() if r.run_id not in before]
-        return new[0] if new and new[0].is_finished else None
-
-    run = wait_for("the date's run", the_date_run, BACKFILL_TIMEOUT, interval=0.5, on_timeout=server.log_tail)
+    run = wait_for("the date's run", lambda: new_run_finished(server, before), BACKFILL_TIMEOUT, interval=0.5,
+                   on_timeout=server.log_tail)
     assert run.status.value == "SUCCESS", server.log_tail()
     assert (run.job_name, run.tags["dagster/partition"]) == ("batch_job", dates[1])
     inference = {k: v.value for k, v in server.instance().fetch_materializations(
@@ -434,12 +434,8 @@ def test_a_new_upload_runs_as_batch_job_and_its_page_names_the_job(ui: Walk) -> 
     before = {r.run_id for r in server.instance().get_runs()}
     (ui.inbox / dates[1] / "late.jsonl").write_text("\n".join(chat_line(f"late-{i}") for i in range(2)) + "\n")
 
-    def the_sensor_run() -> Any:
-        new = [r for r in server.instance().get_runs() if r.run_id not in before]
-        return new[0] if new and new[0].is_finished else None
-
-    run = wait_for("the sensor's run of the new upload", the_sensor_run, BACKFILL_TIMEOUT, interval=0.5,
-                   on_timeout=server.log_tail)
+    run = wait_for("the sensor's run of the new upload", lambda: new_run_finished(server, before), BACKFILL_TIMEOUT,
+                   interval=0.5, on_timeout=server.log_tail)
     assert run.status.value == "SUCCESS", server.log_tail()
     assert (run.job_name, run.tags["dagster/partition"]) == ("batch_job", dates[1])
     key = f"{dates[1]}/late"
