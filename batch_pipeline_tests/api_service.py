@@ -3,8 +3,8 @@
 `Serve` runs one `batch-pipeline serve` on a free port (stdout and stderr to one log, or stdout to a
 file of its own: the audit log's stdout form), `service_stack` starts a `dagster dev` on an
 instance's settings (the repo's dagster.yaml unless given) and the service over it, and the rest
-drives and reads them: the openai SDK on a key, a request line (and one the run refuses), the Dagster runs of a batch, and
-`lower_priority` for a run that only holds a run slot.
+drives and reads them: the openai SDK on a key, a request line (and one the run refuses), the
+Dagster runs of a batch, and `lower_priority` for a run that only holds a run slot.
 """
 
 from __future__ import annotations

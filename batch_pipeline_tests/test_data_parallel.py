@@ -41,11 +41,11 @@ from batch_pipeline.config.settings import ConfigError, EngineSettings, engine_s
 from batch_pipeline_tests.cli_runs import (
     CLI,
     CliRun,
-    answered_once,
     InterruptedRun,
-    interrupt_each_after_first_part,
+    answered_once,
     assert_engine_shut_down_with_its_step,
     assert_no_engine_process_left,
+    interrupt_each_after_first_part,
     part_files,
     read_results,
     wait_for,

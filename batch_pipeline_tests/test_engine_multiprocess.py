@@ -43,11 +43,11 @@ import pytest
 
 from batch_pipeline_tests.cli_runs import (
     CliRun,
+    InterruptedRun,
     answered_once,
     assert_engine_shut_down_with_its_step,
-    InterruptedRun,
-    interrupt_each_after_first_part,
     assert_no_engine_process_left,
+    interrupt_each_after_first_part,
     part_files,
     read_results,
     wait_for,

@@ -16,8 +16,8 @@ import gc
 import importlib.metadata
 import queue
 import re
-import threading
 import sys
+import threading
 import time
 from typing import Any, NamedTuple
 
