@@ -10,7 +10,8 @@ runs, run retries and monitoring) when PostgreSQL is reachable. The lifecycle te
 batch's run from PostgreSQL with plain SQL, and the kill test also SIGKILLs the run worker doing the
 inference: the code server fails that run, the run-retry daemon re-launches it from the failed step
 once the monitoring daemon has freed the dead run's "gpu" slot, the retry resumes from the
-checkpoints, and the service follows it to the end. Without the module's Dagster: TLS with a
+checkpoints, and the service follows it to the end; with the service up, a batch polled every 0.2 s
+from its run worker's kill to the end is never terminal before `completed`. Without the module's Dagster: TLS with a
 self-signed certificate, the limit settings. The 2 s window test's batch is created as the service
 comes up, so that its run (no model) is done beside the lifecycle's instead of on its own.
 """
@@ -504,6 +505,50 @@ def batch_runs(server: Any, batch_id: str) -> list[dict[str, Any]]:
     return runs
 
 
+def long_batch(sdk: openai.OpenAI, service: dict[str, Any], case: str, n: int = 200) -> tuple[Any, Any, list[str], Any]:
+    """(the upload, the batch, its custom ids, a function listing its checkpoint parts) of a batch of
+    `n` staggered lines (ignore_eos: exactly max_tokens each), so answers finish one by one and
+    checkpoint parts appear while most are still being answered; once its first part is written."""
+    ids = [f"{case[0]}-{i:03d}" for i in range(n)]
+    body = lambda i: {"model": TINY_NAME, "messages": [{"role": "user", "content": f"go {ids[i]}"}],  # noqa: E731
+                      "max_tokens": 16 + i, "ignore_eos": True}
+    lines = [json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": body(i)})
+             for i, c in enumerate(ids)]
+    uploaded = sdk.files.create(file=(f"{case}.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
+                               metadata={"case": case})
+    parts = lambda: list(service["out"].glob(f"????-??-??/{batch.id}/_work/answers/*/part-*.jsonl"))  # noqa: E731
+    wait_for("the first checkpoint part", parts, RUN_TIMEOUT, interval=0.1, on_timeout=service["server"].log_tail)
+    return uploaded, batch, ids, parts
+
+
+def kill_run_worker(server: Any, batch_id: str) -> dict[str, Any]:
+    """SIGKILL the process answering the batch (its run's worker: the in-process executor runs every
+    step there); the run, as batch_runs gives it."""
+    [first] = batch_runs(server, batch_id)
+    [pid] = [int(m.split("pid: ")[1].rstrip(").")) for m in first["messages"] if m.startswith("Started process for run (pid: ")]
+    os.kill(pid, signal.SIGKILL)
+    return first
+
+
+def check_the_retry(server: Any, batch_id: str, first: dict[str, Any], done_at_kill: int, total: int) -> dict[str, Any]:
+    """The killed run failed (the code server saw its worker die) with Dagster's decision to retry it,
+    and its retry (run_retries; the queue holds it until the dead run's "gpu" slot is freed) finished
+    and resumed from the killed attempt's checkpoints: reused at least what was written at the kill."""
+    # (SUCCESS once its run worker has finished its last step, shortly after it wrote the Batch object)
+    retry, killed = wait_for("the retry run finished", lambda: (runs := batch_runs(server, batch_id))[0]["status"] != "STARTED"
+                             and runs, 120, interval=1.0, on_timeout=server.log_tail)
+    assert killed["runId"] == first["runId"] and killed["status"] == "FAILURE", killed["status"]
+    assert killed["tags"]["dagster/will_retry"] == "true"
+    assert any("terminated by signal 9" in m for m in killed["messages"]), killed["messages"][-10:]
+    assert retry["status"] == "SUCCESS" and retry["tags"]["dagster/retry_number"] == "1", retry["status"]
+    assert retry["tags"]["dagster/parent_run_id"] == first["runId"]
+    [resuming] = [m for m in retry["messages"] if "requests already answered; resuming" in m]
+    reused = int(resuming.split(": ", 1)[1].split(" of ")[0])
+    assert 0 < done_at_kill <= reused < total and f" of {total} requests" in resuming, (done_at_kill, resuming)
+    return retry
+
+
 def test_the_service_and_the_run_killed_mid_batch_keep_every_record(service):
     """The service SIGKILLed mid-batch and started again. On the production instance settings
     (PostgreSQL, run retries) the run worker doing the inference is SIGKILLed at the same moment:
@@ -511,24 +556,10 @@ def test_the_service_and_the_run_killed_mid_batch_keep_every_record(service):
     follows the retry (the batch is never reported failed)."""
     sdk, server = client(service), service["server"]
     retried = bool(service["database"])  # the local SQLite instance (no PostgreSQL here) has no run retries
-    # Staggered lengths (ignore_eos: exactly max_tokens each): answers finish one by one, so
-    # checkpoint parts appear while most are still being answered.
-    ids = [f"k-{i:03d}" for i in range(200)]
-    body = lambda i: {"model": TINY_NAME, "messages": [{"role": "user", "content": f"go {ids[i]}"}],  # noqa: E731
-                      "max_tokens": 16 + i, "ignore_eos": True}
-    lines = [json.dumps({"custom_id": c, "method": "POST", "url": "/v1/chat/completions", "body": body(i)})
-             for i, c in enumerate(ids)]
-    uploaded = sdk.files.create(file=("restart.jsonl", ("\n".join(lines) + "\n").encode()), purpose="batch")
-    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h",
-                               metadata={"case": "restart"})
-    parts = lambda: list(service["out"].glob(f"????-??-??/{batch.id}/_work/answers/*/part-*.jsonl"))  # noqa: E731
-    wait_for("the first checkpoint part", parts, RUN_TIMEOUT, interval=0.1, on_timeout=server.log_tail)
+    uploaded, batch, ids, parts = long_batch(sdk, service, "restart")
     api = service["serve"]
     api.kill()  # SIGKILL: no shutdown code of the service runs
-    if retried:  # the run worker (the in-process executor: the process doing the inference)
-        [first] = batch_runs(server, batch.id)
-        [pid] = [int(m.split("pid: ")[1].rstrip(").")) for m in first["messages"] if m.startswith("Started process for run (pid: ")]
-        os.kill(pid, signal.SIGKILL)
+    first = kill_run_worker(server, batch.id) if retried else None
     done_at_kill = sum(p.read_text().count("\n") for p in parts())
     assert done_at_kill < len(ids), "the batch was answered before the kill: make it longer"
     with pytest.raises(openai.APIConnectionError):
@@ -556,19 +587,7 @@ def test_the_service_and_the_run_killed_mid_batch_keep_every_record(service):
     assert all(o["response"]["status_code"] == 200 for o in outputs)
     if not retried:
         return
-    # The killed run failed (the code server saw its worker die), Dagster retried it (run_retries,
-    # the queue holding the retry until the dead run's "gpu" slot was freed), and the retry resumed.
-    # (SUCCESS once its run worker has finished its last step, shortly after it wrote the Batch object)
-    retry, killed = wait_for("the retry run finished", lambda: (runs := batch_runs(server, batch.id))[0]["status"] != "STARTED"
-                             and runs, 120, interval=1.0, on_timeout=server.log_tail)
-    assert killed["runId"] == first["runId"] and killed["status"] == "FAILURE", killed["status"]
-    assert killed["tags"]["dagster/will_retry"] == "true"
-    assert any("terminated by signal 9" in m for m in killed["messages"]), killed["messages"][-10:]
-    assert retry["status"] == "SUCCESS" and retry["tags"]["dagster/retry_number"] == "1", retry["status"]
-    assert retry["tags"]["dagster/parent_run_id"] == first["runId"]
-    [resuming] = [m for m in retry["messages"] if "requests already answered; resuming" in m]
-    already = int(resuming.split(": ", 1)[1].split(" of ")[0])
-    assert done_at_kill <= already < len(ids) and f" of {len(ids)} requests" in resuming, (done_at_kill, resuming)
+    retry = check_the_retry(server, batch.id, first, done_at_kill, len(ids))
     [written] = service["out"].glob(f"????-??-??/{batch.id}/batch.json")
     assert json.loads(written.read_text())["metadata"]["dagster_run_id"] == retry["runId"]
     # The same facts straight from PostgreSQL: both runs, and one materialization of the results, the retry's.
@@ -583,3 +602,44 @@ def test_the_service_and_the_run_killed_mid_batch_keep_every_record(service):
             assert [r[0] for r in cur.fetchall()] == [retry["runId"]]
     finally:
         conn.close()
+
+
+def failed_batches(base: str) -> int:
+    """/metrics' count of failed batches (every tenant's)."""
+    request = urllib.request.Request(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY_A}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        text = response.read().decode()
+    [line] = [x for x in text.splitlines() if x.startswith('batch_pipeline_api_batches{status="failed"}')]
+    return int(float(line.split()[-1]))
+
+
+def test_a_batch_whose_run_worker_is_killed_is_never_reported_over_before_completed(service):
+    """The run worker alone SIGKILLed, the service up: polled every 0.2 s from the kill to the end
+    (the Batch object and /metrics), the batch is never terminal before `completed`, through the
+    window where Dagster has stored the run's failure and not yet its retry decision, the wait for the
+    retry's turn and the retry itself; every line is answered once, some reused from the killed run."""
+    if not service["database"]:
+        pytest.skip("run retries are the production instance's (PostgreSQL); none reachable here")
+    sdk, server = client(service), service["server"]
+    base = service["url"].removesuffix("/v1")
+    failed_before = failed_batches(base)
+    _, batch, ids, parts = long_batch(sdk, service, "watched", n=160)
+    first = kill_run_worker(server, batch.id)
+    done_at_kill = sum(p.read_text().count("\n") for p in parts())
+    assert done_at_kill < len(ids), "the batch was answered before the kill: make it longer"
+    seen: list[tuple[str, int]] = []  # (status, /metrics' failed batches) at each look
+
+    def look() -> Any:
+        now = sdk.batches.retrieve(batch.id)
+        seen.append((now.status, failed_batches(base)))
+        return now if now.status in TERMINAL else None
+
+    done = wait_for(f"batch {batch.id} finished", look, RUN_TIMEOUT, interval=0.2, on_timeout=server.log_tail)
+    statuses = [s for s, _ in seen]
+    assert done.status == "completed" and set(statuses[:-1]) <= {"in_progress", "finalizing"}, statuses
+    assert all(failed == failed_before for _, failed in seen), seen
+    assert len(seen) > 50, len(seen)  # looked all through the kill, the retry's wait and its answers
+    assert done.request_counts.total == done.request_counts.completed == len(ids)
+    outputs = jsonl_records(sdk.files.content(done.output_file_id).text)
+    assert sorted(o["custom_id"] for o in outputs) == sorted(ids)  # every line answered once
+    check_the_retry(server, batch.id, first, done_at_kill, len(ids))

@@ -47,6 +47,9 @@ class RunsStandIn:
     def current_run(self, record: dict[str, Any]) -> tuple[str, str | None]:
         return record["run_id"], self.status.get(record["id"])
 
+    def failure_reason(self, run_id: str) -> str:
+        return "its step failed. Not retried: the Dagster instance does not retry runs (run_retries off)"
+
 
 def write_finished(store: Store, tenant: str, n: int) -> list[str]:
     """`n` finished batches of `tenant` as the service and the pipeline leave them: the service's record

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
+
+import yaml
 
 from batch_pipeline.config.priority import BATCH_PRIORITY_TAG, TURN_SPAN, TURN_TAG, priority_tags
 
@@ -24,8 +28,16 @@ LOCATION, REPOSITORY, JOB = "batch_pipeline", "__repository__", "batch_job"
 # Set on every run submitted for a batch; Dagster copies it into the runs it re-launches from one.
 BATCH_ID_TAG = "batch_pipeline/api_batch_id"
 TENANT_TAG = "batch_pipeline/tenant"
-# Dagster tags a failed run it is going to retry (run_retries) with this, "true".
+# Dagster tags a failed run "true" when it will retry it (run_retries), "false" when it will not.
 WILL_RETRY_TAG = "dagster/will_retry"
+RETRY_NUMBER_TAG, MAX_RETRIES_TAG = "dagster/retry_number", "dagster/max_retries"
+# The status current_run reports for a failed run that Dagster retries or may still retry.
+RETRYING = "RETRYING"
+# A failed run with no retry decision from Dagster is reported over this long after it ended. Dagster
+# decides within a second (the tag is written right after the failure) or, where that write was
+# missed, on the auto-retry daemon's next pass (5 s); a minute covers a loaded machine.
+RETRY_DECISION_SECONDS = 60.0
+POLICY_SECONDS = 60.0  # how long the instance's run_retries read is kept
 TRIGGER_TAG, TRIGGER = "batch_pipeline/trigger", "batch api"
 
 
@@ -36,6 +48,7 @@ class DagsterClient:
     def __init__(self, url: str) -> None:
         self.url = url
         self._client: Any = None
+        self._policy_read: tuple[float, RetryPolicy | None] | None = None  # (monotonic time read, policy)
 
     def _graphql_client(self) -> Any:
         if self._client is None:
@@ -123,14 +136,35 @@ class DagsterClient:
             log.warning("queued runs unknown (%s)", type(e).__name__)
             return None
 
+    def retry_policy(self) -> RetryPolicy | None:
+        """The instance's run retries (dagster.yaml `run_retries`) as the web server reports them, read
+        once a minute; None when the web server hides its instance config or does not answer (then a
+        failed run without Dagster's decision is given the whole grace period: never reported over
+        too soon)."""
+        now = time.monotonic()
+        if self._policy_read is not None and now - self._policy_read[0] < POLICY_SECONDS:
+            return self._policy_read[1]
+        policy: RetryPolicy | None = None
+        try:
+            info = self.graphql("{ instance { info } }")["instance"].get("info")
+            if info:
+                retries = (yaml.safe_load(info) or {}).get("run_retries") or {}
+                policy = RetryPolicy(enabled=bool(retries.get("enabled", False)),
+                                     max_retries=int(retries.get("max_retries", 0) or 0))
+        except Exception as e:  # noqa: BLE001 - unknown: the grace period decides
+            log.warning("the instance's run retries unknown (%s)", type(e).__name__)
+        self._policy_read = (now, policy)
+        return policy
+
     def current_run(self, record: dict[str, Any]) -> tuple[str, str | None]:
         """(run id, Dagster run status) of the run now carrying a batch: the newest run with its batch
         id tag. That is the run submitted for it until Dagster re-launches it: an automatic run retry
         (run_retries in the instance's dagster.yaml) or a re-execution from the UI copies the tag into
-        the new run, which carries on from the checkpoints. A failed run Dagster is about to retry
-        (tagged dagster/will_retry=true) is reported QUEUED: the batch is not over. Status None: the
-        web server did not answer (the submitted run's id is returned then)."""
-        fields = "... on Runs { results { runId status tags { key value } } }"
+        the new run, which carries on from the checkpoints. A failed run that Dagster retries or may
+        still retry is reported RETRYING, not FAILURE (`retry_outcome`): the batch is not over until
+        Dagster has decided not to retry it. Status None: the web server did not answer (the
+        submitted run's id is returned then)."""
+        fields = "... on Runs { results { runId status endTime tags { key value } } }"
         query = ("query Batch($tags: [ExecutionTag!], $id: String!) { "
                  f"tagged: runsOrError(filter: {{tags: $tags}}, limit: 1) {{ {fields} }} "
                  f"submitted: runsOrError(filter: {{runIds: [$id]}}) {{ {fields} }} }}")
@@ -143,7 +177,74 @@ class DagsterClient:
         if not runs:
             return record["run_id"], None
         run = runs[0]
-        tags = {t["key"]: t["value"] for t in run.get("tags") or []}
-        if run["status"] == "FAILURE" and tags.get(WILL_RETRY_TAG) == "true":
-            return run["runId"], "QUEUED"
+        if run["status"] == "FAILURE":
+            tags = {t["key"]: t["value"] for t in run.get("tags") or []}
+            outcome = retry_outcome(tags, run.get("endTime"), self.retry_policy(), time.time())
+            if outcome.retrying:
+                return run["runId"], RETRYING
         return run["runId"], run["status"]
+
+    def failure_reason(self, run_id: str) -> str:
+        """Why a run that will not be retried failed, in a sentence: its last error messages (the code
+        server's 'Run execution process ... terminated by signal 9', a step's error) and Dagster's
+        retry decision. Read once per failed batch (the service keeps it in the batch's record)."""
+        try:
+            data = self.graphql(
+                "query Failed($id: ID!) { runOrError(runId: $id) { ... on Run { endTime tags { key value } } } "
+                "logsForRun(runId: $id) { ... on EventConnection { events { __typename "
+                "... on MessageEvent { message level } } } } }", {"id": run_id})
+        except Exception as e:  # noqa: BLE001 - the run is failed all the same; say what is missing
+            return f"its events could not be read ({type(e).__name__}); see the run in the Dagster UI"
+        events = (data.get("logsForRun") or {}).get("events") or []
+        errors = [e["message"] for e in events if e.get("level") == "ERROR" and e.get("message")]
+        run = data.get("runOrError") or {}
+        tags = {t["key"]: t["value"] for t in run.get("tags") or []}
+        outcome = retry_outcome(tags, run.get("endTime"), self.retry_policy(), time.time())
+        said = "; ".join(m.split("\n", 1)[0][:300] for m in errors[-2:]) or "no error message recorded"
+        return f"{said}. Not retried: {outcome.why}"
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """The instance's `run_retries`: on or off, and how many retries a run gets."""
+
+    enabled: bool
+    max_retries: int
+
+
+@dataclass(frozen=True)
+class RetryOutcome:
+    retrying: bool  # a retry has been decided or may still be (the batch is not over)
+    why: str
+
+
+def retry_outcome(tags: dict[str, str], ended_at: float | None, policy: RetryPolicy | None, now: float,
+                  grace: float = RETRY_DECISION_SECONDS) -> RetryOutcome:
+    """Whether a FAILURE run of a batch is over or will be retried, from what Dagster has made visible.
+
+    Dagster 1.13 fails a run whose worker died in the code server (`_check_for_orphaned_runs`, every
+    0.5 s), or in the run-monitoring daemon (launchers that check worker health). Either way the
+    instance stores the failure, then tags the run `dagster/will_retry` (`true` or `false`) in a
+    second write; the auto-retry daemon (every 5 s) adds the tag where it is missing, launches the
+    retry run (which carries the batch's tags) and turns the tag `false` if launching fails. So a
+    failed run without the tag is one Dagster has not decided about yet. The rule:
+    - `will_retry=true`: retrying; `will_retry=false`: over, Dagster decided not to retry;
+    - no tag: over when the instance does not retry runs or the run's retries are spent
+      (`dagster/retry_number` >= `dagster/max_retries` or the instance's max_retries), else retrying
+      until `grace` seconds after the run ended, then over (no decision came).
+    `policy` None (the instance's settings unknown): as if retries were on."""
+    will_retry = tags.get(WILL_RETRY_TAG)
+    if will_retry == "true":
+        return RetryOutcome(True, "Dagster is retrying it")
+    if will_retry == "false":
+        return RetryOutcome(False, "Dagster decided not to retry it (dagster/will_retry=false)")
+    if policy is not None and not policy.enabled:
+        return RetryOutcome(False, "the Dagster instance does not retry runs (run_retries off)")
+    number = int(tags.get(RETRY_NUMBER_TAG) or 0)
+    max_retries = tags.get(MAX_RETRIES_TAG)
+    limit = int(max_retries) if (max_retries or "").isdigit() else (policy.max_retries if policy else None)
+    if limit is not None and number >= limit:
+        return RetryOutcome(False, f"its retries are spent (attempt {number + 1}, max_retries {limit})")
+    if ended_at is None or now - ended_at < grace:
+        return RetryOutcome(True, "Dagster has not decided yet whether to retry it")
+    return RetryOutcome(False, f"Dagster made no retry decision within {grace:.0f} s of the failure")

@@ -19,7 +19,7 @@ from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.service import status
 from batch_pipeline.service.audit import AuditLog
 from batch_pipeline.service.auth import tenant_of
-from batch_pipeline.service.dagster_client import DagsterClient
+from batch_pipeline.service.dagster_client import RETRYING, DagsterClient
 from batch_pipeline.service.errors import ApiError
 from batch_pipeline.service.settings import (COMPLETION_WINDOWS, MAX_EXPIRY_SECONDS, MAX_FILE_BYTES, MAX_FILE_REQUESTS,
                                              MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE,
@@ -238,7 +238,9 @@ class Service:
             run_id, run_status = self.dagster.current_run(record)
             if run_status in ("SUCCESS", "FAILURE", "CANCELED", "CANCELING"):
                 break
-            if run_status != "STARTING":
+            # STARTING: Dagster refuses to terminate it yet; RETRYING: the run is failed and its retry
+            # not queued yet, so there is nothing to terminate until the retry appears.
+            if run_status not in ("STARTING", RETRYING):
                 try:
                     self.dagster.terminate_run(run_id)
                     break
@@ -287,7 +289,7 @@ class Service:
         """The run carrying the batch, (run id, status); a cancel that came while the run was starting
         is carried out here, once the run has started."""
         run_id, run_status = self.dagster.current_run(record)
-        if record.get("terminate_pending") and run_status not in (None, "STARTING"):
+        if record.get("terminate_pending") and run_status not in (None, "STARTING", RETRYING):
             self.terminate(record, wait=0)
             run_id, run_status = self.dagster.current_run(record)
         return run_id, run_status
@@ -295,8 +297,11 @@ class Service:
     def batch_object(self, record: dict[str, Any]) -> dict[str, Any]:
         """The OpenAI Batch object: the pipeline's batch.json once written, else the run's status. A batch
         seen finished for the first time leaves its tenant's open batches (the limit check's index)."""
-        batch = status.batch_object(record, self.run_of)
+        had_failure = record.get("run_failure")
+        batch = status.batch_object(record, self.run_of, self.dagster.failure_reason)
         if batch["status"] in TERMINAL_STATUSES:
+            if record.get("run_failure") != had_failure and not record.get("open"):
+                self.store.save_batch(record)  # why its run failed, read once (close_batch saves an open one)
             self.store.close_batch(record)
         return batch
 

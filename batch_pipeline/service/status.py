@@ -17,12 +17,15 @@ from batch_pipeline.steps.metrics import COST_PREFIX
 TERMINAL_STATUSES = ("completed", "failed", "cancelled", "expired")
 # Dagster run status -> Batch status, while the pipeline has not written its Batch object.
 RUN_STATUS = {"QUEUED": "validating", "NOT_STARTED": "validating", "STARTING": "validating", "STARTED": "in_progress",
-              "CANCELING": "cancelling", "CANCELED": "cancelled", "FAILURE": "failed", "SUCCESS": "finalizing"}
+              "CANCELING": "cancelling", "CANCELED": "cancelled", "FAILURE": "failed", "SUCCESS": "finalizing",
+              # a failed run Dagster retries or may still retry (dagster_client.retry_outcome): not over
+              "RETRYING": "in_progress"}
 # What the Batch object takes from the pipeline's batch.json beside status and counts.
 _FROM_PIPELINE = ("model", "usage", "errors", "in_progress_at", "finalizing_at", "completed_at", "failed_at",
                   "cancelling_at", "cancelled_at", "expired_at")
 
 RunOf = Callable[[dict[str, Any]], tuple[str, str | None]]
+WhyFailed = Callable[[str], str]  # a failed run's id -> why it failed and was not retried
 
 
 def read_json(uri: str) -> dict[str, Any] | None:
@@ -37,9 +40,11 @@ def pipeline_batch(record: dict[str, Any]) -> dict[str, Any] | None:
     return read_json(storage.join(record["output_uri"], "batch.json"))
 
 
-def batch_object(record: dict[str, Any], run_of: RunOf) -> dict[str, Any]:
+def batch_object(record: dict[str, Any], run_of: RunOf, why_failed: WhyFailed | None = None) -> dict[str, Any]:
     """The OpenAI Batch object of a service record: the pipeline's batch.json once written, else the
-    status of the run `run_of(record)` reports ((run id, Dagster status or None when unknown))."""
+    status of the run `run_of(record)` reports ((run id, Dagster status or None when unknown)). A
+    batch whose run failed for good says why (`why_failed(run id)`, asked once: kept in the record as
+    `run_failure`)."""
     pipeline = pipeline_batch(record)
     # The model versions the batch was pinned to at create (MODELS_FILE's versioned models), as the
     # SDK keeps metadata: a string.
@@ -78,9 +83,13 @@ def batch_object(record: dict[str, Any], run_of: RunOf) -> dict[str, Any]:
     if status == "cancelling":
         base["cancelling_at"] = record.get("cancelling_at")
     if status == "failed":
-        base["failed_at"] = int(time.time())
+        if why_failed is not None and record.get("run_failure", {}).get("run_id") != run_id:
+            record["run_failure"] = {"run_id": run_id, "reason": why_failed(run_id), "at": int(time.time())}
+        failure = record.get("run_failure") or {}
+        base["failed_at"] = failure.get("at") or int(time.time())
+        reason = f": {failure['reason']}" if failure.get("reason") else "; see it in the UI"
         base["errors"] = {"object": "list", "data": [{"code": "run_failed", "message":
-                          f"Dagster run {run_id} failed before writing results; see it in the UI"}]}
+                          f"Dagster run {run_id} failed before writing results{reason}"}]}
     return base
 
 
