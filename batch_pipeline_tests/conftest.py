@@ -43,6 +43,7 @@ pytest_plugins = [
     "batch_pipeline_tests.cli_runs",
     "batch_pipeline_tests.sensor_ticks",
     "batch_pipeline_tests.thinking_llm",
+    "batch_pipeline_tests.warm_engine",
 ]
 
 TINY_NAME = "tiny-llama"
@@ -161,7 +162,7 @@ SLOW_FILES = (
 # fixture that loads a model (directly or through the fixtures built on it) ...
 # The tiny vision model's folder, and `cli_runs` (a `batch-pipeline run` in its own process, which
 # builds its own engine) count too: without them three image tests (~75 s) ran in the fast lane.
-ENGINE_FIXTURES = {"tiny_model_dir", "bundled_model_dir", "thinking_model_dir", "vlm_dir", "cli_runs"}
+ENGINE_FIXTURES = {"tiny_model_dir", "bundled_model_dir", "thinking_model_dir", "vlm_dir", "cli_runs", "warm_engine"}
 # ... and every fixture that starts a server (moto's S3, a PostgreSQL database; dagster dev, the
 # Batch API and Chromium start from fixtures that need the tiny model too).
 SERVER_FIXTURES = {"moto_server", "history_server", "database"}

@@ -175,10 +175,11 @@ def test_the_sensor_interval_is_a_setting_read_when_the_definitions_load():
 
 
 def test_every_engine_setting_is_a_launchpad_field_naming_its_variable():
-    from batch_pipeline.config.settings import ENGINE_ENV
+    from batch_pipeline.config.settings import ENGINE_ENV, SECRET_ENGINE_ENV
 
     described = {f.description.split(":")[0] for f in LLMResource.model_fields.values()}
-    assert set(ENGINE_ENV) | {"ENGINE_PRESET"} <= described, set(ENGINE_ENV) - described
+    assert (set(ENGINE_ENV) - SECRET_ENGINE_ENV) | {"ENGINE_PRESET"} <= described, set(ENGINE_ENV) - described
+    assert not SECRET_ENGINE_ENV & described  # a key in the launchpad would be kept in every run's config
     assert {f.description.split(":")[0] for f in StorageResource.model_fields.values()} == {"STORAGE_INPUT_PATH", "STORAGE_OUTPUT_PATH"}
 
 

@@ -7,6 +7,8 @@ does the queueing (docs/TRIGGERS.md, "Run priority"); this module only says what
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 # Dagster's run queue (QueuedRunCoordinator) dequeues higher `dagster/priority` values first, and
 # concurrency pools hand a free slot to the waiting step of the highest-priority run. The tag is
 # priority x TURN_SPAN - turn: the Batch API gives each tenant's batch a turn among the batches of its
@@ -26,3 +28,9 @@ def priority_tags(priority: int, turn: int = 0) -> dict[str, str]:
     if not -PRIORITY_BOUND <= priority <= PRIORITY_BOUND or not 0 <= turn < TURN_SPAN:
         raise ValueError(f"priority {priority} (within +-{PRIORITY_BOUND}) and turn {turn} (0 to {TURN_SPAN - 1})")
     return {PRIORITY_TAG: str(priority * TURN_SPAN - turn), BATCH_PRIORITY_TAG: str(priority), TURN_TAG: str(turn)}
+
+
+def run_priority(tags: Mapping[str, str]) -> int:
+    """A run's own priority (higher sooner) from its tags; 0 for a run launched without one (the UI)."""
+    raw = tags.get(BATCH_PRIORITY_TAG, "")
+    return int(raw) if raw.lstrip("-").isdigit() else 0

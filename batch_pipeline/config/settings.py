@@ -54,7 +54,14 @@ ENGINE_ENV = {
     "CHECKPOINT_ANSWERS": "checkpoint_answers",
     "CHECKPOINT_SECONDS": "checkpoint_seconds",
     "ORDER": "order",
+    "ENGINE_URL": "engine_url",
+    "ENGINE_API_KEY": "engine_api_key",
+    "ENGINE_WINDOW": "engine_window",
+    "ENGINE_WAIT_SECONDS": "engine_wait_seconds",
 }
+# Secrets among them: read from the environment only, never a launchpad field (a run's config is kept
+# in its record and shown in the UI).
+SECRET_ENGINE_ENV = {"ENGINE_API_KEY"}
 # ORDER's values (steps/ordering.py plans the "planned" one).
 ORDERS = ("input", "planned")
 DEFAULT_ORDER = "planned"
@@ -71,6 +78,8 @@ RANGES = {
     "MAX_NUM_BATCHED_TOKENS": " (at least 1)",
     "CHECKPOINT_ANSWERS": " (at least 1)",
     "CHECKPOINT_SECONDS": " (0.5 to 3600 seconds)",
+    "ENGINE_WINDOW": " (at least 1)",
+    "ENGINE_WAIT_SECONDS": " (0 to 86400 seconds)",
 }
 
 
@@ -116,6 +125,13 @@ class EngineSettings:
     # decodes first: steps/ordering.py) or "input" (file order). Only the speed depends on it.
     order: str = DEFAULT_ORDER
     preset: str = ""  # ENGINE_PRESET that filled in the defaults, if any
+    # A warm engine: vLLM's OpenAI-compatible server at this URL answers the default model's requests
+    # (engine/remote.py); empty: the engine runs in the run's own process. The key (if the server
+    # wants one) is sent as a bearer token and never shown (repr=False).
+    engine_url: str = ""
+    engine_api_key: str = field(default="", repr=False)
+    engine_window: int | None = None  # requests in flight at once on the server; None: engine/remote.py's default
+    engine_wait_seconds: float = 300.0  # how long a run waits for a server that went away before failing
 
     def __post_init__(self) -> None:
         checks = {
@@ -127,6 +143,8 @@ class EngineSettings:
             "MAX_NUM_BATCHED_TOKENS": self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
             "CHECKPOINT_ANSWERS": self.checkpoint_answers >= 1,
             "CHECKPOINT_SECONDS": 0.5 <= self.checkpoint_seconds <= 3600,
+            "ENGINE_WINDOW": self.engine_window is None or self.engine_window >= 1,
+            "ENGINE_WAIT_SECONDS": 0 <= self.engine_wait_seconds <= 86400,
         }
         for name, ok in checks.items():
             if not ok:
@@ -134,6 +152,9 @@ class EngineSettings:
                 raise ConfigError(f"{name}={value!r} is out of range{RANGES.get(name, '')}")
         if self.order not in ORDERS:
             raise ConfigError(f"ORDER={self.order!r} is not one of {', '.join(ORDERS)}")
+        if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
+            raise ConfigError(f"ENGINE_URL={self.engine_url!r} is not an http:// or https:// URL "
+                              "(vLLM's OpenAI-compatible server, e.g. http://127.0.0.1:8000)")
         self.lora_adapters()  # a malformed LORA_MODULES fails here, naming the variable
         self.pinned_versions()  # and a malformed MODEL_VERSIONS
 

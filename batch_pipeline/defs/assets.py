@@ -23,6 +23,7 @@ from batch_pipeline.steps.ingest import validate_batch
 from batch_pipeline.steps.inference import answered_in_full, infer_batches
 from batch_pipeline.io.locations import BatchLocation, RunBatches
 from batch_pipeline.steps.results import finalize_batch
+from batch_pipeline.config.priority import run_priority
 from batch_pipeline.config.settings import DEFAULT_MAX_FAILED_LINE_RATE, ConfigError, max_failed_line_rate_from_env
 from batch_pipeline.io.shards import Shard, merge_if_complete, reusable_validation
 from batch_pipeline.io.storage import join as storage_join
@@ -183,8 +184,9 @@ def import_engine_ahead(context: dg.AssetExecutionContext, taken: list[BatchLoca
     holds its pool slot from start to end, and the import is 10-30 s of CPU: done here, a run that
     waits for the GPU loads its model as soon as the slot frees, and no run holds the GPU to import."""
     try:
-        if llm.settings().data_parallel_size > 1 or not any(row["valid"] for row in rows):
-            return
+        settings = llm.settings()
+        if settings.engine_url or settings.data_parallel_size > 1 or not any(row["valid"] for row in rows):
+            return  # a warm engine's run imports no vLLM; ranks import it in their own processes
         identity = llm.identity()
         if all(answered_in_full(loc, identity, shard) for loc, row in zip(taken, rows) if row["valid"]):
             return
@@ -250,7 +252,8 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
                                  f"resuming in {RETRY_DELAY_SECONDS:g} s (terminate or Ctrl-C cancels)")
                 time.sleep(RETRY_DELAY_SECONDS)
             try:
-                require_hardware(settings)
+                if not settings.engine_url:  # a warm engine's run needs no GPU of its own
+                    require_hardware(settings)
                 registry = list(settings.model_registry())
             except ConfigError as e:  # a setting, not a crash: retrying cannot help
                 raise dg.Failure(description=str(e), allow_retries=False) from None
@@ -263,7 +266,7 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
                 groups.setdefault(order.get(models[loc.name], 0), []).append(loc)
             # The watch: a cancel whose interrupt never came still stops the answering (run_watch.py).
             watch = CancelWatch(context.instance, context.run.run_id, context.log.warning)
-            with llm.open(log=context.log.info) as engines, watch.running():
+            with llm.open(log=context.log.info, priority=run_priority(context.run.tags)) as engines, watch.running():
                 identity = llm.identity()
                 for _, group in sorted(groups.items()):
                     infos = infer_batches(

@@ -18,6 +18,7 @@ from pydantic import Field, PrivateAttr
 from batch_pipeline.config import models
 from batch_pipeline.engine.engine_args import engine_kwargs, require_hardware
 from batch_pipeline.engine.engines import Engines
+from batch_pipeline.engine.remote import RemoteEngines, base_url
 from batch_pipeline.engine.placement import plan_ranks
 from batch_pipeline.engine.ranks import RankedEngines
 from batch_pipeline.base.runtime import configure_runtime_env, gpu_count
@@ -122,6 +123,15 @@ class LLMResource(dg.ConfigurableResource):
         description="ORDER: planned (shared prompt prefixes together, long decodes first: faster, same answers and "
         "files) or input (file order); blank = planned",
     )
+    engine_url: str = Field(
+        default="",
+        description="ENGINE_URL: a warm engine (vLLM's OpenAI-compatible server) that answers this run's requests; "
+        "blank = the engine runs in the run's own process",
+    )
+    engine_window: Optional[int] = Field(
+        default=None, description="ENGINE_WINDOW: requests in flight on the warm engine; blank = twice BATCH_SIZE, else 64")
+    engine_wait_seconds: Optional[float] = Field(
+        default=None, description="ENGINE_WAIT_SECONDS: how long a run waits for a warm engine that stopped answering")
 
     _versions: Optional[str] = PrivateAttr(default=None)  # MODEL_VERSIONS as resolved (see _pinned)
 
@@ -188,15 +198,17 @@ class LLMResource(dg.ConfigurableResource):
         s = self.settings()
         path, served = self.generation_model()
         path = path or str(models.bundled_model_dir())
-        kwargs = engine_kwargs(s, path, served, "generate")
+        # A warm engine's dtype is its server's: the setting as given (engine_kwargs would import torch).
+        dtype = s.dtype if s.engine_url else engine_kwargs(s, path, served, "generate")["dtype"]
         ident = models.model_identity(Path(path)) if Path(path).exists() else {"model_path": path}
         return {
             "model_path": ident.get("model_path", path),
             "model_revision": ident.get("revision", ""),
             "served_model_name": served,
-            "engine": vllm_version(),
+            # Answers of a warm engine and of one in this process are kept apart (their checkpoints).
+            "engine": f"vLLM server at {base_url(s.engine_url)}" if s.engine_url else vllm_version(),
             "max_model_len": s.max_model_len or "",
-            "dtype": kwargs["dtype"],
+            "dtype": dtype,
             "seed": s.seed,
             **({"reasoning_parser": s.reasoning_parser} if s.reasoning_parser else {}),
             **({"tool_call_parser": s.tool_call_parser} if s.tool_call_parser else {}),
@@ -219,17 +231,31 @@ class LLMResource(dg.ConfigurableResource):
         return True
 
     @contextmanager
-    def open(self, log: Callable[[str], None]) -> Iterator["Engines | RankedEngines"]:
+    def open(self, log: Callable[[str], None], priority: int = 0) -> Iterator["Engines | RankedEngines | RemoteEngines"]:
         """Engines built on first use and always shut down (a leaked engine core hangs the process).
-        With DATA_PARALLEL_SIZE > 1, one engine per rank process (engine/ranks.py)."""
+        With DATA_PARALLEL_SIZE > 1, one engine per rank process (engine/ranks.py). With ENGINE_URL,
+        the warm engine there (engine/remote.py; `priority`: the run's, higher sooner), checked
+        before the first request; what it does not serve is answered in this process."""
         configure_runtime_env(models.cache_root())
         s = self.settings()
-        require_hardware(s)  # e.g. a GPU preset without a GPU: refused before any model is loaded
         path, served = self.generation_model()
+        emb_path, emb_name = self.embedding_model()
+        engines: Engines | RankedEngines | RemoteEngines
+        if s.engine_url:
+            def local() -> Engines:  # only for lines the server does not serve: MODELS_FILE models, pooling
+                require_hardware(s)
+                return Engines(s, path or str(models.prepare_bundled_model(log=log)), served, emb_path, emb_name,
+                               log=log, builder=self.build_engine, owns=self.owns_engines())
+
+            engines = RemoteEngines(s, served, local, priority=priority, log=log)
+            try:
+                yield engines
+            finally:
+                engines.close()
+            return
+        require_hardware(s)  # e.g. a GPU preset without a GPU: refused before any model is loaded
         if path is None:
             path = str(models.prepare_bundled_model(log=log))
-        emb_path, emb_name = self.embedding_model()
-        engines: Engines | RankedEngines
         if s.data_parallel_size > 1:
             plans = plan_ranks(s, gpu_count())
             engines = RankedEngines(s, plans, path, served, emb_path, emb_name, log=log)

@@ -1,0 +1,436 @@
+"""A warm engine: vLLM's own OpenAI-compatible server answers a run's requests over HTTP.
+
+With ENGINE_URL set, a run imports no vLLM and loads no model: `RemoteEngines` sends each request of
+the default model (chat, completions, Responses; LoRA adapters served beside it) to the server and
+writes the same result lines the in-process engine writes (contract/lines.py's envelope, the same
+deterministic ids, the same `context_length_exceeded` error line for a prompt over the limit, usage
+with cached tokens). Requests of other models (MODELS_FILE entries) and of the pooling endpoints
+(embeddings, score, rerank) still run in-process, built only if such a line comes.
+
+Feeding. The run's requests go in its planned order (steps/ordering.py) through a bounded window of
+requests in flight (ENGINE_WINDOW): vLLM's own waiting queue is unbounded and first-come, so the
+window is what keeps the plan's order, and keeps a prefix group's members close enough together that
+its KV blocks are still cached when the later ones arrive. Each request carries the run's priority
+(vLLM's scale: lower runs sooner, so it is the negated batch priority) and the line's deterministic
+request id.
+
+Faults. A refused connection, a dropped one, 408, 429 and 5xx are waited out: the request is sent
+again after a back-off, and the window halves (then grows back by one per answer: AIMD). A server
+that stays away ENGINE_WAIT_SECONDS fails the run naming its URL; the next run resumes from the
+checkpoints, and no line is written twice (one answer per line, taken once). Closing the stream (a
+cancel, an expiry, an interrupt) closes the connections in flight, and the server aborts those
+requests (its routes stop generating when their client goes away).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import copy
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from batch_pipeline.base import ids
+from batch_pipeline.contract import contract
+from batch_pipeline.contract import lines
+from batch_pipeline.contract.lines import Answer
+from batch_pipeline.config.settings import ConfigError, EngineSettings
+
+# The window when neither ENGINE_WINDOW nor BATCH_SIZE says: vLLM's CPU default of sequences decoded
+# together is 256, a GPU's 1024; 64 keeps 2 CPU cores' engine busy without queueing the plan away.
+DEFAULT_WINDOW = 64
+RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
+BACKOFF_FIRST, BACKOFF_MAX = 0.5, 10.0  # seconds between tries of a request the server did not take
+CONNECT_SECONDS = 10.0
+ANSWER_SECONDS = 1800.0  # one request's answer (a long decode on a loaded CPU server takes minutes)
+GENERATION_URLS = (contract.CHAT_URL, contract.COMPLETIONS_URL, contract.RESPONSES_URL)
+
+
+class EngineUnavailable(RuntimeError):
+    """The warm engine stopped answering for longer than ENGINE_WAIT_SECONDS."""
+
+
+def base_url(url: str) -> str:
+    """ENGINE_URL without a trailing `/v1` or slash: the server's root (request paths add /v1/...)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def window_size(settings: EngineSettings) -> int:
+    """ENGINE_WINDOW, else twice BATCH_SIZE (the engine decodes a batch while the next is queued), else 64."""
+    if settings.engine_window:
+        return settings.engine_window
+    return 2 * settings.batch_size if settings.batch_size else DEFAULT_WINDOW
+
+
+def vllm_priority(batch_priority: int) -> int:
+    """The batch's priority (higher sooner: Batch API metadata.priority, SCHEDULE_RUN_PRIORITY,
+    SENSOR_RUN_PRIORITY) on vLLM's scale, where lower runs sooner."""
+    return -int(batch_priority)
+
+
+@dataclass
+class Window:
+    """Requests in flight: halved when the server pushes back, grown by one per answer (AIMD)."""
+
+    ceiling: int
+    size: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.size = float(self.ceiling)
+
+    def now(self) -> int:
+        return max(1, int(self.size))
+
+    def shrink(self) -> None:
+        with self.lock:
+            self.size = max(1.0, self.size / 2)
+
+    def grow(self) -> None:
+        with self.lock:
+            self.size = min(float(self.ceiling), self.size + 1.0)
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A server's HTTP answer: its status and body bytes."""
+
+    status: int
+    data: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.data)
+
+    @property
+    def text(self) -> str:
+        return self.data.decode("utf-8", "replace")
+
+
+class EngineClient:
+    """The server's HTTP API: its models, and requests from many threads, each thread on a kept-alive
+    connection of its own. `abort()` shuts every connection down at once, those waiting for an
+    answer too, so the server sees its clients gone and aborts their requests (vLLM's routes stop
+    generating when the client disconnects). The key goes in the Authorization header only; no
+    message here ever includes it."""
+
+    def __init__(self, url: str, api_key: str = "") -> None:
+        self.url = base_url(url)
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"ENGINE_URL={url!r} is not an http:// or https:// URL")
+        self._https, self._host, self._port, self._prefix = (parts.scheme == "https", parts.hostname, parts.port,
+                                                             parts.path.rstrip("/"))
+        self._headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        self._local = threading.local()
+        self._open: set[http.client.HTTPConnection] = set()
+        self._lock = threading.Lock()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        conn = getattr(self._local, "conn", None)
+        if conn is not None and conn.sock is None:  # shut down by abort(): never reopened with the connect timeout
+            self._drop(conn)
+            conn = None
+        if conn is None:
+            kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+            conn = kind(self._host, self._port, timeout=CONNECT_SECONDS)
+            conn.connect()
+            assert conn.sock is not None
+            conn.sock.settimeout(ANSWER_SECONDS)  # connecting is quick or never; an answer may take minutes
+            self._local.conn = conn
+            with self._lock:
+                self._open.add(conn)
+        return conn
+
+    def _drop(self, conn: http.client.HTTPConnection) -> None:
+        self._local.conn = None
+        with self._lock:
+            self._open.discard(conn)
+        conn.close()
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None,
+                headers: dict[str, str] | None = None) -> Reply:
+        """One request on this thread's connection; raises OSError or http.client's errors when the
+        server cannot be reached or the connection drops (the connection is then dropped too)."""
+        conn = self._connection()
+        try:
+            conn.request(method, self._prefix + path, body=None if body is None else json.dumps(body).encode(),
+                         headers={**self._headers, **(headers or {})})
+            response = conn.getresponse()
+            reply = Reply(response.status, response.read())
+            if response.will_close:
+                self._drop(conn)
+            return reply
+        except BaseException:
+            self._drop(conn)
+            raise
+
+    def models(self) -> list[str]:
+        """The model names the server serves (its base models and LoRA adapters); raises
+        EngineUnavailable naming the URL when it does not answer or answers something else."""
+        try:
+            reply = self.request("GET", "/v1/models")
+        except (OSError, http.client.HTTPException) as e:
+            raise EngineUnavailable(f"the warm engine at {self.url} does not answer ({type(e).__name__}: {e}); "
+                                    "start one with `batch-pipeline engine start` or unset ENGINE_URL") from None
+        if reply.status in (401, 403):
+            raise ConfigError(f"the warm engine at {self.url} refused the key (HTTP {reply.status}): "
+                              "check ENGINE_API_KEY")
+        try:
+            return [str(m["id"]) for m in reply.json()["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise EngineUnavailable(f"{self.url}/v1/models answered HTTP {reply.status} without a model "
+                                    f"list: {reply.text[:200]!r}; is this vLLM's OpenAI-compatible server?") from None
+
+    def post(self, path: str, body: dict[str, Any], request_id: str) -> Reply:
+        return self.request("POST", path, body, {"X-Request-Id": request_id})
+
+    def abort(self) -> None:
+        """Shut down every connection, those waiting for an answer too: the server aborts their requests."""
+        with self._lock:
+            conns, self._open = list(self._open), set()
+        for conn in conns:
+            try:
+                if conn.sock is not None:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        self.abort()
+
+
+@dataclass
+class Sent:
+    """One request on its way: the line, the batch it is of, and the stream's stop (set when the
+    stream is closed: the request is then neither waited for nor sent again)."""
+
+    req: contract.BatchRequest
+    batch_id: str
+    stop: threading.Event
+
+
+class Stopped(Exception):
+    """The stream was closed while this request was out: nobody takes its answer."""
+
+
+class RemoteEngines:
+    """The engines of one run when ENGINE_URL names a warm engine: the same interface as
+    engine/engines.Engines (stream, close, the figures steps/inference.py records)."""
+
+    data_parallel_size = 1
+    rank_peak_memory_mb: list[float] = []
+    clock = None  # the server's own steps are not seen from here (its /metrics are)
+
+    def __init__(self, settings: EngineSettings, served_name: str, local: Callable[[], Any],
+                 priority: int = 0, log: Callable[[str], None] = lambda _m: None) -> None:
+        self.settings = settings
+        self.served_name = served_name
+        self.url = base_url(settings.engine_url)
+        self.priority = vllm_priority(priority)
+        self.log = log
+        self.load_seconds = 0.0  # no model is loaded by the run
+        self.window = Window(window_size(settings))
+        self.client = EngineClient(self.url, settings.engine_api_key)
+        self._local_factory, self._local = local, None  # in-process engines for what the server does not serve
+        self.names = {served_name, *settings.lora_adapters()}
+        self.served = self.check()
+
+    def check(self) -> list[str]:
+        """Before any request: the server answers and serves the default model and its adapters."""
+        served = self.client.models()
+        missing = sorted(self.names - set(served))
+        if missing:
+            raise ConfigError(f"the warm engine at {self.url} serves {', '.join(served) or 'no model'}, not "
+                              f"{', '.join(missing)} (SERVED_MODEL_NAME / LORA_MODULES): start it with this "
+                              "model, or point ENGINE_URL at the server that has it")
+        self.log(f"answering on the warm engine at {self.url} (serves {', '.join(served)}; "
+                 f"{self.window.ceiling} requests in flight, vLLM priority {self.priority})")
+        return served
+
+    def remote(self, req: contract.BatchRequest) -> bool:
+        """Whether the server answers this request: a generation line of the default model or an adapter."""
+        model = req.body.get("model") if isinstance(req.body, dict) else None
+        return req.url in GENERATION_URLS and model in self.names
+
+    def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int,
+               expected: int | None = None) -> Iterator[Answer]:
+        """Every request answered once, in the order answers come back; the server's lines first,
+        then (if any) the lines it does not serve, in-process."""
+        others: list[contract.BatchRequest] = []
+        pool = cf.ThreadPoolExecutor(max_workers=self.window.ceiling, thread_name_prefix="warm-engine")
+        flying: dict[cf.Future[Answer], Sent] = {}
+        stop = threading.Event()
+        source = iter(requests)
+        exhausted = False
+        try:
+            while True:
+                while not exhausted and len(flying) < self.window.now():
+                    req = next(source, None)
+                    if req is None:
+                        exhausted = True
+                        break
+                    if not isinstance(req, contract.BatchRequest):
+                        continue  # NOTHING_YET: a data-parallel feeder's "not yet" has no meaning here
+                    if not self.remote(req):
+                        others.append(req)
+                        continue
+                    sent = Sent(req, req.batch_id or batch_id, stop)
+                    flying[pool.submit(self._ask, sent, created)] = sent
+                if not flying:
+                    if exhausted:
+                        break
+                    continue
+                done, _ = cf.wait(flying, return_when=cf.FIRST_COMPLETED)
+                for future in done:
+                    del flying[future]
+                    yield future.result()  # EngineUnavailable ends the stream
+        finally:
+            stop.set()
+            if flying:  # interrupted: shut the connections down so the server aborts what it holds
+                self.client.abort()
+            pool.shutdown(wait=False, cancel_futures=True)
+        if others:
+            self.log(f"{len(others)} request(s) the warm engine does not serve (other models, embeddings, "
+                     "score): answering them in this process")
+            yield from self._local_engines().stream(batch_id, others, created)
+
+    def _local_engines(self) -> Any:
+        if self._local is None:
+            self._local = self._local_factory()
+        return self._local
+
+    def _ask(self, sent: Sent, created: int) -> Answer:
+        """One request to the server until it is answered; the line's answer (an output line, or the
+        error line the server's refusal amounts to)."""
+        req, body = sent.req, dict(sent.req.body)
+        body.setdefault("priority", self.priority)
+        request_id = ids.request_id(sent.batch_id, req.line)
+        wait_from: float | None = None
+        backoff = BACKOFF_FIRST
+        while True:
+            if sent.stop.is_set():
+                raise Stopped(req.line)
+            try:
+                reply = self.client.post(req.url, body, request_id)
+                if reply.status not in RETRY_STATUSES:
+                    self.window.grow()
+                    return answer_of(sent, reply, created, self.url)
+                problem = f"HTTP {reply.status}"
+            except (OSError, http.client.HTTPException) as e:  # refused, reset, dropped, timed out
+                problem = type(e).__name__
+            now = time.monotonic()
+            wait_from = now if wait_from is None else wait_from
+            if now - wait_from >= self.settings.engine_wait_seconds:
+                raise EngineUnavailable(
+                    f"the warm engine at {self.url} has not answered for {now - wait_from:.0f} s ({problem}; "
+                    f"ENGINE_WAIT_SECONDS={self.settings.engine_wait_seconds:g}): the run stops; its answers are "
+                    "checkpointed and the next run resumes from them")
+            if backoff == BACKOFF_FIRST:
+                self.log(f"the warm engine at {self.url} did not take line {req.line} ({problem}); "
+                         "sending it again as it comes back")
+            self.window.shrink()
+            sent.stop.wait(backoff)
+            backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def close(self) -> None:
+        self.client.close()
+        if self._local is not None:
+            self._local.close()
+            self._local = None
+
+
+# -- the server's answer as the line's result ----------------------------------------------------
+
+
+def answer_of(sent: Sent, response: Reply, created: int, url: str) -> Answer:
+    """The result line of one request from the server's HTTP answer: the body made the in-process
+    engine's (ids, created, usage details) on 200; the refusal as the same error line otherwise; an
+    answer that is not an OpenAI body is that line's error, never a crash."""
+    req, batch_id = sent.req, sent.batch_id
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = None
+    if response.status != 200:
+        message = _error_message(payload) or response.text[:300] or f"HTTP {response.status}"
+        if response.status == 400 and "maximum context length" in message:
+            return lines.contract_error(batch_id, req, contract.CONTEXT_LENGTH_EXCEEDED, message)
+        return lines.engine_error(batch_id, req, RuntimeError(message), status=response.status)
+    shaped = BODY_SHAPES[req.url](batch_id, req, payload, created) if isinstance(payload, dict) else None
+    if shaped is None:
+        return lines.engine_error(batch_id, req, RuntimeError(
+            f"the warm engine at {url} answered {req.url} with a body that is not OpenAI's: {response.text[:200]!r}"),
+            status=502)
+    body, prompt, completion, reasoning, cached = shaped
+    return lines.success(batch_id, req, body, prompt, completion, reasoning, cached)
+
+
+def _error_message(payload: Any) -> str:
+    if isinstance(payload, dict):
+        error = payload.get("error")
+        if isinstance(error, dict):
+            return str(error.get("message") or "")
+        if isinstance(payload.get("detail"), str):
+            return payload["detail"]
+    return ""
+
+
+Shaped = tuple[dict[str, Any], int, int, int, int]  # (body, prompt, completion, reasoning, cached tokens)
+
+
+def _completion_shape(prefix: str, batch_id: str, req: contract.BatchRequest, payload: dict[str, Any],
+                      created: int) -> Shaped | None:
+    """chat.completion / text_completion: the in-process ids, usage details and fingerprint."""
+    choices, usage = payload.get("choices"), payload.get("usage")
+    if not isinstance(choices, list) or not isinstance(usage, dict):
+        return None
+    body = copy.deepcopy(payload)
+    body.update(id=ids.completion_id(prefix, batch_id, req.line), created=created, system_fingerprint=None)
+    for i, choice in enumerate(body["choices"]):
+        message = choice.get("message") if isinstance(choice, dict) else None
+        for j, call in enumerate((message or {}).get("tool_calls") or []):
+            if isinstance(call, dict):
+                call["id"] = ids.tool_call_id(batch_id, req.line, i, j)
+    prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+    cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+    reasoning = int(((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")) or 0)
+    body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                     "prompt_tokens_details": {"cached_tokens": cached},
+                     "completion_tokens_details": {"reasoning_tokens": reasoning}}
+    return body, prompt, completion, reasoning, cached
+
+
+def _response_shape(batch_id: str, req: contract.BatchRequest, payload: dict[str, Any], created: int) -> Shaped | None:
+    """A `response` (/v1/responses): the in-process ids of the response and its output items."""
+    output, usage = payload.get("output"), payload.get("usage")
+    if not isinstance(output, list) or not isinstance(usage, dict):
+        return None
+    body = copy.deepcopy(payload)
+    body.update(id=ids.response_id(batch_id, req.line), created_at=created)
+    prefixes = {"message": "msg", "reasoning": "rs"}
+    for item in body["output"]:
+        if isinstance(item, dict) and item.get("type") in prefixes:
+            item["id"] = ids.response_item_id(prefixes[item["type"]], batch_id, req.line)
+    calls = [item for item in body["output"] if isinstance(item, dict) and item.get("type") == "function_call"]
+    for j, item in enumerate(calls):
+        item["call_id"] = ids.tool_call_id(batch_id, req.line, 0, j)
+        item["id"] = "fc_" + item["call_id"].removeprefix("call_")
+    prompt, completion = int(usage.get("input_tokens") or 0), int(usage.get("output_tokens") or 0)
+    cached = int(((usage.get("input_tokens_details") or {}).get("cached_tokens")) or 0)
+    reasoning = int(((usage.get("output_tokens_details") or {}).get("reasoning_tokens")) or 0)
+    return body, prompt, completion, reasoning, cached
+
+
+BODY_SHAPES: dict[str, Callable[[str, contract.BatchRequest, dict[str, Any], int], Shaped | None]] = {
+    contract.CHAT_URL: lambda b, r, p, c: _completion_shape("chatcmpl", b, r, p, c),
+    contract.COMPLETIONS_URL: lambda b, r, p, c: _completion_shape("cmpl", b, r, p, c),
+    contract.RESPONSES_URL: _response_shape,
+}

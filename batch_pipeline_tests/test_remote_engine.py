@@ -1,0 +1,251 @@
+"""The warm engine (engine/remote.py): a run's requests answered by vLLM's OpenAI-compatible server.
+
+Covered with the real server on the tiny model (warm_engine.py, one per session): a batch of chat,
+completions and Responses lines gives the same result lines warm as in this process (greedy text,
+finish reasons, token counts, deterministic ids), a prompt over MAX_MODEL_LEN the same
+`context_length_exceeded` error line, and the run builds no engine of its own (loads no model); a
+closed stream makes the server abort the requests it holds (its running count falls to 0 and it stops
+generating). With stand-in servers (failure injection): 503s, 429s and dropped connections are waited
+out with every line answered once; a server gone longer than ENGINE_WAIT_SECONDS fails naming its
+URL; at run start an unreachable URL or a server of another model is refused naming the URL and what
+it serves; an answer that is not an OpenAI body is that line's error.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batch_pipeline.config.settings import ConfigError, EngineSettings
+from batch_pipeline.contract import contract
+from batch_pipeline.engine.remote import (EngineUnavailable, RemoteEngines, Reply, Sent, Window, answer_of, base_url,
+                                          vllm_priority, window_size)
+from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.conftest import TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.warm_engine import StandIn, chat_answer
+
+
+
+def request(line: int, content: str = "hi", url: str = contract.CHAT_URL, **body: Any) -> contract.BatchRequest:
+    if url == contract.CHAT_URL:
+        payload = {"model": TINY_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": 4, **body}
+    else:
+        payload = {"model": TINY_NAME, "prompt": content, "max_tokens": 4, **body}
+    return contract.BatchRequest(line=line, custom_id=f"c-{line}", url=url, body=payload)
+
+
+def engines_at(url: str, **settings: Any) -> RemoteEngines:
+    def no_local() -> Any:
+        raise AssertionError("nothing here is for an in-process engine")
+
+    return RemoteEngines(EngineSettings(engine_url=url, **settings), TINY_NAME, no_local)
+
+
+# -- the rules, without a server ------------------------------------------------------------------
+
+
+def test_the_window_and_priority_follow_their_settings():
+    assert window_size(EngineSettings()) == 64 and window_size(EngineSettings(batch_size=16)) == 32
+    assert window_size(EngineSettings(batch_size=16, engine_window=5)) == 5
+    assert vllm_priority(5) == -5 and vllm_priority(-3) == 3  # ours: higher sooner; vLLM's: lower sooner
+    assert base_url("http://h:8000/v1/") == "http://h:8000" == base_url("http://h:8000")
+    window = Window(8)
+    window.shrink(), window.shrink()
+    assert window.now() == 2
+    for _ in range(20):
+        window.grow()
+    assert window.now() == 8
+    with pytest.raises(ConfigError, match="ENGINE_URL='localhost:8000' is not an http"):
+        EngineSettings(engine_url="localhost:8000")
+    with pytest.raises(ConfigError, match="ENGINE_WINDOW=0 is out of range"):
+        EngineSettings(engine_window=0)
+    assert "secret-key" not in repr(EngineSettings(engine_url="http://h", engine_api_key="secret-key"))
+
+
+def answer(status: int, payload: Any, req: contract.BatchRequest | None = None) -> Any:
+    req = req or request(3)
+    content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return answer_of(Sent(req, "batch_x", threading.Event()), Reply(status, content), 1700000000, "http://e:1")
+
+
+def test_the_servers_answers_become_the_in_process_lines():
+    body = chat_answer(request(3).body, "hello there")
+    body["choices"][0]["message"]["tool_calls"] = [{"id": "chatcmpl-tool-random", "type": "function",
+                                                    "function": {"name": "f", "arguments": "{}"}}]
+    ok = answer(200, body)
+    assert ok.kind == "output" and (ok.prompt_tokens, ok.completion_tokens) == (7, 2)
+    out = ok.record["response"]["body"]
+    again = answer(200, chat_answer(request(3).body, "hello there"))
+    assert out["id"] == again.record["response"]["body"]["id"] and out["id"].startswith("chatcmpl-")  # deterministic
+    assert out["created"] == 1700000000 and out["system_fingerprint"] is None
+    assert out["choices"][0]["message"]["tool_calls"][0]["id"].startswith("call_")
+    assert out["usage"]["completion_tokens_details"] == {"reasoning_tokens": 0}
+    assert ok.record["custom_id"] == "c-3" and ok.record["response"]["status_code"] == 200
+    over = answer(400, {"error": {"message": "This model's maximum context length is 512 tokens. However, your "
+                                             "prompt contains at least 513 input tokens", "type": "BadRequestError"}})
+    assert over.kind == "error" and over.record["error"]["code"] == contract.CONTEXT_LENGTH_EXCEEDED
+    assert "line 3" in over.record["error"]["message"]
+    refused = answer(400, {"error": {"message": "temperature must be non-negative", "type": "BadRequestError"}})
+    assert refused.record["response"]["status_code"] == 400
+    assert refused.record["response"]["body"]["error"]["message"] == "temperature must be non-negative"
+    for garbage in (b"<html>busy</html>", {"object": "chat.completion"}, [1, 2]):
+        bad = answer(200, garbage)
+        assert bad.kind == "error" and bad.record["response"]["status_code"] == 502
+        assert "http://e:1" in bad.record["response"]["body"]["error"]["message"]
+
+
+# -- failure injection: stand-in servers ----------------------------------------------------------
+
+
+def test_push_back_and_dropped_connections_are_waited_out_with_every_line_answered_once():
+    def script(n: int, body: dict[str, Any]) -> tuple[int, Any] | None:
+        if n in (2, 5, 9):
+            return None  # the connection dropped with the request in flight
+        if n in (3, 4, 6):
+            return (503, {"error": {"message": "busy"}}) if n != 6 else (429, {"error": {"message": "slow down"}})
+        return 200, chat_answer(body)
+
+    server = StandIn(script)
+    logged: list[str] = []
+    try:
+        engines = engines_at(server.url, engine_window=4)
+        engines.log = logged.append
+        answers = list(engines.stream("batch_x", [request(i, f"q{i}") for i in range(1, 21)], created=1))
+    finally:
+        server.stop()
+    assert sorted(a.line for a in answers) == list(range(1, 21)) and all(a.kind == "output" for a in answers)
+    assert sorted(server.answered.values()) == [1] * 20  # each line's request answered once
+    assert server.posts == 26 and any("sending it again" in m for m in logged), (server.posts, logged)
+    bodies = {a.line: a.record["response"]["body"]["choices"][0]["message"]["content"] for a in answers}
+    assert bodies[7] == "echo q7"
+
+
+def test_a_server_gone_longer_than_the_wait_fails_naming_its_url():
+    server = StandIn(lambda n, body: (503, {"error": {"message": "engine dead"}}))
+    try:
+        engines = engines_at(server.url, engine_wait_seconds=1.5)
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable) as gone:
+            list(engines.stream("batch_x", [request(1)], created=1))
+    finally:
+        server.stop()
+    assert server.url in str(gone.value) and "ENGINE_WAIT_SECONDS=1.5" in str(gone.value), gone.value
+    assert "next run resumes" in str(gone.value) and 1.5 <= time.monotonic() - started < 15
+
+
+def test_a_server_back_within_the_wait_answers_what_was_in_flight():
+    """Down at the first tries (connection refused), up again on the same port within ENGINE_WAIT_SECONDS."""
+    server = StandIn(lambda n, body: (200, chat_answer(body)))
+    port = int(server.url.rsplit(":", 1)[1])
+    engines = engines_at(server.url, engine_wait_seconds=60)
+    server.stop()  # refused from now on
+    back: list[StandIn] = []
+    threading.Timer(1.5, lambda: back.append(StandIn(lambda n, body: (200, chat_answer(body)), port=port))).start()
+    try:
+        answers = list(engines.stream("batch_x", [request(i) for i in range(1, 6)], created=1))
+    finally:
+        for s in back:
+            s.stop()
+    assert sorted(a.line for a in answers) == [1, 2, 3, 4, 5] and all(a.kind == "output" for a in answers)
+    assert sorted(back[0].answered.values()) == [1] * 5
+
+
+def test_at_run_start_a_wrong_server_is_refused_naming_the_url_and_its_models():
+    with pytest.raises(EngineUnavailable, match=r"http://127\.0\.0\.1:9 does not answer"):
+        engines_at("http://127.0.0.1:9")
+    other = StandIn(lambda n, body: (200, chat_answer(body)), served=("Llama-3-8B", "other-adapter"))
+    try:
+        with pytest.raises(ConfigError) as wrong:
+            engines_at(other.url)
+    finally:
+        other.stop()
+    assert other.url in str(wrong.value) and "serves Llama-3-8B, other-adapter, not tiny-llama" in str(wrong.value)
+
+
+# -- the real server --------------------------------------------------------------------------------
+
+
+def mixed_lines() -> list[str]:
+    """Chat, completions and Responses lines, greedy (temperature 0: the same tokens wherever they run)."""
+    lines = []
+    for i in range(6):
+        chat = {"model": TINY_NAME, "messages": [{"role": "user", "content": f"question {i} about the same topic"}],
+                "max_tokens": 6 + i, "temperature": 0}
+        lines.append(json.dumps({"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions", "body": chat}))
+    for i in range(3):
+        body = {"model": TINY_NAME, "prompt": f"Once upon a time {i}", "max_tokens": 5, "temperature": 0}
+        lines.append(json.dumps({"custom_id": f"cmpl-{i}", "method": "POST", "url": "/v1/completions", "body": body}))
+    body = {"model": TINY_NAME, "input": "Say something", "max_output_tokens": 5, "temperature": 0}
+    lines.append(json.dumps({"custom_id": "resp-0", "method": "POST", "url": "/v1/responses", "body": body}))
+    long = {"model": TINY_NAME, "messages": [{"role": "user", "content": "word " * (TINY_MAX_MODEL_LEN + 50)}], "max_tokens": 4}
+    lines.append(json.dumps({"custom_id": "too-long", "method": "POST", "url": "/v1/chat/completions", "body": long}))
+    return lines
+
+
+def by_id(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["custom_id"]: r for r in records}
+
+
+def texts(record: dict[str, Any]) -> Any:
+    body = record["response"]["body"]
+    if body.get("object") == "response":
+        return [c["text"] for item in body["output"] if item["type"] == "message" for c in item["content"]], body["status"]
+    return [(c.get("message", {}).get("content") if "message" in c else c.get("text"), c["finish_reason"]) for c in body["choices"]]
+
+
+def test_a_batch_answers_the_same_warm_as_in_process(warm_engine, tiny_llm, tmp_path):
+    folder = tmp_path / "in" / DATE
+    write_batch(folder, "mixed.jsonl", mixed_lines())
+    local = materialize(tiny_llm, str(tmp_path / "in"), str(tmp_path / "local"))
+    warm_llm = tiny_llm.rebuilt(engine_url=warm_engine.url)
+    warm = materialize(warm_llm, str(tmp_path / "in"), str(tmp_path / "warm"))
+    assert local.success and warm.success
+    results = {}
+    for name in ("local", "warm"):
+        out = tmp_path / name / DATE / "mixed"
+        results[name] = (by_id(read_jsonl(str(out / "output.jsonl"))), by_id(read_jsonl(str(out / "errors.jsonl"))))
+    (local_out, local_err), (warm_out, warm_err) = results["local"], results["warm"]
+    assert sorted(local_out) == sorted(warm_out) and len(warm_out) == 10
+    for custom_id, record in local_out.items():
+        mine = warm_out[custom_id]
+        assert texts(mine) == texts(record), custom_id  # greedy: the same tokens
+        assert mine["id"] == record["id"] and mine["response"]["body"]["id"] == record["response"]["body"]["id"]
+        usage = (mine["response"]["body"]["usage"], record["response"]["body"]["usage"])
+        assert usage[0].get("completion_tokens", usage[0].get("output_tokens")) == \
+            usage[1].get("completion_tokens", usage[1].get("output_tokens")), custom_id
+    assert sorted(local_err) == sorted(warm_err) == ["too-long"]
+    assert warm_err["too-long"]["error"]["code"] == local_err["too-long"]["error"]["code"] == "context_length_exceeded"
+    # The warm run loaded no model: its record says 0 s and names the server.
+    info = json.loads((tmp_path / "warm" / DATE / "mixed" / "_work" / "inference.json").read_text())
+    assert info["model_load_seconds"] == 0 and warm_engine.url in info["engine"]["engine"]
+
+
+def test_a_closed_stream_makes_the_server_abort_what_it_holds(warm_engine):
+    before = warm_engine.metrics()
+    engines = engines_at(warm_engine.url, engine_window=4)
+    # Staggered lengths (ignore_eos: exactly max_tokens each), so the first answer comes while the others run.
+    long = [request(i, f"tell a long story {i}", max_tokens=60 + 50 * i, ignore_eos=True) for i in range(1, 9)]
+    stream = engines.stream("batch_x", long, created=1)
+    first = next(stream)  # the window (4) sent in order; the first answer back
+    assert first.kind == "output"
+    assert warm_engine.metrics().get("vllm:num_requests_running", 0.0) >= 1  # the server holds the other three
+    stream.close()  # a cancel: the connections in flight are closed
+
+    def idle() -> bool:
+        return warm_engine.metrics().get("vllm:num_requests_running", 1.0) == 0.0
+
+    deadline = time.monotonic() + 30
+    while not idle() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert idle(), warm_engine.metrics().get("vllm:num_requests_running")
+    generated = warm_engine.metrics()["vllm:generation_tokens_total"]
+    time.sleep(2)
+    assert warm_engine.metrics()["vllm:generation_tokens_total"] == generated  # it stopped generating for them
+    # Far fewer tokens than the window's requests would have made answered in full.
+    # Far fewer tokens than the window's four requests answered in full (110 + 160 + 210 + 260).
+    assert generated - before.get("vllm:generation_tokens_total", 0.0) < 110 + 160 + 210 + 260 - 100

@@ -1,0 +1,165 @@
+"""A warm engine for tests: vLLM's own OpenAI-compatible server on the tiny model, one per test
+session (started by the first test that asks, stopped at the end), and stand-in servers for failure
+injection (a server that pushes back, drops connections or goes away).
+
+The real server runs the tiny model with the settings the in-process tests use (tiny_llm: its
+MAX_MODEL_LEN, the test KV cache, fp32, eager, seed 0), so greedy answers match token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from batch_pipeline.base.runtime import runtime_env
+from batch_pipeline.config import models
+from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.dagster_server import free_port, wait_for
+
+START_SECONDS = 240.0  # imports, the engine core's start and the model, on 2 loaded cores (~25-80 s seen)
+
+
+class WarmServer:
+    """`python -m vllm.entrypoints.launchers.api_server.entry` in its own process group."""
+
+    def __init__(self, model_dir: Path, name: str, log_path: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+                   "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
+                   "--dtype", "float32", "--enforce-eager", "--seed", "0",
+                   "--max-model-len", str(TINY_MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(TEST_KV_BYTES),
+                   "--scheduling-policy", "priority", "--enable-prompt-tokens-details", *flags]
+        env = {**os.environ, **runtime_env(models.cache_root())}
+        with open(log_path, "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        wait_for(f"the warm engine on port {self.port} healthy", self.healthy, START_SECONDS, interval=0.5,
+                 on_timeout=self.log_tail)
+
+    def healthy(self) -> bool:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"the warm engine exited ({self.process.returncode}):\n{self.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        """The server's Prometheus figures, summed over labels: {name: value}."""
+        with urllib.request.urlopen(f"{self.url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        figures: dict[str, float] = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[-1]
+                figures[name] = figures.get(name, 0.0) + float(value)
+        return figures
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, 15)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait(10)
+
+
+@pytest.fixture(scope="session")
+def warm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmServer]:
+    """One vLLM server on the tiny model for the whole session."""
+    server = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("warm_engine") / "server.log")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+# -- a stand-in server, for failure injection -------------------------------------------------
+
+
+class StandIn:
+    """An OpenAI-ish server on a free port whose answers a test scripts: `script(n, body)` for the
+    n-th POST gives (status, JSON body) or None to drop the connection without an answer. It counts
+    each request id it answered, so a test sees a line answered twice."""
+
+    def __init__(self, script: Callable[[int, dict[str, Any]], tuple[int, Any] | None], served: tuple[str, ...] = (TINY_NAME,),
+                 port: int | None = None) -> None:
+        self.script, self.served = script, served
+        self.posts = 0
+        self.answered: dict[str, int] = {}
+        self.lock = threading.Lock()
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self._send(200, {"object": "list", "data": [{"id": name, "object": "model"} for name in stand_in.served]})
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with stand_in.lock:
+                    stand_in.posts += 1
+                    n = stand_in.posts
+                reply = stand_in.script(n, {**body, "_request_id": self.headers.get("X-Request-Id")})
+                if reply is None:
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                status, payload = reply
+                if status == 200:
+                    with stand_in.lock:
+                        rid = str(self.headers.get("X-Request-Id"))
+                        stand_in.answered[rid] = stand_in.answered.get(rid, 0) + 1
+                self._send(status, payload)
+
+            def _send(self, status: int, payload: Any) -> None:
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.close_connection = True  # no keep-alive: a stopped stand-in answers nothing more
+                self.send_header("Connection", "close")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port or free_port()), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def chat_answer(body: dict[str, Any], text: str | None = None) -> dict[str, Any]:
+    """What vLLM's server answers a chat request (its shape; random ids as the server makes them)."""
+    content = text if text is not None else "echo " + str(body["messages"][-1]["content"])
+    return {"id": f"chatcmpl-{time.time_ns()}", "object": "chat.completion", "created": int(time.time()),
+            "model": body["model"], "system_fingerprint": "vllm-0.32.0",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content, "tool_calls": []},
+                         "logprobs": None, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                      "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens_details": None}}
