@@ -106,6 +106,46 @@ def check_engine() -> CheckResult:
     return _pass("engine", f"{dist[0]} {dist[1]} (import {time.perf_counter() - started:.1f} s)")
 
 
+def check_warm_engine() -> CheckResult:
+    """ENGINE_URL, when set: the server answers, serves SERVED_MODEL_NAME (and the LORA_MODULES
+    adapters) and schedules by priority. vLLM shows its scheduling policy only on /server_info, which
+    it serves in dev mode alone (VLLM_SERVER_DEV_MODE=1); elsewhere the policy cannot be seen from
+    outside, and that is a warning: vLLM takes a `priority` it does not use without a word."""
+    from batch_pipeline.engine.remote import EngineClient, EngineUnavailable
+
+    name = "warm engine"
+    s = engine_settings_from_env()
+    if not s.engine_url:
+        return _pass(name, "ENGINE_URL unset: each run builds its engine in its own process")
+    served_name = s.served_model_name or (Path(s.model_path).name if s.model_path else models.bundled_model_dir().name)
+    client = EngineClient(s.engine_url, s.engine_api_key)
+    try:
+        served = client.models()
+        wanted = {served_name, *s.lora_adapters()}
+        missing = sorted(wanted - set(served))
+        if missing:
+            return _fail(name, f"{client.url} serves {', '.join(served) or 'no model'}, not {', '.join(missing)}")
+        try:
+            info = client.request("GET", "/server_info?config_format=json")
+            policy = ((info.json().get("vllm_config") or {}).get("scheduler_config") or {}).get("policy") \
+                if info.status == 200 else None
+        except (OSError, ValueError, AttributeError):
+            policy = None
+    except (EngineUnavailable, ValueError) as e:
+        return _fail(name, str(e))
+    finally:
+        client.close()
+    what = f"{client.url} serves {', '.join(served)}"
+    if policy is None:
+        return _warn(name, f"{what}; its scheduling policy cannot be seen from here (vLLM shows it only in dev mode): "
+                           "start it with --scheduling-policy priority (batch-pipeline engine start does), or "
+                           "batches' priorities are ignored")
+    if str(policy).lower() != "priority":
+        return _fail(name, f"{what}, but schedules {policy}: batches' priorities would be ignored; restart it with "
+                           "--scheduling-policy priority")
+    return _pass(name, f"{what}, scheduling by priority")
+
+
 def check_gpu() -> CheckResult:
     """GPUs torch can see, against the build installed, ENGINE_PRESET and TENSOR_PARALLEL_SIZE."""
     dist = engine_distribution()
@@ -434,6 +474,7 @@ def check_upload_sensor() -> CheckResult:
 CHECKS: dict[str, Callable[[], CheckResult]] = {
     "settings": check_settings,
     "engine": check_engine,
+    "warm engine": check_warm_engine,
     "gpu": check_gpu,
     "model": check_model,
     "embedding model": check_embedding_model,

@@ -342,3 +342,32 @@ def test_models_file_versions_say_which_one_new_batches_use_and_which_load_unche
     model_aliases.switch(doctor.storage_settings_from_env().output_path, versions, "a")
     (result,) = doctor.run_checks(only=["models file"])
     assert "new batches use s@a" in result.detail
+
+
+def test_the_warm_engine_check_names_what_the_server_serves_and_its_policy(monkeypatch: pytest.MonkeyPatch):
+    """ENGINE_URL unset: nothing to check. Set: the server must serve SERVED_MODEL_NAME; its scheduling
+    policy shows only on /server_info (vLLM's dev mode): priority passes, fcfs fails, unseen warns."""
+    from batch_pipeline_tests.warm_engine import StandIn
+
+    monkeypatch.delenv("ENGINE_URL", raising=False)
+    monkeypatch.setenv("SERVED_MODEL_NAME", "tiny-llama")
+    assert doctor.check_warm_engine().status == "PASS" and "ENGINE_URL unset" in doctor.check_warm_engine().detail
+    policy = lambda name: {"/server_info": {"vllm_config": {"scheduler_config": {"policy": name}}}}  # noqa: E731
+    servers = {"hidden": StandIn(lambda n, b: None), "priority": StandIn(lambda n, b: None, pages=policy("priority")),
+               "fcfs": StandIn(lambda n, b: None, pages=policy("fcfs")),
+               "other": StandIn(lambda n, b: None, served=("Llama-3-8B",))}
+    try:
+        results = {}
+        for case, server in servers.items():
+            monkeypatch.setenv("ENGINE_URL", server.url)
+            results[case] = doctor.check_warm_engine()
+    finally:
+        for server in servers.values():
+            server.stop()
+    assert results["priority"].status == "PASS" and "scheduling by priority" in results["priority"].detail
+    assert results["hidden"].status == "WARN" and "--scheduling-policy priority" in results["hidden"].detail
+    assert results["fcfs"].status == "FAIL" and "schedules fcfs" in results["fcfs"].detail
+    assert results["other"].status == "FAIL" and "serves Llama-3-8B, not tiny-llama" in results["other"].detail
+    monkeypatch.setenv("ENGINE_URL", "http://127.0.0.1:9")
+    down = doctor.check_warm_engine()
+    assert down.status == "FAIL" and "http://127.0.0.1:9 does not answer" in down.detail

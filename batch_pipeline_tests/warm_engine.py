@@ -100,8 +100,8 @@ class StandIn:
     each request id it answered, so a test sees a line answered twice."""
 
     def __init__(self, script: Callable[[int, dict[str, Any]], tuple[int, Any] | None], served: tuple[str, ...] = (TINY_NAME,),
-                 port: int | None = None) -> None:
-        self.script, self.served = script, served
+                 port: int | None = None, pages: dict[str, Any] | None = None) -> None:
+        self.script, self.served, self.pages = script, served, pages or {}
         self.posts = 0
         self.answered: dict[str, int] = {}
         self.lock = threading.Lock()
@@ -114,7 +114,13 @@ class StandIn:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
-                self._send(200, {"object": "list", "data": [{"id": name, "object": "model"} for name in stand_in.served]})
+                path = self.path.split("?", 1)[0]
+                if path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": name, "object": "model"} for name in stand_in.served]})
+                elif path in stand_in.pages:
+                    self._send(200, stand_in.pages[path])
+                else:
+                    self._send(404, {"detail": "Not Found"})
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
