@@ -13,6 +13,7 @@ it serves; an answer that is not an OpenAI body is that line's error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -249,3 +250,79 @@ def test_a_closed_stream_makes_the_server_abort_what_it_holds(warm_engine):
     # Far fewer tokens than the window's requests would have made answered in full.
     # Far fewer tokens than the window's four requests answered in full (110 + 160 + 210 + 260).
     assert generated - before.get("vllm:generation_tokens_total", 0.0) < 110 + 160 + 210 + 260 - 100
+
+
+@pytest.fixture(scope="module")
+def small_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A server of its own that decodes 4 sequences at a time (--max-num-seqs 4), so requests queue in
+    it; killed and restarted by the last test here."""
+    from batch_pipeline_tests.warm_engine import WarmServer
+
+    server = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("small_engine") / "server.log",
+                        "--max-num-seqs", "4")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def timed(stream: Any) -> list[tuple[float, Any]]:
+    return [(time.monotonic(), answer) for answer in stream]
+
+
+@pytest.mark.parametrize("urgent_priority", [0, 10], ids=["same priority", "urgent"])
+def test_an_urgent_batch_overtakes_a_bulk_one_on_one_engine(small_engine, urgent_priority):
+    """A bulk batch keeps 8 long requests on a server that decodes 4 at a time; a short batch comes
+    while it runs. At the bulk's priority it queues behind the bulk requests sent before it (more bulk
+    answers come while it is answered than the 4 running); with a higher one its requests go ahead of
+    the waiting bulk ones and wait only for the 4 running (at most 4 bulk answers)."""
+    def no_local() -> Any:
+        raise AssertionError("nothing here is for an in-process engine")
+
+    settings = EngineSettings(engine_url=small_engine.url, engine_window=8)
+    bulk = RemoteEngines(settings, TINY_NAME, no_local, priority=0)
+    urgent = RemoteEngines(dataclasses.replace(settings, engine_window=4), TINY_NAME, no_local, priority=urgent_priority)
+    # Equal lengths (ignore_eos): the bulk requests finish 4 at a time, in waves.
+    bulk_requests = [request(i, f"bulk {i}", max_tokens=150, ignore_eos=True) for i in range(1, 21)]
+    urgent_requests = [request(100 + i, f"urgent {i}", max_tokens=5, ignore_eos=True) for i in range(4)]
+    stream = bulk.stream("bulk", bulk_requests, created=1)
+    # The first wave's 4 answers: the server now decodes the second wave and holds 4 more waiting.
+    bulk_answers = [(time.monotonic(), next(stream)) for _ in range(4)]
+    rest = threading.Thread(target=lambda: bulk_answers.extend(timed(stream)))
+    rest.start()
+    began = time.monotonic()
+    urgent_answers = timed(urgent.stream("urgent", urgent_requests, created=1))
+    ended = time.monotonic()
+    rest.join(300)
+    assert not rest.is_alive() and sorted(a.line for _, a in bulk_answers) == list(range(1, 21))
+    assert sorted(a.line for _, a in urgent_answers) == [100, 101, 102, 103]
+    during = sum(1 for t, _ in bulk_answers if began <= t <= ended)
+    if urgent_priority:
+        assert during <= 4, (during, ended - began)  # only those running when it came
+    else:
+        assert during > 4, (during, ended - began)  # also bulk requests that were waiting when it came
+
+
+def test_a_server_killed_and_restarted_mid_stream_loses_no_line_and_doubles_none(small_engine):
+    """The server SIGKILLed while it holds requests and started again on the same port: the requests
+    in flight are sent again once it is back, and every line is answered exactly once."""
+    def no_local() -> Any:
+        raise AssertionError("nothing here is for an in-process engine")
+
+    engines = RemoteEngines(EngineSettings(engine_url=small_engine.url, engine_window=8, engine_wait_seconds=300),
+                            TINY_NAME, no_local)
+    logged: list[str] = []
+    engines.log = logged.append
+    stream = engines.stream("batch_x", [request(i, f"line {i}", max_tokens=40, ignore_eos=True) for i in range(1, 31)],
+                            created=1)
+    answers = [next(stream) for _ in range(3)]
+    small_engine.kill()  # 8 requests in flight: 4 decoding, 4 waiting
+    restart = threading.Thread(target=small_engine.start)
+    restart.start()
+    answers += list(stream)
+    restart.join(300)
+    lines = [a.line for a in answers]
+    assert sorted(lines) == list(range(1, 31)) and len(set(lines)) == 30  # each once
+    assert all(a.kind == "output" and a.completion_tokens == 40 for a in answers)
+    assert any("sending it again as it comes back" in m for m in logged), logged
+    assert small_engine.started_at > 0 and small_engine.healthy()

@@ -33,20 +33,26 @@ START_SECONDS = 240.0  # imports, the engine core's start and the model, on 2 lo
 class WarmServer:
     """`python -m vllm.entrypoints.launchers.api_server.entry` in its own process group."""
 
-    def __init__(self, model_dir: Path, name: str, log_path: Path, *flags: str) -> None:
-        self.port = free_port()
+    def __init__(self, model_dir: Path, name: str, log_path: Path, *flags: str, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+        self.command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
                    "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
                    "--dtype", "float32", "--enforce-eager", "--seed", "0",
                    "--max-model-len", str(TINY_MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(TEST_KV_BYTES),
                    "--scheduling-policy", "priority", "--enable-prompt-tokens-details", *flags]
+        self.start()
+
+    def start(self) -> None:
+        """Start the server (again, after `kill`: the same port and flags) and wait until it is healthy."""
         env = {**os.environ, **runtime_env(models.cache_root())}
-        with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
         wait_for(f"the warm engine on port {self.port} healthy", self.healthy, START_SECONDS, interval=0.5,
                  on_timeout=self.log_tail)
+        self.started_at = time.monotonic()
 
     def healthy(self) -> bool:
         if self.process.poll() is not None:
@@ -70,6 +76,11 @@ class WarmServer:
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine core: what a crashed or evicted server pod looks like."""
+        os.killpg(self.process.pid, 9)
+        self.process.wait(30)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -154,6 +165,11 @@ class StandIn:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
+
+    def kill(self) -> None:
+        """SIGKILL the server and its engine core: what a crashed or evicted server pod looks like."""
+        os.killpg(self.process.pid, 9)
+        self.process.wait(30)
 
     def stop(self) -> None:
         self.server.shutdown()
