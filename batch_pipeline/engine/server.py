@@ -275,6 +275,12 @@ def _log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
 
 
 def _last_log_line(log_path: Path) -> str:
+    """What the server is doing, as its log's last line says (nothing yet while Python imports vLLM)."""
+    try:
+        if log_path.stat().st_size == 0:
+            return "no output yet (importing vLLM)"
+    except OSError:
+        return "no log yet"
     tail = _log_tail(log_path, 1)
     return tail if len(tail) <= 160 else tail[:157] + "..."
 
