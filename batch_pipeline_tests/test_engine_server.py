@@ -194,6 +194,32 @@ def test_a_taken_port_is_refused_before_anything_starts(engines_cache, monkeypat
     assert not server.state_path(port).exists()
 
 
+def fake_server(monkeypatch, code: str) -> None:
+    """`start` launches this Python snippet instead of vLLM's server."""
+    monkeypatch.setattr(server, "server_command", lambda *a, **k: [sys.executable, "-c", code])
+
+
+def test_a_server_that_exits_fails_the_start_with_its_log(engines_cache, monkeypatch):
+    fake_server(monkeypatch, "print('no such model folder', flush=True); raise SystemExit(3)")
+    port = free_port()
+    with pytest.raises(server.EngineServerError, match="exited with code 3") as failed:
+        server.start(EngineSettings(), port, MODEL, NAME, log=lambda _m: None)
+    assert "no such model folder" in str(failed.value) and f"{port}.log" in str(failed.value)
+    assert not server.state_path(port).exists()
+
+
+def test_a_server_that_never_answers_is_stopped_at_the_timeout(engines_cache, monkeypatch):
+    fake_server(monkeypatch, "import time; print('loading', flush=True); time.sleep(120)")
+    port = free_port()
+    said: list[str] = []
+    with pytest.raises(server.EngineServerError, match=r"within 1s \(--timeout\); stopped it") as failed:
+        server.start(EngineSettings(), port, MODEL, NAME, log=said.append, timeout=1)
+    assert "loading" in str(failed.value) and not server.state_path(port).exists()
+    assert not [m for m in said if "SIGKILL" in m]  # it ended on SIGTERM, its zombie not waited on for 30 s
+    pid = int(said[0].split("pid ")[1].split(";")[0])
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
 def test_stop_and_status_with_nothing_recorded(engines_cache):
     with pytest.raises(server.EngineServerError, match="no engine is recorded on port 8765"):
         server.stop(8765)

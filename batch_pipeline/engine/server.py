@@ -348,13 +348,25 @@ def start(settings: EngineSettings, port: int, model_path: str, served_name: str
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    """Whether a process of the group still runs. Zombies do not count: a server started by this
+    very process stays one until reaped, and signalling the group would still find it."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
         return True
-    return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended while listed
+        if fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            return True
+    return False
 
 
 def _stop_group(record: EngineRecord, log: Log, grace: float = STOP_GRACE_SECONDS) -> None:
