@@ -247,8 +247,8 @@ def port_problem(host: str, port: int) -> str | None:
             sock.bind((host, port))
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
-                return f"{host}:{port} is already in use"
-            return f"cannot listen on {host}:{port}: {e.strerror or e}"
+                return f"{host}:{port} is already in use by another process; pick another --port"
+            return f"cannot listen on {host}:{port} ({e.strerror or e}); check --host"
     return None
 
 
@@ -263,7 +263,7 @@ def _refuse_taken(host: str, port: int) -> None:
         state_path(port).unlink(missing_ok=True)  # its server died without `stop`: the record is stale
     problem = port_problem(host, port)
     if problem:
-        raise EngineServerError(f"{problem}: another process listens there; pick another --port")
+        raise EngineServerError(problem)
 
 
 def _log_tail(log_path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -339,7 +339,12 @@ def start(settings: EngineSettings, port: int, model_path: str, served_name: str
                           start_ticks=_start_ticks(process.pid))
     write_record(record)
     log(f"starting {served_name} ({runner}) from {model_path} on {url}, pid {process.pid}; log {log_path}")
-    seconds = wait_healthy(process, record, timeout, log)
+    try:
+        seconds = wait_healthy(process, record, timeout, log)
+    except KeyboardInterrupt:  # Ctrl-C while it loads: no half-started engine left behind
+        _stop_group(record, log)
+        state_path(port).unlink(missing_ok=True)
+        raise
     log(f"engine up on {url} after {seconds:.0f}s: OpenAI API at {url}/v1, models: {', '.join(served_models(url))}")
     return record
 
