@@ -6,6 +6,7 @@
     batch-pipeline usage --since YYYY-MM-DD [--tenant T] [--csv]
     batch-pipeline model prepare
     batch-pipeline model list | checksum FOLDER | verify NAME@VERSION [--golden FILE] | use NAME@VERSION | rollback NAME
+    batch-pipeline engine start [--port 8000] [--host 127.0.0.1] [--runner generate|pooling] [--timeout S] | stop [--port 8000] | status
     batch-pipeline doctor
 
 `run` executes the same assets as the Dagster UI, in-process; with DAGSTER_HOME set the run is
@@ -211,6 +212,63 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _engine_model(runner: str) -> tuple[str, str]:
+    """(folder, served name) a warm engine serves: the one a run would use (MODEL_PATH or the bundled
+    model, built if missing; EMBEDDING_MODEL_PATH or the bundled one for the pooling runner)."""
+    from batch_pipeline.config import models
+    from batch_pipeline.config.settings import ConfigError
+    from batch_pipeline.defs.resources import LLMResource
+
+    resource = LLMResource()
+    if runner == "pooling":
+        path, served = resource.embedding_model()
+        if path is None or served is None:
+            raise ConfigError("EMBEDDING_MODEL_PATH is not set and the bundled embedding model is not installed "
+                              f"({models.EMBEDDING_INSTALL})")
+        return path, served
+    path, served = resource.generation_model()
+    return path or str(models.prepare_bundled_model(log=lambda m: print(m, flush=True))), served
+
+
+def cmd_engine_start(args: argparse.Namespace) -> int:
+    from batch_pipeline.defs.resources import LLMResource
+    from batch_pipeline.engine import server
+    from batch_pipeline.engine.engine_args import require_hardware
+
+    settings = LLMResource().settings()
+    require_hardware(settings)  # e.g. a GPU preset on a CPU machine: refused before anything starts
+    path, served = _engine_model(args.runner)
+    try:
+        server.start(settings, args.port, path, served, host=args.host, runner=args.runner,
+                     log=lambda m: print(m, flush=True), timeout=args.timeout)
+    except server.EngineServerError as e:
+        _err(str(e))
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def cmd_engine_stop(args: argparse.Namespace) -> int:
+    from batch_pipeline.engine import server
+
+    try:
+        server.stop(args.port, log=lambda m: print(m, flush=True))
+    except server.EngineServerError as e:
+        _err(str(e))
+        return EXIT_INVALID_LINES
+    return EXIT_OK
+
+
+def cmd_engine_status(args: argparse.Namespace) -> int:
+    from batch_pipeline.engine import server
+
+    engines = server.status()
+    if not engines:
+        print(f"no engine recorded (under {server.engines_dir()})")
+    for engine in engines:
+        print(engine.line())
+    return EXIT_OK if all(e.up for e in engines) else EXIT_INVALID_LINES
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     from batch_pipeline import doctor
 
@@ -339,7 +397,32 @@ def build_parser() -> argparse.ArgumentParser:
     from batch_pipeline import registry
 
     registry.add_commands(model_sub)  # list, checksum, verify, use, rollback (registry.py)
+    _add_engine_commands(sub)
     return parser
+
+
+def _add_engine_commands(sub: Any) -> None:
+    from batch_pipeline.engine.server import DEFAULT_PORT, DEFAULT_START_TIMEOUT
+
+    p = sub.add_parser("engine", help="a warm engine: vLLM's OpenAI-compatible server with the engine settings "
+                       "a run uses, started, stopped and listed")
+    engine_sub = p.add_subparsers(dest="engine_command", required=True)
+    start = engine_sub.add_parser("start", help="start the server (MODEL_PATH or the bundled model) and wait until "
+                                  "it answers /health; prints its URL and models")
+    start.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    start.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    start.add_argument("--runner", choices=("generate", "pooling"), default="generate",
+                       help="generate (chat, completions; the default) or pooling (embeddings, score, rerank "
+                       "on EMBEDDING_MODEL_PATH)")
+    start.add_argument("--timeout", type=float, default=DEFAULT_START_TIMEOUT,
+                       help=f"seconds to wait for /health before stopping it and failing (default {DEFAULT_START_TIMEOUT:.0f})")
+    start.set_defaults(func=cmd_engine_start)
+    stop = engine_sub.add_parser("stop", help="stop the engine recorded on a port (SIGTERM, then SIGKILL)")
+    stop.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    stop.set_defaults(func=cmd_engine_stop)
+    status = engine_sub.add_parser("status", help="every recorded engine: URL, process, /health, models; "
+                                   "exit 1 if one is down")
+    status.set_defaults(func=cmd_engine_status)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
