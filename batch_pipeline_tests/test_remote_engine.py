@@ -258,8 +258,7 @@ def small_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
     it; killed and restarted by the last test here."""
     from batch_pipeline_tests.warm_engine import WarmServer
 
-    server = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("small_engine") / "server.log",
-                        "--max-num-seqs", "4")
+    server = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("small_engine") / "server.log", batch_size=4)
     try:
         yield server
     finally:

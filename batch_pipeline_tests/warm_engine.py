@@ -2,8 +2,9 @@
 session (started by the first test that asks, stopped at the end), and stand-in servers for failure
 injection (a server that pushes back, drops connections or goes away).
 
-The real server runs the tiny model with the settings the in-process tests use (tiny_llm: its
-MAX_MODEL_LEN, the test KV cache, fp32, eager, seed 0), so greedy answers match token for token.
+The real server is the one `batch-pipeline engine start` runs (engine/server.py's flags), on the tiny
+model with the settings the in-process tests use (tiny_llm: its MAX_MODEL_LEN, the test KV cache; fp32,
+eager, seed 0 as on any CPU), so greedy answers match token for token.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from batch_pipeline.base.runtime import runtime_env
-from batch_pipeline.config import models
+from batch_pipeline.config.settings import EngineSettings
+from batch_pipeline.engine.server import server_command, server_env
 from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
 from batch_pipeline_tests.dagster_server import free_port, wait_for
 
@@ -33,22 +33,20 @@ START_SECONDS = 240.0  # imports, the engine core's start and the model, on 2 lo
 class WarmServer:
     """`python -m vllm.entrypoints.launchers.api_server.entry` in its own process group."""
 
-    def __init__(self, model_dir: Path, name: str, log_path: Path, *flags: str, port: int | None = None) -> None:
+    def __init__(self, model_dir: Path, name: str, log_path: Path, port: int | None = None, **settings: Any) -> None:
+        """The server `batch-pipeline engine start` runs (engine/server.py's flags), for the tiny model
+        with the tests' settings (tiny_llm's) and any other EngineSettings field given."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.command = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
-                   "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
-                   "--dtype", "float32", "--enforce-eager", "--seed", "0",
-                   "--max-model-len", str(TINY_MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(TEST_KV_BYTES),
-                   "--scheduling-policy", "priority", "--enable-prompt-tokens-details", *flags]
+        engine = EngineSettings(max_model_len=TINY_MAX_MODEL_LEN, kv_cache_memory_bytes=TEST_KV_BYTES, **settings)
+        self.command = server_command(engine, str(model_dir), name, "127.0.0.1", self.port)
         self.start()
 
     def start(self) -> None:
         """Start the server (again, after `kill`: the same port and flags) and wait until it is healthy."""
-        env = {**os.environ, **runtime_env(models.cache_root())}
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
                                             start_new_session=True)
         wait_for(f"the warm engine on port {self.port} healthy", self.healthy, START_SECONDS, interval=0.5,
                  on_timeout=self.log_tail)
