@@ -72,7 +72,19 @@ test-fast: install
 # DAGSTER_HOME), `dagster dev` warns that the file there is not the instance's. The storage defaults
 # stay the checkout's data/ folders. `dagster dev` is kept over `dg dev`, which would need the dg
 # project tooling for no gain here; its "superseded" notice is filtered by its exact text.
+# `make dev` runs a warm engine beside Dagster (vLLM's OpenAI-compatible server, `batch-pipeline engine
+# start`, on ENGINE_PORT) and points Dagster's runs at it (ENGINE_URL), so a run loads no model; the
+# engine is stopped when dev stops. ENGINE_URL already set: that engine is used. WARM_ENGINE=0: each run
+# builds its engine in its own process, as `batch-pipeline run` does (docs/ENGINE.md).
+ENGINE_PORT ?= 8100
+WARM_ENGINE ?= 1
+
 dev: install $(DAGSTER_HOME)/dagster.yaml $(DAGSTER_HOME)/.nux/nux.yaml
+	if [ -z "$${ENGINE_URL:-}" ] && [ "$(WARM_ENGINE)" = 1 ]; then \
+	  $(CURDIR)/$(BIN)/batch-pipeline engine start --port $(ENGINE_PORT) || exit 1; \
+	  trap '$(CURDIR)/$(BIN)/batch-pipeline engine stop --port $(ENGINE_PORT)' EXIT; \
+	  export ENGINE_URL=http://127.0.0.1:$(ENGINE_PORT); \
+	fi; \
 	cd $(DAGSTER_HOME) && \
 	STORAGE_INPUT_PATH="$${STORAGE_INPUT_PATH:-$(CURDIR)/data/input}" \
 	STORAGE_OUTPUT_PATH="$${STORAGE_OUTPUT_PATH:-$(CURDIR)/data/output}" \

@@ -165,8 +165,9 @@ def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
 
 
 def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """`make dev` (the README's UI command) comes up with the code location loaded and the daemons
-    healthy, and prints no warning on the way (Dagster's or Python's)."""
+    """`make dev` (the README's UI command) starts a warm engine, then comes up with the code location
+    loaded and the daemons healthy, its runs pointed at the engine, and prints no warning on the way
+    (Dagster's or Python's); Ctrl-C stops the engine too."""
     import os
     import re
     import signal
@@ -174,17 +175,30 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
 
     from batch_pipeline_tests.dagster_server import REPO, DagsterDev, free_port
 
-    home, port, log_path = tmp_path / "home", free_port(), tmp_path / "make-dev.log"
+    import urllib.request
+
+    import psutil
+
+    from batch_pipeline.engine.server import read_record
+
+    home, port, log_path, engine_port = tmp_path / "home", free_port(), tmp_path / "make-dev.log", free_port()
     env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_AWS_VARS}
     env.update({k: v for k, v in pipeline_env(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out")).items()
                 if v is not None})
     env["DAGSTER_HOME"] = str(home)
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(["make", "--no-print-directory", "dev", f"DEV_PORT={port}"], cwd=REPO, env=env,
-                                   stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(["make", "--no-print-directory", "dev", f"DEV_PORT={port}", f"ENGINE_PORT={engine_port}"],
+                                   cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
     server = DagsterDev(process=process, home=home, port=port, log_path=log_path)
     try:
-        wait_for("make dev ready (location loaded, daemons healthy)", server._ready, 180, on_timeout=server.log_tail)
+        # The engine first (~30 s for the tiny model here), then dagster dev.
+        wait_for("make dev ready (location loaded, daemons healthy)", server._ready, 360, on_timeout=server.log_tail)
+        engine_url = f"http://127.0.0.1:{engine_port}"
+        assert urllib.request.urlopen(f"{engine_url}/health", timeout=5).status == 200
+        [code_server, *_] = [p for p in psutil.Process(process.pid).children(recursive=True)
+                             if "code-server" in " ".join(p.cmdline())]
+        assert code_server.environ().get("ENGINE_URL") == engine_url  # the runs it launches answer on the engine
     finally:
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
         try:
@@ -198,6 +212,8 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
     assert (home / "dagster.yaml").read_text() == (REPO / "dagster.yaml").read_text()
     # No "Join the Dagster community" dialog over the first page a user opens (issue #28).
     assert (home / ".nux" / "nux.yaml").read_text() == "seen: 1\n"
+    assert f"engine up on http://127.0.0.1:{engine_port}" in text, text[-2000:]
+    assert read_record(engine_port) is None  # stopped with dev: no engine left behind
 
 
 def runs_tagged(server: DagsterDev, key: str, value: str) -> list[Any]:
