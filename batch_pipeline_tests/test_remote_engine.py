@@ -68,6 +68,17 @@ def test_the_window_and_priority_follow_their_settings():
     assert "secret-key" not in repr(EngineSettings(engine_url="http://h", engine_api_key="secret-key"))
 
 
+def test_a_shared_engines_time_is_split_by_tokens():
+    from batch_pipeline.engine.remote import EngineFigures, prometheus_sums
+
+    page = ('# HELP vllm:generation_tokens_total x\nvllm:generation_tokens_total{engine="0",model_name="m"} 30.0\n'
+            'vllm:generation_tokens_total{engine="1",model_name="m"} 12.0\nvllm:num_requests_running{engine="0"} 2.0\n')
+    assert prometheus_sums(page) == {"vllm:generation_tokens_total": 42.0, "vllm:num_requests_running": 2.0}
+    shared = EngineFigures(seconds=10.0, tokens=400.0, busy_share=0.5)
+    assert shared.share_of(100) == 0.25 and shared.share_of(800) == 1.0  # never more than the whole
+    assert EngineFigures(seconds=1.0, tokens=0.0, busy_share=None).share_of(5) == 1.0
+
+
 def answer(status: int, payload: Any, req: contract.BatchRequest | None = None) -> Any:
     req = req or request(3)
     content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -224,6 +235,9 @@ def test_a_batch_answers_the_same_warm_as_in_process(warm_engine, tiny_llm, tmp_
     # The warm run loaded no model: its record says 0 s and names the server.
     info = json.loads((tmp_path / "warm" / DATE / "mixed" / "_work" / "inference.json").read_text())
     assert info["model_load_seconds"] == 0 and warm_engine.url in info["engine"]["engine"]
+    # Its share of the engine, from the server's own counters: alone on it, (about) all of what it computed.
+    assert info["engine_url"] == warm_engine.url and 0.9 <= info["engine_token_share"] <= 1.0, info
+    assert info["engine_busy_share"] is None or 0 <= info["engine_busy_share"] <= 1, info
 
 
 def test_a_closed_stream_makes_the_server_abort_what_it_holds(warm_engine):

@@ -221,6 +221,82 @@ class Stopped(Exception):
     """The stream was closed while this request was out: nobody takes its answer."""
 
 
+@dataclass
+class EngineFigures:
+    """The server's own figures over one stream (its /metrics, read at the start and the end, and
+    sampled between): the tokens it computed for anyone in that time, and how busy it was."""
+
+    seconds: float
+    tokens: float  # prompt tokens not found in its prefix cache, plus generated ones: every user's
+    busy_share: float | None  # the share of samples with a request running (None: no sample)
+
+    def share_of(self, tokens: int) -> float:
+        """A stream's share of the engine by the tokens it computed (the cost rule of a shared engine)."""
+        return min(1.0, tokens / self.tokens) if self.tokens > 0 else 1.0
+
+
+COUNTERS = ("vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total", "vllm:generation_tokens_total")
+METER_SECONDS = 0.5  # how often the server's running count is sampled while a stream answers
+
+
+def prometheus_sums(text: str) -> dict[str, float]:
+    """A Prometheus text page as {metric name: value summed over its label sets}."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.split("{", 1)[0].split(" ", 1)[0], line.rsplit(" ", 1)[-1]
+            try:
+                sums[name] = sums.get(name, 0.0) + float(value)
+            except ValueError:
+                continue
+    return sums
+
+
+class EngineMeter:
+    """Reads the server's counters when a stream starts and ends, and samples whether it is running
+    anything every METER_SECONDS in between (its own thread and connection). A server whose /metrics
+    cannot be read gives no figures; answering goes on regardless."""
+
+    def __init__(self, client: "EngineClient") -> None:
+        self.client = client
+        self.samples = self.busy = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._first: dict[str, float] | None = None
+        self._began = 0.0
+
+    def _read(self) -> dict[str, float] | None:
+        try:
+            reply = self.client.request("GET", "/metrics")
+            return prometheus_sums(reply.text) if reply.status == 200 else None
+        except (OSError, http.client.HTTPException):
+            return None
+
+    def _sample(self) -> None:
+        while not self._stop.wait(METER_SECONDS):
+            figures = self._read()
+            if figures is not None and "vllm:num_requests_running" in figures:
+                self.samples += 1
+                self.busy += figures["vllm:num_requests_running"] > 0
+
+    def start(self) -> None:
+        self._first, self._began = self._read(), time.monotonic()
+        self._thread = threading.Thread(target=self._sample, name="warm-engine-meter", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> EngineFigures | None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        last = self._read()
+        if self._first is None or last is None:
+            return None
+        delta = {name: last.get(name, 0.0) - self._first.get(name, 0.0) for name in COUNTERS}
+        tokens = delta[COUNTERS[0]] - delta[COUNTERS[1]] + delta[COUNTERS[2]]
+        return EngineFigures(round(time.monotonic() - self._began, 3), tokens,
+                             round(self.busy / self.samples, 4) if self.samples else None)
+
+
 class RemoteEngines:
     """The engines of one run when ENGINE_URL names a warm engine: the same interface as
     engine/engines.Engines (stream, close, the figures steps/inference.py records)."""
@@ -241,6 +317,7 @@ class RemoteEngines:
         self.client = EngineClient(self.url, settings.engine_api_key)
         self._local_factory, self._local = local, None  # in-process engines for what the server does not serve
         self.names = {served_name, *settings.lora_adapters()}
+        self.figures: EngineFigures | None = None  # the server's figures over the last stream
         self.served = self.check()
 
     def check(self) -> list[str]:
@@ -270,6 +347,8 @@ class RemoteEngines:
         stop = threading.Event()
         source = iter(requests)
         exhausted = False
+        meter = EngineMeter(EngineClient(self.url, self.settings.engine_api_key))
+        meter.start()
         try:
             while True:
                 while not exhausted and len(flying) < self.window.now():
@@ -297,6 +376,8 @@ class RemoteEngines:
             if flying:  # interrupted: shut the connections down so the server aborts what it holds
                 self.client.abort()
             pool.shutdown(wait=False, cancel_futures=True)
+            self.figures = meter.stop()
+            meter.client.close()
         if others:
             self.log(f"{len(others)} request(s) the warm engine does not serve (other models, embeddings, "
                      "score): answering them in this process")

@@ -310,6 +310,14 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
     inference_seconds = max(time.monotonic() - started - load_seconds, 0.0)
     finished_at = time.time()
     weights = _shares([w.tokens for w in works])
+    served = getattr(engines, "figures", None)  # a warm engine's own figures over this stream (engine/remote.py)
+    if served is not None:
+        # A shared engine: each batch's engine time is the answering time x its share of the tokens the
+        # engine computed meanwhile (for every run using it), not the whole wall time.
+        weights = [served.share_of(w.tokens) for w in works]
+        if served.busy_share is not None:
+            log(f"{label}: the warm engine was busy {100 * served.busy_share:.1f}% of the answering time; this "
+                f"run's share of the tokens it computed meanwhile: {100 * sum(weights):.1f}%")
     for w, share in zip(works, weights):
         assert w.checkpoint is not None
         _record(w, "expired_at" if expired and w.answered < w.total else "finished_at", order, plan, ranks,
@@ -322,6 +330,8 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
                     "inference_finished_at": round(finished_at, 3),
                     "planning_seconds": round(plan.seconds * share, 3) if plan is not None else 0.0,
                     **({"engine_idle_share": idle} if idle is not None else {}),
+                    **({"engine_busy_share": served.busy_share, "engine_token_share": round(share, 4),
+                        "engine_url": engines.url} if served is not None else {}),
                     **({"images": w.images} if w.images else {}),
                     **({"image_wait_share": image_wait} if image_wait is not None else {}),
                     **({"answered_with": [o.loc.name for o in works if o is not w]} if len(works) > 1 else {}),
