@@ -10,8 +10,11 @@ deploy/workspace.yaml and the Helm values (entry module, the `batch_pipeline` lo
 asking for `nvidia.com/gpu` = TENSOR_PARALLEL_SIZE on tolerated GPU nodes, the model PVC read-only,
 S3 credentials from a Secret), the Batch API in both (the compose service `batch-api` and the
 `batchApi` values with the deploy/helm/batch-api chart that renders them: the command the CLI takes,
-probes on paths the service answers, keys from a secret file, the same storage as the runs) and that
-every environment variable the manifests set is one the code reads or a documented platform variable.
+probes on paths the service answers, keys from a secret file, the same storage as the runs), the warm
+engines (compose's `vllm-engine` and the `warmEngines` values with deploy/helm/warm-engines: their flags
+equal to engine/server.py's `server_args` for the same settings, probes on /health, GPUs, the key from
+a secret, ENGINE_URL naming them) and that every environment variable the manifests set is one the code
+reads or a documented platform variable.
 
 Does not build images, start containers, render the Helm chart or touch any service: YAML is read
 with PyYAML, Dockerfiles with a small line parser. Loading deploy/dagster.yaml into a real instance
@@ -626,6 +629,84 @@ def test_helm_runs_the_batch_api_with_probes_and_keys_from_a_secret():
     assert '"serve", "--host", "0.0.0.0", "--port", "{{ $api.port }}"' in templates
     chart = yaml.safe_load((DEPLOY / "helm" / "batch-api" / "Chart.yaml").read_text())
     assert chart["name"] == "batch-api" and chart["apiVersion"] == "v2"
+
+
+# --------------------------------------------------------------------------- warm engines (Helm)
+
+
+def warm_engine_templates() -> str:
+    return "\n".join(p.read_text() for p in (DEPLOY / "helm" / "warm-engines" / "templates").glob("*.yaml"))
+
+
+def test_helm_warm_engine_runs_the_server_engine_start_runs_for_the_code_servers_settings(monkeypatch):
+    """The first engine serves the default model with the flags `batch-pipeline engine start` gives
+    the code server's (and so the run pods') env: what a run would load in-process, warm."""
+    from batch_pipeline.config.settings import engine_settings_from_env
+    from batch_pipeline.engine import engine_args, server
+
+    monkeypatch.setattr(engine_args, "is_cpu", lambda: False)  # the engine pods have GPUs
+    env = helm_deployment()["env"]
+    settings = engine_settings_from_env(env)
+    expected = server.server_args(settings, env["MODEL_PATH"], env["SERVED_MODEL_NAME"], "generate")
+    assert helm()["warmEngines"]["engines"][0]["args"] == expected
+    templates = warm_engine_templates()
+    assert f'command: ["python3", "-m", "{server.SERVER_MODULE}"]' in templates
+    assert '- "--host"\n            - "0.0.0.0"\n            - "--port"\n            - "{{ $we.port }}"' in templates
+
+
+def test_helm_warm_engines_ask_for_their_gpus_and_are_probed_on_health():
+    values = helm()
+    we = values["warmEngines"]
+    names = [engine["name"] for engine in we["engines"]]
+    assert len(set(names)) == len(names)
+    for engine in we["engines"]:
+        args = engine["args"]
+        service = f"warm-engine-{engine['name']}"  # a Service name: a DNS-1035 label
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", service) and len(service) <= 63, service
+        assert "--host" not in args and "--port" not in args and "--api-key" not in args  # the template's; the key from a Secret
+        gpus = int(args[args.index("--tensor-parallel-size") + 1]) * int(args[args.index("--data-parallel-size") + 1])
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert we[probe]["httpGet"] == {"path": "/health", "port": we["port"]}
+    assert we["readinessProbe"]["periodSeconds"] == 10
+    startup = we["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # an 8B model loads for minutes
+    # The GPU nodes, user and claims of the run pods.
+    pod = helm_run_k8s()["podSpecConfig"]
+    assert we["nodeSelector"] == pod["nodeSelector"] and we["tolerations"] == pod["tolerations"]
+    assert we["podSecurityContext"] == pod["securityContext"]
+    assert we["securityContext"] == helm_run_k8s()["containerConfig"]["securityContext"]
+    models = {v["name"]: v for v in helm_deployment()["volumes"]}["models"]["persistentVolumeClaim"]
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    cache = {v["name"]: v for v in launcher["volumes"]}["engine-cache"]["persistentVolumeClaim"]
+    assert we["modelsClaimName"] == models["claimName"] and we["cacheClaimName"] == cache["claimName"]
+    assert we["image"]["repository"] == helm_deployment()["image"]["repository"]
+
+
+def test_helm_warm_engine_chart_reads_only_values_that_are_set_and_run_pods_can_find_it():
+    from urllib.parse import urlparse
+
+    we = helm()["warmEngines"]
+    templates = warm_engine_templates()
+    for reference in set(re.findall(r"\$we\.([A-Za-z_.]+)", templates)):
+        node: Any = we
+        for part in reference.split("."):
+            assert isinstance(node, dict) and part in node, f"warmEngines.{reference} is read by the chart but not set"
+            node = node[part]
+    for engine in we["engines"]:
+        for reference in set(re.findall(r"\$engine\.([A-Za-z_]+)", templates)):
+            assert reference in engine, f"warmEngines.engines[].{reference} is read by the chart but not set"
+    assert "{{ $.Release.Name }}-{{ $engine.name }}" in templates  # the Service a URL names
+    assert "readOnly: true" in templates and "nvidia.com/gpu" not in templates  # GPUs from each engine's resources
+    assert "key: ENGINE_API_KEY" in templates and "name: VLLM_API_KEY" in templates
+    chart = yaml.safe_load((DEPLOY / "helm" / "warm-engines" / "Chart.yaml").read_text())
+    assert chart["name"] == "warm-engines" and chart["apiVersion"] == "v2"
+    # Run pods get ENGINE_URL from the code server's env (commented out: installing the engine is a
+    # choice); it names the first engine's Service as the README installs it (release warm-engine).
+    values_text = (DEPLOY / "helm" / "values.yaml").read_text()
+    url = urlparse(re.search(r"^\s*# ENGINE_URL: (\S+)$", values_text, re.MULTILINE).group(1))
+    assert url.hostname == f"warm-engine-{we['engines'][0]['name']}" and url.port == we["port"]
+    assert "helm upgrade --install warm-engine deploy/helm/warm-engines" in (DEPLOY / "README.md").read_text()
 
 
 # ------------------------------------------------------------------------- environment variables
