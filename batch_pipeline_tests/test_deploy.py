@@ -10,8 +10,11 @@ deploy/workspace.yaml and the Helm values (entry module, the `batch_pipeline` lo
 asking for `nvidia.com/gpu` = TENSOR_PARALLEL_SIZE on tolerated GPU nodes, the model PVC read-only,
 S3 credentials from a Secret), the Batch API in both (the compose service `batch-api` and the
 `batchApi` values with the deploy/helm/batch-api chart that renders them: the command the CLI takes,
-probes on paths the service answers, keys from a secret file, the same storage as the runs) and that
-every environment variable the manifests set is one the code reads or a documented platform variable.
+probes on paths the service answers, keys from a secret file, the same storage as the runs), the warm
+engines (compose's `vllm-engine` and the `warmEngines` values with deploy/helm/warm-engines: their flags
+equal to engine/server.py's `server_args` for the same settings, probes on /health, GPUs, the key from
+a secret, ENGINE_URL naming them) and that every environment variable the manifests set is one the code
+reads or a documented platform variable.
 
 Does not build images, start containers, render the Helm chart or touch any service: YAML is read
 with PyYAML, Dockerfiles with a small line parser. Loading deploy/dagster.yaml into a real instance
@@ -61,6 +64,8 @@ PLATFORM_ENV = {
     "TRANSFORMERS_OFFLINE",
     "VLLM_NO_USAGE_STATS",
     "DO_NOT_TRACK",
+    "VLLM_API_KEY",
+    "VLLM_CACHE_ROOT",
 }
 # docker compose's own knobs (interpolated into docker-compose.yaml, never read by the code).
 COMPOSE_ONLY = {"MODEL_HOST_DIR", "BATCH_PIPELINE_TAG", "DAGSTER_WEBSERVER_PORT", "GPUS", "BATCH_API_PORT"}
@@ -139,6 +144,35 @@ def compose_interpolations() -> dict[str, str]:
     """${VAR...} references in docker-compose.yaml -> the operator after the name ('', ':-', ':?')."""
     text = (DEPLOY / "docker-compose.yaml").read_text()
     return {m.group(1): m.group(2) or "" for m in re.finditer(r"\$\{([A-Z][A-Z0-9_]*)(:[-?])?[^}]*\}", text)}
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's interpolation of `text` from `env`: ${VAR}, ${VAR:-default}, ${VAR:?error} and
+    ${VAR:+replacement}, nested (an unset variable with no default is empty, as compose has it)."""
+    out, i = [], 0
+    while i < len(text):
+        if not text.startswith("${", i):
+            out.append(text[i])
+            i += 1
+            continue
+        depth, j = 1, i + 2
+        while depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        body = text[i + 2:j - 1]
+        m = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?::([-?+])(.*))?", body, re.DOTALL)
+        assert m, f"cannot interpolate ${{{body}}}"
+        name, op, operand = m.group(1), m.group(2), m.group(3) or ""
+        value = env.get(name, "")
+        if op == "-":
+            value = value or interpolate(operand, env)
+        elif op == "?":
+            assert value, f"compose would refuse to start: {operand}"
+        elif op == "+":
+            value = interpolate(operand, env) if value else ""
+        out.append(value)
+        i = j
+    return "".join(out)
 
 
 def helm() -> dict[str, Any]:
@@ -331,13 +365,14 @@ def test_build_context_holds_only_what_the_image_copies(name):
 # ------------------------------------------------------------------------------------ compose
 
 
-def test_compose_reserves_gpus_for_the_code_server_only():
+def test_compose_reserves_gpus_for_the_code_server_and_the_warm_engine_only():
     services = compose()["services"]
-    (device,) = services["user-code"]["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia"
-    assert device["capabilities"] == ["gpu"]
-    assert device["count"] == "${GPUS:-all}"  # the server's GPUs: ranks x TP of them per run
-    for name in ("postgres", "dagster-webserver", "dagster-daemon"):
+    for name in ("user-code", "vllm-engine"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia"
+        assert device["capabilities"] == ["gpu"]
+        assert device["count"] == "${GPUS:-all}"  # the server's GPUs: ranks x TP of them per run
+    for name in ("postgres", "dagster-webserver", "dagster-daemon", "batch-api"):
         assert "deploy" not in services[name]
 
 
@@ -370,6 +405,65 @@ def test_compose_variables_are_documented_in_env_example():
         assert name in documented, f"${{{name}}} is used in docker-compose.yaml but not in .env.example"
         if operator == ":?":
             assert name in required_set, f"{name} is required by compose but commented out in .env.example"
+
+
+def compose_engine_env(case: str) -> dict[str, str]:
+    """The settings .env.example gives: its live lines, or every line uncommented (the optional ones too)."""
+    documented = env_file(".env.example")
+    names = uncommented(".env.example") if case == "live" else set(documented)
+    return {name: documented[name] for name in names if documented[name]}
+
+
+@pytest.mark.parametrize("case", ["live", "every documented setting"])
+def test_compose_warm_engine_runs_the_server_engine_start_runs(case, monkeypatch):
+    """The vllm-engine service's command is the one `batch-pipeline engine start` would run with the
+    same .env (on GPUs, listening on every address): flags cannot drift from engine/server.py."""
+    from batch_pipeline.config.settings import engine_settings_from_env
+    from batch_pipeline.engine import engine_args, server
+
+    monkeypatch.setattr(engine_args, "is_cpu", lambda: False)  # the container has GPUs; this machine may not
+    env = compose_engine_env(case)
+    settings = engine_settings_from_env(env)
+    expected = ["python3", "-m", server.SERVER_MODULE,
+                *server.server_args(settings, env["MODEL_PATH"], env["SERVED_MODEL_NAME"], "generate"),
+                "--host", "0.0.0.0", "--port", "8000"]
+    argv = shlex.split(interpolate(compose()["services"]["vllm-engine"]["command"], env))
+
+    def same(a: str, b: str) -> bool:  # 0.90 in .env is the 0.9 the code formats
+        try:
+            return a == b or float(a) == float(b)
+        except ValueError:
+            return False
+
+    assert len(argv) == len(expected) and all(map(same, argv, expected)), (argv, expected)
+    if case != "live":  # the optional settings reach the server too
+        assert {"--max-model-len", "--max-num-seqs", "--max-num-batched-tokens"} <= set(argv)
+
+
+def test_compose_warm_engine_is_health_checked_and_runs_wait_for_it():
+    from urllib.parse import urlparse
+
+    services = compose()["services"]
+    engine, user_code = services["vllm-engine"], services["user-code"]
+    argv = shlex.split(engine["command"])
+    port = argv[argv.index("--port") + 1]
+    assert engine["profiles"] == ["warm-engine"] and engine["image"] == user_code["image"]
+    probe = " ".join(engine["healthcheck"]["test"])
+    assert f"http://127.0.0.1:{port}/health" in probe
+    assert engine["healthcheck"]["interval"] == "10s"
+    assert "ports" not in engine  # reached on the compose network only
+    # The same read-only model folder as the runs; the model named by the same MODEL_PATH.
+    model_mounts = [m for m in engine["volumes"] if ":/models" in m]
+    assert model_mounts == [m for m in user_code["volumes"] if ":/models" in m]
+    assert "${MODEL_PATH:?" in engine["command"] and "env_file" not in engine  # no storage keys in the engine
+    # Runs execute in user-code: it starts once the engine answers /health (when the profile is on),
+    # and .env points them at the service.
+    assert user_code["depends_on"]["vllm-engine"] == {"condition": "service_healthy", "required": False}
+    url = urlparse(env_file(".env.example")["ENGINE_URL"])
+    assert url.hostname == "vllm-engine" and str(url.port) == port
+    # The key: vLLM's VLLM_API_KEY from the ENGINE_API_KEY the runs send, never a literal.
+    assert engine["environment"]["VLLM_API_KEY"] == "${ENGINE_API_KEY:-}"
+    assert env_file(".env.example")["ENGINE_API_KEY"] == "" and "ENGINE_API_KEY" not in uncommented(".env.example")
 
 
 def test_compose_database_settings_match_the_instance_yaml():
@@ -535,6 +629,84 @@ def test_helm_runs_the_batch_api_with_probes_and_keys_from_a_secret():
     assert '"serve", "--host", "0.0.0.0", "--port", "{{ $api.port }}"' in templates
     chart = yaml.safe_load((DEPLOY / "helm" / "batch-api" / "Chart.yaml").read_text())
     assert chart["name"] == "batch-api" and chart["apiVersion"] == "v2"
+
+
+# --------------------------------------------------------------------------- warm engines (Helm)
+
+
+def warm_engine_templates() -> str:
+    return "\n".join(p.read_text() for p in (DEPLOY / "helm" / "warm-engines" / "templates").glob("*.yaml"))
+
+
+def test_helm_warm_engine_runs_the_server_engine_start_runs_for_the_code_servers_settings(monkeypatch):
+    """The first engine serves the default model with the flags `batch-pipeline engine start` gives
+    the code server's (and so the run pods') env: what a run would load in-process, warm."""
+    from batch_pipeline.config.settings import engine_settings_from_env
+    from batch_pipeline.engine import engine_args, server
+
+    monkeypatch.setattr(engine_args, "is_cpu", lambda: False)  # the engine pods have GPUs
+    env = helm_deployment()["env"]
+    settings = engine_settings_from_env(env)
+    expected = server.server_args(settings, env["MODEL_PATH"], env["SERVED_MODEL_NAME"], "generate")
+    assert helm()["warmEngines"]["engines"][0]["args"] == expected
+    templates = warm_engine_templates()
+    assert f'command: ["python3", "-m", "{server.SERVER_MODULE}"]' in templates
+    assert '- "--host"\n            - "0.0.0.0"\n            - "--port"\n            - "{{ $we.port }}"' in templates
+
+
+def test_helm_warm_engines_ask_for_their_gpus_and_are_probed_on_health():
+    values = helm()
+    we = values["warmEngines"]
+    names = [engine["name"] for engine in we["engines"]]
+    assert len(set(names)) == len(names)
+    for engine in we["engines"]:
+        args = engine["args"]
+        service = f"warm-engine-{engine['name']}"  # a Service name: a DNS-1035 label
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", service) and len(service) <= 63, service
+        assert "--host" not in args and "--port" not in args and "--api-key" not in args  # the template's; the key from a Secret
+        gpus = int(args[args.index("--tensor-parallel-size") + 1]) * int(args[args.index("--data-parallel-size") + 1])
+        assert engine["resources"]["limits"]["nvidia.com/gpu"] == str(gpus)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert we[probe]["httpGet"] == {"path": "/health", "port": we["port"]}
+    assert we["readinessProbe"]["periodSeconds"] == 10
+    startup = we["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # an 8B model loads for minutes
+    # The GPU nodes, user and claims of the run pods.
+    pod = helm_run_k8s()["podSpecConfig"]
+    assert we["nodeSelector"] == pod["nodeSelector"] and we["tolerations"] == pod["tolerations"]
+    assert we["podSecurityContext"] == pod["securityContext"]
+    assert we["securityContext"] == helm_run_k8s()["containerConfig"]["securityContext"]
+    models = {v["name"]: v for v in helm_deployment()["volumes"]}["models"]["persistentVolumeClaim"]
+    launcher = values["runLauncher"]["config"]["k8sRunLauncher"]
+    cache = {v["name"]: v for v in launcher["volumes"]}["engine-cache"]["persistentVolumeClaim"]
+    assert we["modelsClaimName"] == models["claimName"] and we["cacheClaimName"] == cache["claimName"]
+    assert we["image"]["repository"] == helm_deployment()["image"]["repository"]
+
+
+def test_helm_warm_engine_chart_reads_only_values_that_are_set_and_run_pods_can_find_it():
+    from urllib.parse import urlparse
+
+    we = helm()["warmEngines"]
+    templates = warm_engine_templates()
+    for reference in set(re.findall(r"\$we\.([A-Za-z_.]+)", templates)):
+        node: Any = we
+        for part in reference.split("."):
+            assert isinstance(node, dict) and part in node, f"warmEngines.{reference} is read by the chart but not set"
+            node = node[part]
+    for engine in we["engines"]:
+        for reference in set(re.findall(r"\$engine\.([A-Za-z_]+)", templates)):
+            assert reference in engine, f"warmEngines.engines[].{reference} is read by the chart but not set"
+    assert "{{ $.Release.Name }}-{{ $engine.name }}" in templates  # the Service a URL names
+    assert "readOnly: true" in templates and "nvidia.com/gpu" not in templates  # GPUs from each engine's resources
+    assert "key: ENGINE_API_KEY" in templates and "name: VLLM_API_KEY" in templates
+    chart = yaml.safe_load((DEPLOY / "helm" / "warm-engines" / "Chart.yaml").read_text())
+    assert chart["name"] == "warm-engines" and chart["apiVersion"] == "v2"
+    # Run pods get ENGINE_URL from the code server's env (commented out: installing the engine is a
+    # choice); it names the first engine's Service as the README installs it (release warm-engine).
+    values_text = (DEPLOY / "helm" / "values.yaml").read_text()
+    url = urlparse(re.search(r"^\s*# ENGINE_URL: (\S+)$", values_text, re.MULTILINE).group(1))
+    assert url.hostname == f"warm-engine-{we['engines'][0]['name']}" and url.port == we["port"]
+    assert "helm upgrade --install warm-engine deploy/helm/warm-engines" in (DEPLOY / "README.md").read_text()
 
 
 # ------------------------------------------------------------------------- environment variables
