@@ -43,7 +43,6 @@ pytest_plugins = [
     "batch_pipeline_tests.cli_runs",
     "batch_pipeline_tests.sensor_ticks",
     "batch_pipeline_tests.thinking_llm",
-    "batch_pipeline_tests.warm_engine",
 ]
 
 TINY_NAME = "tiny-llama"
@@ -141,6 +140,7 @@ SLOW_FILES = (
     "test_ui_walkthrough.py",  # 225 s: Chromium over dagster dev, a backfill of two dates and re-runs
     "test_service_priority.py",  # 202 s: queued runs that must come up one after another (their order is the point)
     "test_batch_api.py",  # 198 s
+    "test_remote_engine.py",  # ~150 s alone (not yet timed in a full run): a vLLM server, started twice
     "test_dagster_e2e.py",  # 180 s: two dagster dev (the schedule's own), the sensor, the SQS queue
     "test_data_parallel.py",  # 170 s
     "test_engine_multiprocess.py",  # 164 s
@@ -163,7 +163,7 @@ SLOW_FILES = (
 # fixture that loads a model (directly or through the fixtures built on it) ...
 # The tiny vision model's folder, and `cli_runs` (a `batch-pipeline run` in its own process, which
 # builds its own engine) count too: without them three image tests (~75 s) ran in the fast lane.
-ENGINE_FIXTURES = {"tiny_model_dir", "bundled_model_dir", "thinking_model_dir", "vlm_dir", "cli_runs", "warm_engine"}
+ENGINE_FIXTURES = {"tiny_model_dir", "bundled_model_dir", "thinking_model_dir", "vlm_dir", "cli_runs"}
 # ... and every fixture that starts a server (moto's S3, a PostgreSQL database; dagster dev, the
 # Batch API and Chromium start from fixtures that need the tiny model too).
 SERVER_FIXTURES = {"moto_server", "history_server", "database"}

@@ -1,6 +1,6 @@
 """The warm engine (engine/remote.py): a run's requests answered by vLLM's OpenAI-compatible server.
 
-Covered with the real server on the tiny model (warm_engine.py, one per session): a batch of chat,
+Covered with the real server on the tiny model (warm_engine.py's, one for the module): a batch of chat,
 completions and Responses lines gives the same result lines warm as in this process (greedy text,
 finish reasons, token counts, deterministic ids), a prompt over MAX_MODEL_LEN the same
 `context_length_exceeded` error line, and the run builds no engine of its own (loads no model); a
@@ -182,6 +182,21 @@ def test_at_run_start_a_wrong_server_is_refused_naming_the_url_and_its_models():
 # -- the real server --------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def small_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """vLLM's server on the tiny model (as `batch-pipeline engine start` runs it), decoding 4 sequences
+    at a time (--max-num-seqs 4) so that requests queue in it; killed and restarted by the last test here."""
+    from batch_pipeline_tests.warm_engine import WarmServer
+
+    server = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("small_engine") / "server.log", batch_size=4)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+
+
 def mixed_lines() -> list[str]:
     """Chat, completions and Responses lines, greedy (temperature 0: the same tokens wherever they run)."""
     lines = []
@@ -210,11 +225,11 @@ def texts(record: dict[str, Any]) -> Any:
     return [(c.get("message", {}).get("content") if "message" in c else c.get("text"), c["finish_reason"]) for c in body["choices"]]
 
 
-def test_a_batch_answers_the_same_warm_as_in_process(warm_engine, tiny_llm, tmp_path):
+def test_a_batch_answers_the_same_warm_as_in_process(small_engine, tiny_llm, tmp_path):
     folder = tmp_path / "in" / DATE
     write_batch(folder, "mixed.jsonl", mixed_lines())
     local = materialize(tiny_llm, str(tmp_path / "in"), str(tmp_path / "local"))
-    warm_llm = tiny_llm.rebuilt(engine_url=warm_engine.url)
+    warm_llm = tiny_llm.rebuilt(engine_url=small_engine.url)
     warm = materialize(warm_llm, str(tmp_path / "in"), str(tmp_path / "warm"))
     assert local.success and warm.success
     results = {}
@@ -234,49 +249,36 @@ def test_a_batch_answers_the_same_warm_as_in_process(warm_engine, tiny_llm, tmp_
     assert warm_err["too-long"]["error"]["code"] == local_err["too-long"]["error"]["code"] == "context_length_exceeded"
     # The warm run loaded no model: its record says 0 s and names the server.
     info = json.loads((tmp_path / "warm" / DATE / "mixed" / "_work" / "inference.json").read_text())
-    assert info["model_load_seconds"] == 0 and warm_engine.url in info["engine"]["engine"]
+    assert info["model_load_seconds"] == 0 and small_engine.url in info["engine"]["engine"]
     # Its share of the engine, from the server's own counters: alone on it, (about) all of what it computed.
-    assert info["engine_url"] == warm_engine.url and 0.9 <= info["engine_token_share"] <= 1.0, info
+    assert info["engine_url"] == small_engine.url and 0.9 <= info["engine_token_share"] <= 1.0, info
     assert info["engine_busy_share"] is None or 0 <= info["engine_busy_share"] <= 1, info
 
 
-def test_a_closed_stream_makes_the_server_abort_what_it_holds(warm_engine):
-    before = warm_engine.metrics()
-    engines = engines_at(warm_engine.url, engine_window=4)
+def test_a_closed_stream_makes_the_server_abort_what_it_holds(small_engine):
+    before = small_engine.metrics()
+    engines = engines_at(small_engine.url, engine_window=4)
     # Staggered lengths (ignore_eos: exactly max_tokens each), so the first answer comes while the others run.
     long = [request(i, f"tell a long story {i}", max_tokens=60 + 50 * i, ignore_eos=True) for i in range(1, 9)]
     stream = engines.stream("batch_x", long, created=1)
     first = next(stream)  # the window (4) sent in order; the first answer back
     assert first.kind == "output"
-    assert warm_engine.metrics().get("vllm:num_requests_running", 0.0) >= 1  # the server holds the other three
+    assert small_engine.metrics().get("vllm:num_requests_running", 0.0) >= 1  # the server holds the other three
     stream.close()  # a cancel: the connections in flight are closed
 
     def idle() -> bool:
-        return warm_engine.metrics().get("vllm:num_requests_running", 1.0) == 0.0
+        return small_engine.metrics().get("vllm:num_requests_running", 1.0) == 0.0
 
     deadline = time.monotonic() + 30
     while not idle() and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert idle(), warm_engine.metrics().get("vllm:num_requests_running")
-    generated = warm_engine.metrics()["vllm:generation_tokens_total"]
+    assert idle(), small_engine.metrics().get("vllm:num_requests_running")
+    generated = small_engine.metrics()["vllm:generation_tokens_total"]
     time.sleep(2)
-    assert warm_engine.metrics()["vllm:generation_tokens_total"] == generated  # it stopped generating for them
+    assert small_engine.metrics()["vllm:generation_tokens_total"] == generated  # it stopped generating for them
     # Far fewer tokens than the window's requests would have made answered in full.
     # Far fewer tokens than the window's four requests answered in full (110 + 160 + 210 + 260).
     assert generated - before.get("vllm:generation_tokens_total", 0.0) < 110 + 160 + 210 + 260 - 100
-
-
-@pytest.fixture(scope="module")
-def small_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A server of its own that decodes 4 sequences at a time (--max-num-seqs 4), so requests queue in
-    it; killed and restarted by the last test here."""
-    from batch_pipeline_tests.warm_engine import WarmServer
-
-    server = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("small_engine") / "server.log", batch_size=4)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def timed(stream: Any) -> list[tuple[float, Any]]:

@@ -1,6 +1,5 @@
-"""A warm engine for tests: vLLM's own OpenAI-compatible server on the tiny model, one per test
-session (started by the first test that asks, stopped at the end), and stand-in servers for failure
-injection (a server that pushes back, drops connections or goes away).
+"""A warm engine for tests: vLLM's own OpenAI-compatible server on the tiny model (WarmServer), and
+stand-in servers for failure injection (a server that pushes back, drops connections or goes away).
 
 The real server is the one `batch-pipeline engine start` runs (engine/server.py's flags), on the tiny
 model with the settings the in-process tests use (tiny_llm: its MAX_MODEL_LEN, the test KV cache; fp32,
@@ -15,12 +14,11 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import pytest
 
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.engine.server import server_command, server_env
@@ -88,16 +86,6 @@ class WarmServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, 9)
                 self.process.wait(10)
-
-
-@pytest.fixture(scope="session")
-def warm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WarmServer]:
-    """One vLLM server on the tiny model for the whole session."""
-    server = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("warm_engine") / "server.log")
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 # -- a stand-in server, for failure injection -------------------------------------------------
