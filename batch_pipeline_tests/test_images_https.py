@@ -98,3 +98,28 @@ def test_a_certificate_nobody_vouches_for_is_the_lines_error(tls_server, monkeyp
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)  # the system's CAs only: they never signed it
     with pytest.raises(ImageError, match=r"could not fetch the image from localhost: .*CERTIFICATE_VERIFY_FAILED"):
         load(f"https://localhost:{port}/a.png", ImageSettings(allowed_hosts=("localhost",), timeout_seconds=5))
+
+
+def test_a_warm_engines_lines_carry_their_images_inline(tls_server, monkeypatch):
+    """What a warm engine is sent (engine/remote.py): each image part's URL a data: URL of the bytes
+    fetched and checked here, so the server fetches nothing; a data: URL goes as it is."""
+    port, cert = tls_server
+    allowed = ImageSettings(allowed_hosts=("localhost",), timeout_seconds=5)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    chat = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is it?"},
+        {"type": "image_url", "image_url": {"url": f"https://localhost:{port}/a.png", "detail": "low"}},
+        {"type": "image_url", "image_url": data_url(png("red"))}]}]}
+    sent = images.inline_images("/v1/chat/completions", chat, allowed)
+    first, second = sent["messages"][0]["content"][1:]
+    assert first["image_url"] == {"url": data_url(PICTURE), "detail": "low"}
+    assert second["image_url"] == {"url": data_url(png("red"))}
+    assert chat["messages"][0]["content"][1]["image_url"]["url"].startswith("https://")  # the line itself unchanged
+    responses = {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": f"https://localhost:{port}/a.png"}]}]}
+    assert images.inline_images("/v1/responses", responses, allowed)["input"][0]["content"][0]["image_url"] == data_url(PICTURE)
+    with pytest.raises(ImageError, match=r"body.messages\[0\].content\[1\].image_url: could not fetch the image from "
+                                         r"localhost: HTTP 404"):
+        images.inline_images("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "?"}, {"type": "image_url", "image_url": {"url": f"https://localhost:{port}/missing.png"}}]}]},
+            allowed)

@@ -137,6 +137,27 @@ def test_push_back_and_dropped_connections_are_waited_out_with_every_line_answer
     assert bodies[7] == "echo q7"
 
 
+def test_images_go_to_the_server_inline_and_a_bad_one_is_its_lines_error():
+    from batch_pipeline_tests.image_data import data_url, png
+
+    bodies: list[dict[str, Any]] = []
+    server = StandIn(lambda n, body: (bodies.append(body), (200, chat_answer(body)))[1])
+    picture = data_url(png("blue", (8, 8)))
+    good = request(1, "?")
+    good.body["messages"][0]["content"] = [{"type": "text", "text": "what?"},
+                                           {"type": "image_url", "image_url": {"url": picture}}]
+    bad = request(2, "?")
+    bad.body["messages"][0]["content"] = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]
+    try:
+        answers = {a.line: a for a in engines_at(server.url).stream("batch_x", [good, bad], created=1)}
+    finally:
+        server.stop()
+    assert answers[1].kind == "output" and [b["messages"][0]["content"][1]["image_url"]["url"] for b in bodies] == [picture]
+    assert answers[2].kind == "error" and answers[2].record["error"]["code"] == contract.INVALID_REQUEST
+    assert "body.messages[0].content[0].image_url" in answers[2].record["error"]["message"]
+    assert server.posts == 1  # the bad line never reached the server
+
+
 def test_a_server_gone_longer_than_the_wait_fails_naming_its_url():
     server = StandIn(lambda n, body: (503, {"error": {"message": "engine dead"}}))
     try:

@@ -1,7 +1,8 @@
 """A warm engine: vLLM's own OpenAI-compatible server answers a run's requests over HTTP.
 
 With ENGINE_URL set, a run imports no vLLM and loads no model: `RemoteEngines` sends each request of
-the default model (chat, completions, Responses; LoRA adapters served beside it) to the server and
+the default model (chat, completions, Responses; LoRA adapters served beside it; images fetched and
+checked here as in-process, sent as data: URLs) to the server and
 writes the same result lines the in-process engine writes (contract/lines.py's envelope, the same
 deterministic ids, the same `context_length_exceeded` error line for a prompt over the limit, usage
 with cached tokens). Requests of other models (MODELS_FILE entries) and of the pooling endpoints
@@ -40,6 +41,7 @@ from batch_pipeline.base import ids
 from batch_pipeline.contract import contract
 from batch_pipeline.contract import lines
 from batch_pipeline.contract.lines import Answer
+from batch_pipeline.io import images
 from batch_pipeline.config.settings import ConfigError, EngineSettings
 
 # The window when neither ENGINE_WINDOW nor BATCH_SIZE says: vLLM's CPU default of sequences decoded
@@ -318,6 +320,7 @@ class RemoteEngines:
         self._local_factory, self._local = local, None  # in-process engines for what the server does not serve
         self.names = {served_name, *settings.lora_adapters()}
         self.figures: EngineFigures | None = None  # the server's figures over the last stream
+        self.image_settings = images.image_settings_from_env()
         self.served = self.check()
 
     def check(self) -> list[str]:
@@ -391,7 +394,11 @@ class RemoteEngines:
     def _ask(self, sent: Sent, created: int) -> Answer:
         """One request to the server until it is answered; the line's answer (an output line, or the
         error line the server's refusal amounts to)."""
-        req, body = sent.req, dict(sent.req.body)
+        req = sent.req
+        try:  # images fetched and checked here, as in-process; the server gets them as data: URLs
+            body = images.inline_images(req.url, req.body, self.image_settings)
+        except images.ImageError as e:
+            return lines.contract_error(sent.batch_id, req, contract.INVALID_REQUEST, str(e))
         body.setdefault("priority", self.priority)
         request_id = ids.request_id(sent.batch_id, req.line)
         wait_from: float | None = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import io
 import os
 import time
@@ -384,6 +385,43 @@ def chat_messages_with_images(messages: list[dict[str, Any]], loaded: tuple[Any,
         out.append(message)
     if next(it, None) is not None:
         raise ValueError("more images than image parts")
+    return out
+
+
+def inline_images(url: str, body: Mapping[str, Any], settings: ImageSettings) -> dict[str, Any]:
+    """The body with each image part's URL replaced by a data: URL of its bytes, fetched and checked
+    as for the in-process engine (size, pixels, a readable image; https hosts, s3), so that a server
+    the line is sent to (a warm engine) never fetches anything itself. ImageError names the part."""
+    refs = image_refs(url, body)
+    if not refs:
+        return dict(body)
+    check_count(refs, settings)
+    from PIL import Image
+
+    inlined = []
+    for ref in refs:
+        data = fetch_bytes(ref, settings)
+        decode(ref, data, settings)  # the same checks as in-process: size, pixels, a readable image
+        if _scheme(ref) == "data":
+            inlined.append(ref.url)
+            continue
+        media = f"image/{(Image.open(io.BytesIO(data)).format or 'png').lower()}"  # the header says
+        inlined.append(f"data:{media};base64," + base64.b64encode(data).decode())
+    out = copy.deepcopy(dict(body))
+    it = iter(inlined)
+    if url == CHAT_URL:
+        for message in _list(out.get("messages")):
+            for part in _parts(message):
+                if part.get("type") == "image_url":
+                    if isinstance(part.get("image_url"), dict):
+                        part["image_url"]["url"] = next(it)
+                    else:
+                        part["image_url"] = {"url": next(it)}
+    elif url == RESPONSES_URL:
+        for item in _list(out.get("input")):
+            for part in _parts(item):
+                if part.get("type") == "input_image":
+                    part["image_url"] = next(it)
     return out
 
 
