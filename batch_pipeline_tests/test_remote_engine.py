@@ -158,6 +158,45 @@ def test_images_go_to_the_server_inline_and_a_bad_one_is_its_lines_error():
     assert server.posts == 1  # the bad line never reached the server
 
 
+def test_each_model_goes_to_its_own_warm_engine_and_the_rest_stays_in_process(tmp_path):
+    """ENGINE_URL serves the default model; a MODELS_FILE entry with a `url` is sent there (a versioned
+    one as the version the run is pinned to); an entry without one is answered in-process."""
+    seen: dict[str, list[str]] = {"a": [], "b": []}
+    a = StandIn(lambda n, body: (seen["a"].append(body["model"]), (200, chat_answer(body)))[1])
+    b = StandIn(lambda n, body: (seen["b"].append(body["model"]), (200, chat_answer(body)))[1],
+                served=("other", "ver@v2"))
+    models = tmp_path / "models.yaml"
+    models.write_text(json.dumps({"other": {"path": "/models/other", "url": b.url},
+                                  "ver": {"url": b.url, "current": "v2", "versions": {"v1": "/models/v1", "v2": "/models/v2"}},
+                                  "local": {"path": "/models/local"}}))
+    in_process: list[int] = []
+
+    class Local:
+        def stream(self, batch_id, requests, created):
+            for req in requests:
+                in_process.append(req.line)
+                yield answer(200, chat_answer(req.body, "local"), req)
+
+    lines = [request(1), request(2), request(3), request(4)]
+    for req, model in zip(lines[1:], ("other", "ver", "local")):
+        req.body["model"] = model
+    try:
+        engines = RemoteEngines(EngineSettings(engine_url=a.url, models_file=str(models)), TINY_NAME, Local)
+        answers = {x.line: x for x in engines.stream("batch_x", lines, created=1)}
+    finally:
+        a.stop(), b.stop()
+    assert seen == {"a": [TINY_NAME], "b": ["other", "ver@v2"]} and in_process == [4]
+    assert sorted(answers) == [1, 2, 3, 4] and all(x.kind == "output" for x in answers.values())
+    # The entry's url, not the default's: a server without the entry's model is refused at start.
+    wrong = StandIn(lambda n, body: None, served=(TINY_NAME,))
+    models.write_text(json.dumps({"other": {"path": "/models/other", "url": wrong.url}}))
+    try:
+        with pytest.raises(ConfigError, match=f"the warm engine at {wrong.url} serves tiny-llama, not other"):
+            RemoteEngines(EngineSettings(engine_url=wrong.url, models_file=str(models)), TINY_NAME, Local)
+    finally:
+        wrong.stop()
+
+
 def test_a_server_gone_longer_than_the_wait_fails_naming_its_url():
     server = StandIn(lambda n, body: (503, {"error": {"message": "engine dead"}}))
     try:

@@ -256,10 +256,13 @@ class EngineSettings:
             values.update(preset(named), preset=named)
         if "engine_args" in entry:
             entry["extra_engine_args"] = entry.pop("engine_args")
+        if "url" in entry:  # its warm engine (engine/remote.py); none: it loads in the run's process
+            entry["engine_url"] = str(entry.pop("url") or "")
         unknown = set(entry) - _ENTRY_FIELDS
         if unknown:
             raise ConfigError(f"{where}: model {label!r} has unknown setting(s) {', '.join(sorted(unknown))}; "
-                              f"known: path, preset, sha256, versions, current, {', '.join(sorted(_ENTRY_FIELDS))}")
+                              f"known: path, preset, sha256, versions, current, url, "
+                              f"{', '.join(sorted(_ENTRY_FIELDS - {'engine_url'}))}")
         values.update(entry, model_path=path, served_model_name=served, models_file="", model_versions="")
         try:
             return EngineSettings(**values), {str(k): str(v) for k, v in sums.items()}
@@ -299,10 +302,13 @@ class _ModelsFile(NamedTuple):
 # What a MODELS_FILE entry may set, and what it does not take over from the default model.
 _NOT_INHERITED = {"model_path", "served_model_name", "lora_modules", "max_lora_rank", "reasoning_parser", "models_file",
                   "model_versions",
-                  "preset", "tool_call_parser"}
+                  "preset", "tool_call_parser",
+                  # The default model's warm engine serves it alone: an entry has a `url` of its own or none.
+                  "engine_url", "engine_api_key"}
 _ENTRY_FIELDS = {"tensor_parallel_size", "max_model_len", "batch_size", "dtype", "gpu_memory_utilization",
                  "max_num_batched_tokens", "enable_prefix_caching", "seed", "kv_cache_memory_bytes", "enforce_eager",
-                 "extra_engine_args", "reasoning_parser", "lora_modules", "max_lora_rank", "tool_call_parser"}
+                 "extra_engine_args", "reasoning_parser", "lora_modules", "max_lora_rank", "tool_call_parser",
+                 "engine_url"}
 
 
 def _read_models_file(path: str) -> dict[str, Any]:

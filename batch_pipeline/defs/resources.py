@@ -18,7 +18,7 @@ from pydantic import Field, PrivateAttr
 from batch_pipeline.config import models
 from batch_pipeline.engine.engine_args import engine_kwargs, require_hardware
 from batch_pipeline.engine.engines import Engines
-from batch_pipeline.engine.remote import RemoteEngines, base_url
+from batch_pipeline.engine.remote import RemoteEngines, base_url, warm_routes
 from batch_pipeline.engine.placement import plan_ranks
 from batch_pipeline.engine.ranks import RankedEngines
 from batch_pipeline.base.runtime import configure_runtime_env, gpu_count
@@ -233,15 +233,16 @@ class LLMResource(dg.ConfigurableResource):
     @contextmanager
     def open(self, log: Callable[[str], None], priority: int = 0) -> Iterator["Engines | RankedEngines | RemoteEngines"]:
         """Engines built on first use and always shut down (a leaked engine core hangs the process).
-        With DATA_PARALLEL_SIZE > 1, one engine per rank process (engine/ranks.py). With ENGINE_URL,
-        the warm engine there (engine/remote.py; `priority`: the run's, higher sooner), checked
-        before the first request; what it does not serve is answered in this process."""
+        With DATA_PARALLEL_SIZE > 1, one engine per rank process (engine/ranks.py). With ENGINE_URL
+        (or a MODELS_FILE entry's `url`), the warm engines there (engine/remote.py; `priority`: the
+        run's, higher sooner), checked before the first request; what none serves is answered in
+        this process."""
         configure_runtime_env(models.cache_root())
         s = self.settings()
         path, served = self.generation_model()
         emb_path, emb_name = self.embedding_model()
         engines: Engines | RankedEngines | RemoteEngines
-        if s.engine_url:
+        if warm_routes(s, served):
             def local() -> Engines:  # only for lines the server does not serve: MODELS_FILE models, pooling
                 require_hardware(s)
                 return Engines(s, path or str(models.prepare_bundled_model(log=log)), served, emb_path, emb_name,

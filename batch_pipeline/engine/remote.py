@@ -42,6 +42,7 @@ from batch_pipeline.contract import contract
 from batch_pipeline.contract import lines
 from batch_pipeline.contract.lines import Answer
 from batch_pipeline.io import images
+from batch_pipeline.config.model_versions import VERSION_SEP, versioned_name
 from batch_pipeline.config.settings import ConfigError, EngineSettings
 
 # The window when neither ENGINE_WINDOW nor BATCH_SIZE says: vLLM's CPU default of sequences decoded
@@ -69,6 +70,18 @@ def window_size(settings: EngineSettings) -> int:
     if settings.engine_window:
         return settings.engine_window
     return 2 * settings.batch_size if settings.batch_size else DEFAULT_WINDOW
+
+
+def warm_routes(settings: EngineSettings, served_name: str) -> dict[str, str]:
+    """{served model name: its warm engine's URL}: the default model and its LoRA adapters on
+    ENGINE_URL, each MODELS_FILE entry (or version) with a `url` on that. Empty: no warm engine."""
+    routes: dict[str, str] = {}
+    if settings.engine_url:
+        routes.update({name: base_url(settings.engine_url) for name in (served_name, *settings.lora_adapters())})
+    for name, entry in settings.model_registry().items():
+        if entry.engine_url:
+            routes[name] = base_url(entry.engine_url)
+    return routes
 
 
 def vllm_priority(batch_priority: int) -> int:
@@ -217,6 +230,8 @@ class Sent:
     req: contract.BatchRequest
     batch_id: str
     stop: threading.Event
+    url: str = ""  # the server that answers it
+    model: str = ""  # the name that server serves it as
 
 
 class Stopped(Exception):
@@ -311,34 +326,52 @@ class RemoteEngines:
                  priority: int = 0, log: Callable[[str], None] = lambda _m: None) -> None:
         self.settings = settings
         self.served_name = served_name
-        self.url = base_url(settings.engine_url)
+        self.routes = warm_routes(settings, served_name)  # served model name -> its server's URL
+        self.url = base_url(settings.engine_url) if settings.engine_url else next(iter(self.routes.values()), "")
         self.priority = vllm_priority(priority)
         self.log = log
         self.load_seconds = 0.0  # no model is loaded by the run
         self.window = Window(window_size(settings))
-        self.client = EngineClient(self.url, settings.engine_api_key)
-        self._local_factory, self._local = local, None  # in-process engines for what the server does not serve
-        self.names = {served_name, *settings.lora_adapters()}
-        self.figures: EngineFigures | None = None  # the server's figures over the last stream
+        # ENGINE_API_KEY goes to every warm engine of the run (one key for the deployment's engines).
+        self.clients = {url: EngineClient(url, settings.engine_api_key) for url in set(self.routes.values())}
+        self._local_factory, self._local = local, None  # in-process engines for what no server serves
+        # Plain names of versioned models answer with the version this run is pinned to (as in-process).
+        self.aliases = {name: versioned_name(name, version) for name, version in settings.resolved_versions({}).items()}
+        self.figures: EngineFigures | None = None  # the server's figures over the last stream (one server)
         self.image_settings = images.image_settings_from_env()
         self.served = self.check()
 
-    def check(self) -> list[str]:
-        """Before any request: the server answers and serves the default model and its adapters."""
-        served = self.client.models()
-        missing = sorted(self.names - set(served))
-        if missing:
-            raise ConfigError(f"the warm engine at {self.url} serves {', '.join(served) or 'no model'}, not "
-                              f"{', '.join(missing)} (SERVED_MODEL_NAME / LORA_MODULES): start it with this "
-                              "model, or point ENGINE_URL at the server that has it")
-        self.log(f"answering on the warm engine at {self.url} (serves {', '.join(served)}; "
-                 f"{self.window.ceiling} requests in flight, vLLM priority {self.priority})")
+    def check(self) -> dict[str, list[str]]:
+        """Before any request: every server answers and serves the models routed to it (of a versioned
+        model, the version this run is pinned to; another version a line names is that line's error)."""
+        served = {}
+        versions = {name for name in self.routes if VERSION_SEP in name}
+        required = (set(self.routes) - versions) | (set(self.aliases.values()) & versions)
+        for url, client in self.clients.items():
+            served[url] = client.models()
+            missing = sorted(name for name in required if self.routes[name] == url and name not in served[url])
+            if missing:
+                raise ConfigError(f"the warm engine at {url} serves {', '.join(served[url]) or 'no model'}, not "
+                                  f"{', '.join(missing)} (SERVED_MODEL_NAME / LORA_MODULES / MODELS_FILE's url): start "
+                                  "it with this model, or point the URL at the server that has it")
+            self.log(f"answering {', '.join(sorted(n for n, to in self.routes.items() if to == url))} on the warm "
+                     f"engine at {url} (serves {', '.join(served[url])}; {self.window.ceiling} requests in flight, "
+                     f"vLLM priority {self.priority})")
         return served
 
-    def remote(self, req: contract.BatchRequest) -> bool:
-        """Whether the server answers this request: a generation line of the default model or an adapter."""
+    @property
+    def client(self) -> EngineClient:
+        """The client of ENGINE_URL's server (or of the only one)."""
+        return self.clients[self.url]
+
+    def route(self, req: contract.BatchRequest) -> tuple[str, str] | None:
+        """(the URL of the server that answers this request, the model name it serves it as), or None:
+        a generation line of a model (or adapter) with a warm engine."""
         model = req.body.get("model") if isinstance(req.body, dict) else None
-        return req.url in GENERATION_URLS and model in self.names
+        model = self.aliases.get(model, model)
+        if req.url not in GENERATION_URLS or model not in self.routes:
+            return None
+        return self.routes[model], model
 
     def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int,
                expected: int | None = None) -> Iterator[Answer]:
@@ -350,8 +383,10 @@ class RemoteEngines:
         stop = threading.Event()
         source = iter(requests)
         exhausted = False
-        meter = EngineMeter(EngineClient(self.url, self.settings.engine_api_key))
-        meter.start()
+        # The server's figures when it is the only one (a run's tokens are then all its own share).
+        meter = EngineMeter(EngineClient(self.url, self.settings.engine_api_key)) if len(self.clients) == 1 else None
+        if meter is not None:
+            meter.start()
         try:
             while True:
                 while not exhausted and len(flying) < self.window.now():
@@ -361,10 +396,11 @@ class RemoteEngines:
                         break
                     if not isinstance(req, contract.BatchRequest):
                         continue  # NOTHING_YET: a data-parallel feeder's "not yet" has no meaning here
-                    if not self.remote(req):
+                    routed = self.route(req)
+                    if routed is None:
                         others.append(req)
                         continue
-                    sent = Sent(req, req.batch_id or batch_id, stop)
+                    sent = Sent(req, req.batch_id or batch_id, stop, *routed)
                     flying[pool.submit(self._ask, sent, created)] = sent
                 if not flying:
                     if exhausted:
@@ -376,11 +412,13 @@ class RemoteEngines:
                     yield future.result()  # EngineUnavailable ends the stream
         finally:
             stop.set()
-            if flying:  # interrupted: shut the connections down so the server aborts what it holds
-                self.client.abort()
+            if flying:  # interrupted: shut the connections down so the servers abort what they hold
+                for client in self.clients.values():
+                    client.abort()
             pool.shutdown(wait=False, cancel_futures=True)
-            self.figures = meter.stop()
-            meter.client.close()
+            if meter is not None:
+                self.figures = meter.stop()
+                meter.client.close()
         if others:
             self.log(f"{len(others)} request(s) the warm engine does not serve (other models, embeddings, "
                      "score): answering them in this process")
@@ -400,6 +438,7 @@ class RemoteEngines:
         except images.ImageError as e:
             return lines.contract_error(sent.batch_id, req, contract.INVALID_REQUEST, str(e))
         body.setdefault("priority", self.priority)
+        body["model"] = sent.model  # a versioned model's plain name: the version this run is pinned to
         request_id = ids.request_id(sent.batch_id, req.line)
         wait_from: float | None = None
         backoff = BACKOFF_FIRST
@@ -407,10 +446,10 @@ class RemoteEngines:
             if sent.stop.is_set():
                 raise Stopped(req.line)
             try:
-                reply = self.client.post(req.url, body, request_id)
+                reply = self.clients[sent.url].post(req.url, body, request_id)
                 if reply.status not in RETRY_STATUSES:
                     self.window.grow()
-                    return answer_of(sent, reply, created, self.url)
+                    return answer_of(sent, reply, created, sent.url)
                 problem = f"HTTP {reply.status}"
             except (OSError, http.client.HTTPException) as e:  # refused, reset, dropped, timed out
                 problem = type(e).__name__
@@ -418,18 +457,19 @@ class RemoteEngines:
             wait_from = now if wait_from is None else wait_from
             if now - wait_from >= self.settings.engine_wait_seconds:
                 raise EngineUnavailable(
-                    f"the warm engine at {self.url} has not answered for {now - wait_from:.0f} s ({problem}; "
+                    f"the warm engine at {sent.url} has not answered for {now - wait_from:.0f} s ({problem}; "
                     f"ENGINE_WAIT_SECONDS={self.settings.engine_wait_seconds:g}): the run stops; its answers are "
                     "checkpointed and the next run resumes from them")
             if backoff == BACKOFF_FIRST:
-                self.log(f"the warm engine at {self.url} did not take line {req.line} ({problem}); "
+                self.log(f"the warm engine at {sent.url} did not take line {req.line} ({problem}); "
                          "sending it again as it comes back")
             self.window.shrink()
             sent.stop.wait(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX)
 
     def close(self) -> None:
-        self.client.close()
+        for client in self.clients.values():
+            client.close()
         if self._local is not None:
             self._local.close()
             self._local = None
