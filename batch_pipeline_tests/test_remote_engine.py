@@ -197,6 +197,26 @@ def test_each_model_goes_to_its_own_warm_engine_and_the_rest_stays_in_process(tm
         wrong.stop()
 
 
+def test_a_stream_that_fits_the_window_is_not_planned(tiny_llm, tmp_path):
+    """All of a small batch goes to the warm engine at once, so its order is the server's: the run
+    loads no tokenizer to plan it. A batch longer than the window is planned as in-process."""
+    server = StandIn(lambda n, body: (200, chat_answer(body)))
+    try:
+        for name, count, window in (("small", 5, 64), ("large", 12, 4)):
+            write_batch(tmp_path / "in" / DATE, f"{name}.jsonl",
+                        [json.dumps({"custom_id": f"{name}-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                     "body": request(i, f"{name} {i}").body}) for i in range(count)])
+            result = materialize(tiny_llm.rebuilt(engine_url=server.url, engine_window=window), str(tmp_path / "in"),
+                                 str(tmp_path / name), run_config={"resources": {"batch": {"config": {
+                                     "input_uri": str(tmp_path / "in" / DATE / f"{name}.jsonl")}}}})
+            assert result.success
+            info = json.loads((tmp_path / name / DATE / name / "_work" / "inference.json").read_text())
+            assert info["computed_requests"] == count and info["model_load_seconds"] == 0
+            assert (info["planning_seconds"] == 0) is (name == "small"), (name, info["planning_seconds"])
+    finally:
+        server.stop()
+
+
 def test_a_server_gone_longer_than_the_wait_fails_naming_its_url():
     server = StandIn(lambda n, body: (503, {"error": {"message": "engine dead"}}))
     try:

@@ -360,6 +360,11 @@ class RemoteEngines:
         return served
 
     @property
+    def takes_at_once(self) -> int:
+        """The longest stream sent all at once (the window): its order is then the server's, not a plan's."""
+        return self.window.ceiling
+
+    @property
     def client(self) -> EngineClient:
         """The client of ENGINE_URL's server (or of the only one)."""
         return self.clients[self.url]

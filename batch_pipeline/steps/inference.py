@@ -236,7 +236,14 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
     label = works[0].label if len(works) == 1 else f"{len(works)} batches"
     by_id = {w.batch_id: w for w in works}
     plan: Plan | None = None
-    if order == "planned" and total - answered > 1:
+    # A warm engine takes a stream no longer than its window all at once: then the order is its own
+    # scheduler's, and a plan (a tokenizer load, seconds for a small batch) would change nothing.
+    at_once = getattr(engines, "takes_at_once", 1)
+    planned = order == "planned" and total - answered > 1
+    if planned and total - answered <= at_once:
+        log(f"{label}: {total - answered} requests, all in flight at once on the warm engine: not planned")
+        planned = False
+    if planned:
         plan = _plan([(w.loc, w.positions, w.done, w.left) for w in works], str(identity.get("model_path") or ""),
                      log, label)
         remaining: Iterator[Any] = plan.stream(lambda raw, part: request_from_record(json.loads(raw), works[part].batch_id))
