@@ -14,6 +14,7 @@ Dagster, vLLM and torch are imported inside the checks only (importing vLLM take
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -118,7 +119,10 @@ def check_warm_engine() -> CheckResult:
     if not s.engine_url:
         return _pass(name, "ENGINE_URL unset: each run builds its engine in its own process")
     served_name = s.served_model_name or (Path(s.model_path).name if s.model_path else models.bundled_model_dir().name)
-    client = EngineClient(s.engine_url, s.engine_api_key)
+    try:
+        client = EngineClient(s.engine_url, s.engine_api_key)
+    except ValueError as e:  # ConfigError: a URL without a host
+        return _fail(name, str(e))
     try:
         served = client.models()
         wanted = {served_name, *s.lora_adapters()}
@@ -129,7 +133,7 @@ def check_warm_engine() -> CheckResult:
             info = client.request("GET", "/server_info?config_format=json")
             policy = ((info.json().get("vllm_config") or {}).get("scheduler_config") or {}).get("policy") \
                 if info.status == 200 else None
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, http.client.HTTPException):
             policy = None
     except (EngineUnavailable, ValueError) as e:
         return _fail(name, str(e))

@@ -604,40 +604,28 @@ def test_the_service_and_the_run_killed_mid_batch_keep_every_record(service):
         conn.close()
 
 
-def failed_batches(base: str) -> int:
-    """/metrics' count of failed batches (every tenant's)."""
-    request = urllib.request.Request(f"{base}/metrics", headers={"Authorization": f"Bearer {KEY_A}"})
-    with urllib.request.urlopen(request, timeout=10) as response:
-        text = response.read().decode()
-    [line] = [x for x in text.splitlines() if x.startswith('batch_pipeline_api_batches{status="failed"}')]
-    return int(float(line.split()[-1]))
-
-
 def test_a_batch_whose_run_worker_is_killed_is_never_reported_over_before_completed(service):
-    """The run worker alone SIGKILLed, the service up: polled every 0.2 s from the kill to the end
-    (the Batch object and /metrics), the batch is never terminal before `completed`, through the
-    window where Dagster has stored the run's failure and not yet its retry decision, the wait for the
-    retry's turn and the retry itself; every line is answered once, some reused from the killed run."""
+    """The run worker alone SIGKILLed, the service up: polled every 0.2 s from the kill to the end,
+    the batch is never terminal before `completed`, through Dagster's failure of the run, its retry
+    decision, the wait for the retry's turn and the retry itself; every line is answered once, some
+    reused from the killed run. (The window between the failure and the decision is milliseconds
+    here: test_service_retries.py holds it open with a stand-in, for the Batch object and /metrics.)"""
     if not service["database"]:
         pytest.skip("run retries are the production instance's (PostgreSQL); none reachable here")
     sdk, server = client(service), service["server"]
-    base = service["url"].removesuffix("/v1")
-    failed_before = failed_batches(base)
     _, batch, ids, parts = long_batch(sdk, service, "watched", n=160)
     first = kill_run_worker(server, batch.id)
     done_at_kill = sum(p.read_text().count("\n") for p in parts())
     assert done_at_kill < len(ids), "the batch was answered before the kill: make it longer"
-    seen: list[tuple[str, int]] = []  # (status, /metrics' failed batches) at each look
+    seen: list[str] = []  # the batch's status at each look
 
     def look() -> Any:
         now = sdk.batches.retrieve(batch.id)
-        seen.append((now.status, failed_batches(base)))
+        seen.append(now.status)
         return now if now.status in TERMINAL else None
 
     done = wait_for(f"batch {batch.id} finished", look, RUN_TIMEOUT, interval=0.2, on_timeout=server.log_tail)
-    statuses = [s for s, _ in seen]
-    assert done.status == "completed" and set(statuses[:-1]) <= {"in_progress", "finalizing"}, statuses
-    assert all(failed == failed_before for _, failed in seen), seen
+    assert done.status == "completed" and set(seen[:-1]) <= {"in_progress", "finalizing"}, seen
     assert len(seen) > 50, len(seen)  # looked all through the kill, the retry's wait and its answers
     assert done.request_counts.total == done.request_counts.completed == len(ids)
     outputs = jsonl_records(sdk.files.content(done.output_file_id).text)

@@ -30,7 +30,10 @@ NOW = 1_000_000.0
 
 
 @pytest.mark.parametrize("tags, ended, policy, retrying, why", [
-    ({"dagster/will_retry": "true"}, NOW - 3600, ON, True, "retrying"),
+    ({"dagster/will_retry": "true"}, NOW - 600, ON, True, "retrying"),
+    # Tagged for a retry that never came (no retry daemon): over, said so.
+    ({"dagster/will_retry": "true"}, NOW - 3600, ON, False, "launched none in 900 s (is the dagster-daemon running?)"),
+    ({"dagster/retry_number": "x"}, NOW, ON, True, "not decided yet"),  # a tag edited by hand: no crash
     ({"dagster/will_retry": "false"}, NOW, ON, False, "decided not to retry"),
     # The window this issue was about: failed, no tag yet.
     ({}, NOW - 1, ON, True, "not decided yet"),
@@ -108,6 +111,16 @@ def test_a_retrying_batch_stays_in_progress_everywhere_and_a_failed_one_says_why
     assert again["errors"] == failed["errors"] and again["failed_at"] == failed["failed_at"]
     assert runs.asked_why == [f"run-{batch_id}"]
     assert metrics_line(service, "failed").endswith(" 1")
+    # A retry Dagster launched after all (its daemon was behind): the batch is taken up again, back
+    # among its tenant's open batches and counted as not over, not kept as failed.
+    from batch_pipeline.service.metrics import FinishedBatches
+
+    kept = FinishedBatches()
+    assert [b["status"] for _, b in kept.batches(store, service.batch_object)] == ["failed"]
+    runs.status[batch_id] = "QUEUED"  # the retry run, in the queue (no lines validated in this stand-in)
+    assert service.batch_object(store.batch(TENANT, batch_id))["status"] == "validating"
+    assert [r["id"] for r in store.open_batches(TENANT)] == [batch_id] and "run_failure" not in store.batch(TENANT, batch_id)
+    assert [b["status"] for _, b in kept.batches(store, service.batch_object)] == ["validating"]
 
 
 def test_a_cancel_of_a_retrying_batch_is_carried_out_on_the_retry_run(service):

@@ -97,7 +97,9 @@ class StandIn:
     each request id it answered, so a test sees a line answered twice."""
 
     def __init__(self, script: Callable[[int, dict[str, Any]], tuple[int, Any] | None], served: tuple[str, ...] = (TINY_NAME,),
-                 port: int | None = None, pages: dict[str, Any] | None = None) -> None:
+                 port: int | None = None, pages: dict[str, Any] | None = None, idle_close: float | None = None) -> None:
+        """`idle_close`: keep connections alive, closing one idle this many seconds (as vLLM's server
+        does after 5 s); None: every answer closes its connection."""
         self.script, self.served, self.pages = script, served, pages or {}
         self.posts = 0
         self.answered: dict[str, int] = {}
@@ -106,6 +108,7 @@ class StandIn:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = idle_close  # the socket's: an idle kept-alive connection is closed after it
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -139,8 +142,9 @@ class StandIn:
             def _send(self, status: int, payload: Any) -> None:
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)
-                self.close_connection = True  # no keep-alive: a stopped stand-in answers nothing more
-                self.send_header("Connection", "close")
+                if idle_close is None:
+                    self.close_connection = True  # no keep-alive: a stopped stand-in answers nothing more
+                    self.send_header("Connection", "close")
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -151,11 +155,6 @@ class StandIn:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
-
-    def kill(self) -> None:
-        """SIGKILL the server and its engine core: what a crashed or evicted server pod looks like."""
-        os.killpg(self.process.pid, 9)
-        self.process.wait(30)
 
     def stop(self) -> None:
         self.server.shutdown()

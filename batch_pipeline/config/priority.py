@@ -32,5 +32,7 @@ def priority_tags(priority: int, turn: int = 0) -> dict[str, str]:
 
 def run_priority(tags: Mapping[str, str]) -> int:
     """A run's own priority (higher sooner) from its tags; 0 for a run launched without one (the UI)."""
-    raw = tags.get(BATCH_PRIORITY_TAG, "")
-    return int(raw) if raw.lstrip("-").isdigit() else 0
+    try:
+        return int(tags.get(BATCH_PRIORITY_TAG, "0"))
+    except ValueError:  # a tag edited by hand into something else
+        return 0

@@ -5,6 +5,7 @@ Every field left blank in the launchpad falls back to the environment variable o
 """
 
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -242,6 +243,12 @@ class LLMResource(dg.ConfigurableResource):
         path, served = self.generation_model()
         emb_path, emb_name = self.embedding_model()
         engines: Engines | RankedEngines | RemoteEngines
+        if self.engine_url and s.engine_api_key and base_url(self.engine_url) != base_url(os.environ.get("ENGINE_URL", "")):
+            # ENGINE_API_KEY is the operator's, for the engines the environment names: never sent to
+            # a URL typed into a run's launchpad config.
+            log(f"ENGINE_URL from the launchpad ({base_url(self.engine_url)}) is not the environment's: "
+                "ENGINE_API_KEY is not sent to it")
+            s = dataclasses.replace(s, engine_api_key="")
         if warm_routes(s, served):
             def local() -> Engines:  # only for lines the server does not serve: MODELS_FILE models, pooling
                 require_hardware(s)

@@ -52,6 +52,8 @@ RETRY_STATUSES = (408, 429, 500, 502, 503, 504)
 BACKOFF_FIRST, BACKOFF_MAX = 0.5, 10.0  # seconds between tries of a request the server did not take
 CONNECT_SECONDS = 10.0
 ANSWER_SECONDS = 1800.0  # one request's answer (a long decode on a loaded CPU server takes minutes)
+SHORT_SECONDS = 15.0  # the server's model list and /metrics: a server silent this long is not answering
+LINE_ERROR_TRIES = 3  # a 500 with an error body, this many times for one line: that line's error
 GENERATION_URLS = (contract.CHAT_URL, contract.COMPLETIONS_URL, contract.RESPONSES_URL)
 
 
@@ -164,33 +166,49 @@ class EngineClient:
         return conn
 
     def _drop(self, conn: http.client.HTTPConnection) -> None:
-        self._local.conn = None
+        self._local.conn, self._local.used = None, False
         with self._lock:
             self._open.discard(conn)
         conn.close()
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None,
-                headers: dict[str, str] | None = None) -> Reply:
+                headers: dict[str, str] | None = None, timeout: float = ANSWER_SECONDS,
+                stop: threading.Event | None = None) -> Reply:
         """One request on this thread's connection; raises OSError or http.client's errors when the
-        server cannot be reached or the connection drops (the connection is then dropped too)."""
-        conn = self._connection()
-        try:
-            conn.request(method, self._prefix + path, body=None if body is None else json.dumps(body).encode(),
-                         headers={**self._headers, **(headers or {})})
-            response = conn.getresponse()
-            reply = Reply(response.status, response.read())
+        server cannot be reached or the connection drops (the connection is then dropped too). A
+        kept-alive connection the server closed while idle (vLLM's after 5 s) is no fault of the
+        server: the request goes once more on a new connection. `stop` set: nothing is sent."""
+        data = None if body is None else json.dumps(body).encode()
+        for attempt in (1, 2):
+            conn = self._connection()
+            reused = getattr(self._local, "used", False)
+            if stop is not None and stop.is_set():
+                raise Stopped(path)
+            try:
+                assert conn.sock is not None
+                conn.sock.settimeout(timeout)
+                conn.request(method, self._prefix + path, body=data, headers={**self._headers, **(headers or {})})
+                response = conn.getresponse()
+                reply = Reply(response.status, response.read())
+            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
+                self._drop(conn)
+                if reused and attempt == 1:
+                    continue  # the server had closed it while it sat idle
+                raise
+            except BaseException:
+                self._drop(conn)
+                raise
+            self._local.used = True
             if response.will_close:
                 self._drop(conn)
             return reply
-        except BaseException:
-            self._drop(conn)
-            raise
+        raise AssertionError("unreachable")
 
     def models(self) -> list[str]:
         """The model names the server serves (its base models and LoRA adapters); raises
         EngineUnavailable naming the URL when it does not answer or answers something else."""
         try:
-            reply = self.request("GET", "/v1/models")
+            reply = self.request("GET", "/v1/models", timeout=SHORT_SECONDS)
         except (OSError, http.client.HTTPException) as e:
             raise EngineUnavailable(f"the warm engine at {self.url} does not answer ({type(e).__name__}: {e}); "
                                     "start one with `batch-pipeline engine start` or unset ENGINE_URL") from None
@@ -203,8 +221,8 @@ class EngineClient:
             raise EngineUnavailable(f"{self.url}/v1/models answered HTTP {reply.status} without a model "
                                     f"list: {reply.text[:200]!r}; is this vLLM's OpenAI-compatible server?") from None
 
-    def post(self, path: str, body: dict[str, Any], request_id: str) -> Reply:
-        return self.request("POST", path, body, {"X-Request-Id": request_id})
+    def post(self, path: str, body: dict[str, Any], request_id: str, stop: threading.Event | None = None) -> Reply:
+        return self.request("POST", path, body, {"X-Request-Id": request_id}, stop=stop)
 
     def abort(self) -> None:
         """Shut down every connection, those waiting for an answer too: the server aborts their requests."""
@@ -284,7 +302,7 @@ class EngineMeter:
 
     def _read(self) -> dict[str, float] | None:
         try:
-            reply = self.client.request("GET", "/metrics")
+            reply = self.client.request("GET", "/metrics", timeout=SHORT_SECONDS)
             return prometheus_sums(reply.text) if reply.status == 200 else None
         except (OSError, http.client.HTTPException):
             return None
@@ -338,6 +356,8 @@ class RemoteEngines:
         # Plain names of versioned models answer with the version this run is pinned to (as in-process).
         self.aliases = {name: versioned_name(name, version) for name, version in settings.resolved_versions({}).items()}
         self.figures: EngineFigures | None = None  # the server's figures over the last stream (one server)
+        self._lock = threading.Lock()
+        self._last_answer: dict[str, float] = {}  # URL -> when it last answered (monotonic)
         self.image_settings = images.image_settings_from_env()
         self.served = self.check()
 
@@ -412,14 +432,21 @@ class RemoteEngines:
                         break
                     continue
                 done, _ = cf.wait(flying, return_when=cf.FIRST_COMPLETED)
+                failed = None
                 for future in done:
                     del flying[future]
-                    yield future.result()  # EngineUnavailable ends the stream
+                    if future.exception() is None:
+                        yield future.result()
+                    else:
+                        failed = failed or future.exception()
+                if failed is not None:
+                    raise failed  # EngineUnavailable: the stream ends, every answer before it taken
         finally:
             stop.set()
-            if flying:  # interrupted: shut the connections down so the servers abort what they hold
-                for client in self.clients.values():
-                    client.abort()
+            # Interrupted: the servers abort what they hold for these connections. Done: idle ones
+            # are not kept for the next stream (its threads are new).
+            for client in self.clients.values():
+                client.abort()
             pool.shutdown(wait=False, cancel_futures=True)
             if meter is not None:
                 self.figures = meter.stop()
@@ -442,27 +469,34 @@ class RemoteEngines:
             body = images.inline_images(req.url, req.body, self.image_settings)
         except images.ImageError as e:
             return lines.contract_error(sent.batch_id, req, contract.INVALID_REQUEST, str(e))
+        for field_name in contract.IGNORED_FIELDS:  # accepted and ignored in-process; some refused by vLLM
+            body.pop(field_name, None)
         body.setdefault("priority", self.priority)
         body["model"] = sent.model  # a versioned model's plain name: the version this run is pinned to
         request_id = ids.request_id(sent.batch_id, req.line)
-        wait_from: float | None = None
-        backoff = BACKOFF_FIRST
+        backoff, errors = BACKOFF_FIRST, 0
         while True:
             if sent.stop.is_set():
                 raise Stopped(req.line)
             try:
-                reply = self.clients[sent.url].post(req.url, body, request_id)
+                reply = self.clients[sent.url].post(req.url, body, request_id, stop=sent.stop)
                 if reply.status not in RETRY_STATUSES:
-                    self.window.grow()
+                    self._answered(sent.url)
                     return answer_of(sent, reply, created, sent.url)
+                if reply.status == 500 and _error_message(_json_or_none(reply)):
+                    # The server's error for this request (a parser that failed on its output, ...):
+                    # tried again, and then that line's error, as in-process.
+                    self._answered(sent.url)
+                    errors += 1
+                    if errors >= LINE_ERROR_TRIES:
+                        return answer_of(sent, reply, created, sent.url)
                 problem = f"HTTP {reply.status}"
             except (OSError, http.client.HTTPException) as e:  # refused, reset, dropped, timed out
                 problem = type(e).__name__
-            now = time.monotonic()
-            wait_from = now if wait_from is None else wait_from
-            if now - wait_from >= self.settings.engine_wait_seconds:
+            silent = self._silent_for(sent.url)
+            if silent >= self.settings.engine_wait_seconds:
                 raise EngineUnavailable(
-                    f"the warm engine at {sent.url} has not answered for {now - wait_from:.0f} s ({problem}; "
+                    f"the warm engine at {sent.url} has not answered for {silent:.0f} s ({problem}; "
                     f"ENGINE_WAIT_SECONDS={self.settings.engine_wait_seconds:g}): the run stops; its answers are "
                     "checkpointed and the next run resumes from them")
             if backoff == BACKOFF_FIRST:
@@ -471,6 +505,19 @@ class RemoteEngines:
             self.window.shrink()
             sent.stop.wait(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def _answered(self, url: str) -> None:
+        with self._lock:
+            self._last_answer[url] = time.monotonic()
+        self.window.grow()
+
+    def _silent_for(self, url: str) -> float:
+        """Seconds since the server last answered anything (any line's request), or since the first
+        request of this run that found it away: the server is out, not one line."""
+        now = time.monotonic()
+        with self._lock:
+            since = self._last_answer.setdefault(url, now)
+        return now - since
 
     def close(self) -> None:
         for client in self.clients.values():
@@ -497,13 +544,23 @@ def answer_of(sent: Sent, response: Reply, created: int, url: str) -> Answer:
         if response.status == 400 and "maximum context length" in message:
             return lines.contract_error(batch_id, req, contract.CONTEXT_LENGTH_EXCEEDED, message)
         return lines.engine_error(batch_id, req, RuntimeError(message), status=response.status)
-    shaped = BODY_SHAPES[req.url](batch_id, req, payload, created) if isinstance(payload, dict) else None
+    try:
+        shaped = BODY_SHAPES[req.url](batch_id, req, payload, created) if isinstance(payload, dict) else None
+    except (AttributeError, TypeError, ValueError, KeyError):  # OpenAI's keys, but not its shapes
+        shaped = None
     if shaped is None:
         return lines.engine_error(batch_id, req, RuntimeError(
             f"the warm engine at {url} answered {req.url} with a body that is not OpenAI's: {response.text[:200]!r}"),
             status=502)
     body, prompt, completion, reasoning, cached = shaped
     return lines.success(batch_id, req, body, prompt, completion, reasoning, cached)
+
+
+def _json_or_none(reply: Reply) -> Any:
+    try:
+        return reply.json()
+    except ValueError:
+        return None
 
 
 def _error_message(payload: Any) -> str:

@@ -37,6 +37,9 @@ RETRYING = "RETRYING"
 # decides within a second (the tag is written right after the failure) or, where that write was
 # missed, on the auto-retry daemon's next pass (5 s); a minute covers a loaded machine.
 RETRY_DECISION_SECONDS = 60.0
+# A run tagged will_retry=true whose retry run never appeared this long after it failed: the retry
+# daemon is not running (the batch is reported failed, and taken up again if the retry comes later).
+RETRY_LAUNCH_SECONDS = 900.0
 POLICY_SECONDS = 60.0  # how long the instance's run_retries read is kept
 TRIGGER_TAG, TRIGGER = "batch_pipeline/trigger", "batch api"
 
@@ -164,7 +167,7 @@ class DagsterClient:
         still retry is reported RETRYING, not FAILURE (`retry_outcome`): the batch is not over until
         Dagster has decided not to retry it. Status None: the web server did not answer (the
         submitted run's id is returned then)."""
-        fields = "... on Runs { results { runId status endTime tags { key value } } }"
+        fields = "... on Runs { results { runId status endTime updateTime tags { key value } } }"
         query = ("query Batch($tags: [ExecutionTag!], $id: String!) { "
                  f"tagged: runsOrError(filter: {{tags: $tags}}, limit: 1) {{ {fields} }} "
                  f"submitted: runsOrError(filter: {{runIds: [$id]}}) {{ {fields} }} }}")
@@ -179,7 +182,8 @@ class DagsterClient:
         run = runs[0]
         if run["status"] == "FAILURE":
             tags = {t["key"]: t["value"] for t in run.get("tags") or []}
-            outcome = retry_outcome(tags, run.get("endTime"), self.retry_policy(), time.time())
+            ended = run.get("endTime") or run.get("updateTime")  # the failure's time (its last change, without an end)
+            outcome = retry_outcome(tags, ended, self.retry_policy(), time.time())
             if outcome.retrying:
                 return run["runId"], RETRYING
         return run["runId"], run["status"]
@@ -190,7 +194,7 @@ class DagsterClient:
         retry decision. Read once per failed batch (the service keeps it in the batch's record)."""
         try:
             data = self.graphql(
-                "query Failed($id: ID!) { runOrError(runId: $id) { ... on Run { endTime tags { key value } } } "
+                "query Failed($id: ID!) { runOrError(runId: $id) { ... on Run { endTime updateTime tags { key value } } } "
                 "logsForRun(runId: $id) { ... on EventConnection { events { __typename "
                 "... on MessageEvent { message level } } } } }", {"id": run_id})
         except Exception as e:  # noqa: BLE001 - the run is failed all the same; say what is missing
@@ -199,7 +203,7 @@ class DagsterClient:
         errors = [e["message"] for e in events if e.get("level") == "ERROR" and e.get("message")]
         run = data.get("runOrError") or {}
         tags = {t["key"]: t["value"] for t in run.get("tags") or []}
-        outcome = retry_outcome(tags, run.get("endTime"), self.retry_policy(), time.time())
+        outcome = retry_outcome(tags, run.get("endTime") or run.get("updateTime"), self.retry_policy(), time.time())
         said = "; ".join(m.split("\n", 1)[0][:300] for m in errors[-2:]) or "no error message recorded"
         return f"{said}. Not retried: {outcome.why}"
 
@@ -235,12 +239,15 @@ def retry_outcome(tags: dict[str, str], ended_at: float | None, policy: RetryPol
     `policy` None (the instance's settings unknown): as if retries were on."""
     will_retry = tags.get(WILL_RETRY_TAG)
     if will_retry == "true":
+        if ended_at is not None and now - ended_at >= RETRY_LAUNCH_SECONDS:
+            return RetryOutcome(False, f"Dagster tagged it for a retry but launched none in {RETRY_LAUNCH_SECONDS:.0f} s "
+                                       "(is the dagster-daemon running?); a retry launched later takes the batch up again")
         return RetryOutcome(True, "Dagster is retrying it")
     if will_retry == "false":
         return RetryOutcome(False, "Dagster decided not to retry it (dagster/will_retry=false)")
     if policy is not None and not policy.enabled:
         return RetryOutcome(False, "the Dagster instance does not retry runs (run_retries off)")
-    number = int(tags.get(RETRY_NUMBER_TAG) or 0)
+    number = int(tags.get(RETRY_NUMBER_TAG) or 0) if (tags.get(RETRY_NUMBER_TAG) or "0").isdigit() else 0
     max_retries = tags.get(MAX_RETRIES_TAG)
     limit = int(max_retries) if (max_retries or "").isdigit() else (policy.max_retries if policy else None)
     if limit is not None and number >= limit:

@@ -77,7 +77,9 @@ class FinishedBatches:
                     continue
                 batch = batch_object(record)
                 kept = (record["tenant"], {k: batch.get(k) for k in _KEPT})
-                if batch["status"] in TERMINAL_STATUSES:
+                # Kept once over; but a batch failed by its run's status alone (no Batch object from
+                # the pipeline) is read again, since a late retry can still take it up.
+                if batch["status"] in TERMINAL_STATUSES and (batch.get("output_file_id") or batch["status"] != "failed"):
                     with self._lock:
                         self._kept[batch_id] = kept
             found.append(kept)

@@ -155,6 +155,15 @@ class Store:
             record["open"] = False
             self.save_batch(record)
 
+    def reopen_batch(self, record: dict[str, Any]) -> None:
+        """A batch seen finished that is not over after all (its failed run was retried after the
+        service had given up waiting: dagster_client.retry_outcome): back among its tenant's open batches."""
+        if record.get("open") is False:
+            record["open"] = True
+            record.pop("run_failure", None)
+            self.save_batch(record)
+            storage.write_json(self._open_uri(record["tenant"], record["id"]), {"id": record["id"]})
+
     def open_batches(self, tenant: str) -> list[dict[str, Any]]:
         """The tenant's batches not yet seen finished: one listing and a record read each."""
         found = []
