@@ -241,6 +241,34 @@ def test_a_dead_engines_record_shows_down_and_stop_forgets_it(engines_cache):
     assert "had already exited" in said[0] and not server.state_path(port).exists()
 
 
+def test_what_a_dead_server_left_in_its_group_is_stopped_too(engines_cache):
+    """The API server gone (killed, crashed) while its engine core lives on in its process group,
+    holding the model's memory: stop kills that too, and only that."""
+    leader = subprocess.Popen(["bash", "-c", "sleep 300 & echo $!"], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    child = int(leader.stdout.readline())
+    leader.wait()  # the leader exits; its child stays in the group
+    assert os.getpgid(child) == leader.pid
+    port = free_port()
+    server.write_record(server.EngineRecord(pid=leader.pid, url=f"http://127.0.0.1:{port}", host="127.0.0.1", port=port,
+                                            model=MODEL, served_model_name=NAME, runner="generate", log="",
+                                            started_at=""))
+    said: list[str] = []
+    server.stop(port, log=said.append)
+    assert any(f"left process {child}" in m for m in said), said
+
+    def gone() -> bool:
+        try:
+            return open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            return True
+
+    deadline = time.monotonic() + 10
+    while not gone() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone()
+
+
 def test_a_pid_reused_by_another_process_is_not_the_engine(engines_cache):
     record = server.EngineRecord(pid=os.getpid(), url="http://127.0.0.1:1", host="127.0.0.1", port=1, model=MODEL,
                                  served_model_name=NAME, runner="generate", log="", started_at="",

@@ -374,9 +374,30 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+def _orphans(pgid: int) -> list[int]:
+    """Processes still in a dead leader's group (its engine core, holding the GPU and memory), not
+    counting a process that took the leader's pid since (it would lead a group of its own)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            pid, rest = stat.parent.name, stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if rest[2] == str(pgid) and rest[0] not in ("Z", "X") and int(pid) != pgid:
+            found.append(int(pid))
+    return found
+
+
 def _stop_group(record: EngineRecord, log: Log, grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM the server's process group (it leads its own session), SIGKILL what is left after `grace`."""
+    """SIGTERM the server's process group (it leads its own session), SIGKILL what is left after `grace`.
+    With the server itself gone, what is left of its group (an engine core) is killed."""
     if not is_alive(record):
+        for pid in _orphans(record.pid):
+            log(f"the engine on port {record.port} is gone but left process {pid}; killing it")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         return
     os.killpg(record.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace
