@@ -21,7 +21,7 @@ from typing import Any
 
 
 from batch_pipeline.config.settings import EngineSettings
-from batch_pipeline.engine.server import server_command, server_env
+from batch_pipeline.engine.server import health, server_command, server_env
 from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
 from batch_pipeline_tests.dagster_server import free_port, wait_for
 
@@ -53,11 +53,7 @@ class WarmServer:
     def healthy(self) -> bool:
         if self.process.poll() is not None:
             raise RuntimeError(f"the warm engine exited ({self.process.returncode}):\n{self.log_tail()}")
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return health(self.url) == 200
 
     def metrics(self) -> dict[str, float]:
         """The server's Prometheus figures, summed over labels: {name: value}."""

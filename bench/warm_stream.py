@@ -57,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_bench import DEFAULT_CACHE, REPO, child_env, measure, read_outputs, say  # noqa: E402
 
 from batch_pipeline.base.runtime import runtime_env  # noqa: E402
+from batch_pipeline.engine.server import health  # noqa: E402
 
 SYSTEMS = ("in_process", "warm", "server_only")
 MODEL_FOLDER = "SmolLM2-135M-Instruct"
@@ -139,11 +140,7 @@ class Server:
     def healthy(self) -> bool:
         if self.process.poll() is not None:
             raise SystemExit(f"the server exited ({self.process.returncode}); see {self.log_path}")
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        return health(self.url) == 200
 
     def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         req = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(),
