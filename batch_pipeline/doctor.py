@@ -108,38 +108,31 @@ def check_engine() -> CheckResult:
 
 
 def check_warm_engine() -> CheckResult:
-    """ENGINE_URL, when set: the server answers, serves SERVED_MODEL_NAME (and the LORA_MODULES
-    adapters) and schedules by priority. vLLM shows its scheduling policy only on /server_info, which
-    it serves in dev mode alone (VLLM_SERVER_DEV_MODE=1); elsewhere the policy cannot be seen from
-    outside, and that is a warning: vLLM takes a `priority` it does not use without a word."""
-    from batch_pipeline.engine.remote import EngineClient, EngineUnavailable
+    """ENGINE_URL (and MODELS_FILE's `url`s), when set: each server answers and serves the models sent
+    to it, as a run checks them before its first request (engine/remote.py), and ENGINE_URL's schedules
+    by priority. vLLM shows its scheduling policy only on /server_info, which it serves in dev mode
+    alone (VLLM_SERVER_DEV_MODE=1); elsewhere the policy cannot be seen from outside, and that is a
+    warning: vLLM takes a `priority` it does not use without a word."""
+    from batch_pipeline.engine.remote import EngineUnavailable, RemoteEngines, warm_routes
 
     name = "warm engine"
     s = engine_settings_from_env()
-    if not s.engine_url:
-        return _pass(name, "ENGINE_URL unset: each run builds its engine in its own process")
     served_name = s.served_model_name or (Path(s.model_path).name if s.model_path else models.bundled_model_dir().name)
+    if not warm_routes(s, served_name):
+        return _pass(name, "ENGINE_URL unset: each run builds its engine in its own process")
     try:
-        client = EngineClient(s.engine_url, s.engine_api_key)
-    except ValueError as e:  # ConfigError: a URL without a host
+        engines = RemoteEngines(s, served_name, local=lambda: None)  # checks every server, as a run starts
+    except (EngineUnavailable, ValueError) as e:  # ConfigError: a URL without a host, a model not served
         return _fail(name, str(e))
     try:
-        served = client.models()
-        wanted = {served_name, *s.lora_adapters()}
-        missing = sorted(wanted - set(served))
-        if missing:
-            return _fail(name, f"{client.url} serves {', '.join(served) or 'no model'}, not {', '.join(missing)}")
-        try:
-            info = client.request("GET", "/server_info?config_format=json")
-            policy = ((info.json().get("vllm_config") or {}).get("scheduler_config") or {}).get("policy") \
-                if info.status == 200 else None
-        except (OSError, ValueError, AttributeError, http.client.HTTPException):
-            policy = None
-    except (EngineUnavailable, ValueError) as e:
-        return _fail(name, str(e))
+        info = engines.client.request("GET", "/server_info?config_format=json")
+        policy = ((info.json().get("vllm_config") or {}).get("scheduler_config") or {}).get("policy") \
+            if info.status == 200 else None
+    except (OSError, ValueError, AttributeError, http.client.HTTPException):
+        policy = None
     finally:
-        client.close()
-    what = f"{client.url} serves {', '.join(served)}"
+        engines.close()
+    what = "; ".join(f"{url} serves {', '.join(models_)}" for url, models_ in engines.served.items())
     if policy is None:
         return _warn(name, f"{what}; its scheduling policy cannot be seen from here (vLLM shows it only in dev mode): "
                            "start it with --scheduling-policy priority (batch-pipeline engine start does), or "

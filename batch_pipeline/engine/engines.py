@@ -38,6 +38,8 @@ class Engines:
 
     data_parallel_size = 1  # one engine, in this process (RankedEngines: one per rank process)
     rank_peak_memory_mb: list[float] = []  # no rank processes: the run process's peak says it all
+    takes_at_once = 1  # requests fed at once, whatever their order (RemoteEngines: its window): 1, the plan decides
+    figures = None  # a warm engine's own figures over a stream (RemoteEngines); none in this process
 
     def __init__(
         self,

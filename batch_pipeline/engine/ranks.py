@@ -152,6 +152,9 @@ class RankedEngines:
     """The `Engines` interface (stream, load_seconds, close) over DATA_PARALLEL_SIZE rank processes,
     started on the first batch and kept for the run's later batches."""
 
+    takes_at_once = 1  # as Engines: the plan decides the order
+    figures = None  # as Engines: no warm engine's figures
+
     def __init__(
         self,
         settings: EngineSettings,

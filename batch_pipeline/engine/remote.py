@@ -264,6 +264,7 @@ class EngineFigures:
     seconds: float
     tokens: float  # prompt tokens not found in its prefix cache, plus generated ones: every user's
     busy_share: float | None  # the share of samples with a request running (None: no sample)
+    url: str = ""  # the server's
 
     def share_of(self, tokens: int) -> float:
         """A stream's share of the engine by the tokens it computed (the cost rule of a shared engine)."""
@@ -329,7 +330,7 @@ class EngineMeter:
         delta = {name: last.get(name, 0.0) - self._first.get(name, 0.0) for name in COUNTERS}
         tokens = delta[COUNTERS[0]] - delta[COUNTERS[1]] + delta[COUNTERS[2]]
         return EngineFigures(round(time.monotonic() - self._began, 3), tokens,
-                             round(self.busy / self.samples, 4) if self.samples else None)
+                             round(self.busy / self.samples, 4) if self.samples else None, self.client.url)
 
 
 class RemoteEngines:
@@ -523,7 +524,8 @@ class RemoteEngines:
         for client in self.clients.values():
             client.close()
         if self._local is not None:
-            self._local.close()
+            if self._local.owns:  # as LLMResource.open: engines shared beyond the run (tests') stay up
+                self._local.close()
             self._local = None
 
 

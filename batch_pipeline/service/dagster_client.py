@@ -180,12 +180,8 @@ class DagsterClient:
         if not runs:
             return record["run_id"], None
         run = runs[0]
-        if run["status"] == "FAILURE":
-            tags = {t["key"]: t["value"] for t in run.get("tags") or []}
-            ended = run.get("endTime") or run.get("updateTime")  # the failure's time (its last change, without an end)
-            outcome = retry_outcome(tags, ended, self.retry_policy(), time.time())
-            if outcome.retrying:
-                return run["runId"], RETRYING
+        if run["status"] == "FAILURE" and self._outcome(run).retrying:
+            return run["runId"], RETRYING
         return run["runId"], run["status"]
 
     def failure_reason(self, run_id: str) -> str:
@@ -201,11 +197,14 @@ class DagsterClient:
             return f"its events could not be read ({type(e).__name__}); see the run in the Dagster UI"
         events = (data.get("logsForRun") or {}).get("events") or []
         errors = [e["message"] for e in events if e.get("level") == "ERROR" and e.get("message")]
-        run = data.get("runOrError") or {}
-        tags = {t["key"]: t["value"] for t in run.get("tags") or []}
-        outcome = retry_outcome(tags, run.get("endTime") or run.get("updateTime"), self.retry_policy(), time.time())
         said = "; ".join(m.split("\n", 1)[0][:300] for m in errors[-2:]) or "no error message recorded"
-        return f"{said}. Not retried: {outcome.why}"
+        return f"{said}. Not retried: {self._outcome(data.get('runOrError') or {}).why}"
+
+    def _outcome(self, run: dict[str, Any]) -> "RetryOutcome":
+        """retry_outcome of a failed run as the web server gives it (tags, endTime, updateTime)."""
+        tags = {t["key"]: t["value"] for t in run.get("tags") or []}
+        ended = run.get("endTime") or run.get("updateTime")  # the failure's time (its last change, without an end)
+        return retry_outcome(tags, ended, self.retry_policy(), time.time())
 
 
 @dataclass(frozen=True)
@@ -247,7 +246,8 @@ def retry_outcome(tags: dict[str, str], ended_at: float | None, policy: RetryPol
         return RetryOutcome(False, "Dagster decided not to retry it (dagster/will_retry=false)")
     if policy is not None and not policy.enabled:
         return RetryOutcome(False, "the Dagster instance does not retry runs (run_retries off)")
-    number = int(tags.get(RETRY_NUMBER_TAG) or 0) if (tags.get(RETRY_NUMBER_TAG) or "0").isdigit() else 0
+    raw_number = tags.get(RETRY_NUMBER_TAG) or "0"
+    number = int(raw_number) if raw_number.isdigit() else 0  # a tag edited into something else: the first try
     max_retries = tags.get(MAX_RETRIES_TAG)
     limit = int(max_retries) if (max_retries or "").isdigit() else (policy.max_retries if policy else None)
     if limit is not None and number >= limit:

@@ -303,8 +303,8 @@ class Service:
             if record.get("run_failure") != had_failure and not record.get("open"):
                 self.store.save_batch(record)  # why its run failed, read once (close_batch saves an open one)
             self.store.close_batch(record)
-        elif record.get("open") is False:
-            self.store.reopen_batch(record)  # reported failed, then retried after all: not over
+        else:
+            self.store.reopen_batch(record)  # only one seen finished: reported failed, then retried after all
         return batch
 
 

@@ -15,6 +15,7 @@ from batch_pipeline.io import images, storage
 from batch_pipeline.io.checkpoints import Checkpoint, LineSet, answered_lines, answers_folder, checkpoint_key, record_line
 from batch_pipeline.engine.engines import Engines
 from batch_pipeline.engine.ranks import RankedEngines
+from batch_pipeline.engine.remote import RemoteEngines
 from batch_pipeline.io.shards import Shard, merge_if_complete
 from batch_pipeline.engine.gpu import GpuSampler
 from batch_pipeline.io.locations import BatchLocation
@@ -228,7 +229,7 @@ def infer_batches(
     return [final if final is not None else next(infos) for final in finals]
 
 
-def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict[str, Any], checkpoint_answers: int,
+def _answer(works: list[_Work], engines: Engines | RankedEngines | RemoteEngines, identity: dict[str, Any], checkpoint_answers: int,
             checkpoint_seconds: float, log: Log, shard: Shard, deadline: float | None, order: str,
             cancelled: Callable[[], bool] | None = None) -> None:
     """Answer what is left of `works` in one engine stream; writes each one's record."""
@@ -238,9 +239,8 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
     plan: Plan | None = None
     # A warm engine takes a stream no longer than its window all at once: then the order is its own
     # scheduler's, and a plan (a tokenizer load, seconds for a small batch) would change nothing.
-    at_once = getattr(engines, "takes_at_once", 1)
     planned = order == "planned" and total - answered > 1
-    if planned and total - answered <= at_once:
+    if planned and total - answered <= engines.takes_at_once:
         log(f"{label}: {total - answered} requests, all in flight at once on the warm engine: not planned")
         planned = False
     if planned:
@@ -317,7 +317,7 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
     inference_seconds = max(time.monotonic() - started - load_seconds, 0.0)
     finished_at = time.time()
     weights = _shares([w.tokens for w in works])
-    served = getattr(engines, "figures", None)  # a warm engine's own figures over this stream (engine/remote.py)
+    served = engines.figures  # a warm engine's own figures over this stream (engine/remote.py); else None
     if served is not None:
         # A shared engine: each batch's engine time is the answering time x its share of the tokens the
         # engine computed meanwhile (for every run using it), not the whole wall time.
@@ -338,7 +338,7 @@ def _answer(works: list[_Work], engines: Engines | RankedEngines, identity: dict
                     "planning_seconds": round(plan.seconds * share, 3) if plan is not None else 0.0,
                     **({"engine_idle_share": idle} if idle is not None else {}),
                     **({"engine_busy_share": served.busy_share, "engine_token_share": round(share, 4),
-                        "engine_url": engines.url} if served is not None else {}),
+                        "engine_url": served.url} if served is not None else {}),
                     **({"images": w.images} if w.images else {}),
                     **({"image_wait_share": image_wait} if image_wait is not None else {}),
                     **({"answered_with": [o.loc.name for o in works if o is not w]} if len(works) > 1 else {}),
