@@ -97,14 +97,14 @@ class Serve:
 @contextlib.contextmanager
 def service_stack(root: Path, tiny_model_dir: Path, serve_extra: dict[str, str | None],
                   instance_yaml: Path | None = None, stdout_path: Path | None = None,
-                  pipeline_extra: dict[str, str] | None = None) -> Iterator[dict[str, Any]]:
+                  pipeline_extra: dict[str, str] | None = None, engine_url: str | None = None) -> Iterator[dict[str, Any]]:
     """A `dagster dev` (instance settings `instance_yaml`, default the repo's dagster.yaml: SQLite, the
     queued run coordinator) and `batch-pipeline serve` over it with `serve_extra` added to its
     environment (`pipeline_extra`: added to both, e.g. MODELS_FILE): {"url", "server", "serve", "out",
-    "log", "env" (the service's variables)}."""
+    "log", "env" (the service's variables)}. `engine_url`: the runs' warm engine (none: in-process)."""
     inbox, out = root / "in", root / "out"
     inbox.mkdir(parents=True)
-    env = {**pipeline_env(tiny_model_dir, str(inbox), str(out)), **(pipeline_extra or {})}
+    env = {**pipeline_env(tiny_model_dir, str(inbox), str(out), engine_url), **(pipeline_extra or {})}
     with contextlib.ExitStack() as stack:
         server = start_dagster_dev(root / "home", env, root / "dagster-dev.log", instance_yaml=instance_yaml)
         stack.callback(server.stop)

@@ -8,6 +8,8 @@ that hands the same engine to every run instead of building a new one.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +113,15 @@ def bundled_model_dir() -> Path:
     return models.prepare_bundled_model(log=lambda _m: None)
 
 
+@pytest.fixture(scope="session")
+def warm_engine_url(tiny_model_dir: Path) -> str:
+    """The test run's one warm engine on the tiny model (vLLM's server, shared by both pytest workers,
+    stopped when the run ends): ENGINE_URL for the files that run many pipelines."""
+    from batch_pipeline_tests.warm_engine import shared_url
+
+    return shared_url(tiny_model_dir)
+
+
 @pytest.fixture
 def tiny_llm(tiny_model_dir, monkeypatch) -> SessionLLM:
     """The LLM resource on the tiny random model (answers are gibberish; shapes and counts are real)."""
@@ -166,7 +177,25 @@ SLOW_FILES = (
 ENGINE_FIXTURES = {"tiny_model_dir", "bundled_model_dir", "thinking_model_dir", "vlm_dir", "cli_runs"}
 # ... and every fixture that starts a server (moto's S3, a PostgreSQL database; dagster dev, the
 # Batch API and Chromium start from fixtures that need the tiny model too).
-SERVER_FIXTURES = {"moto_server", "history_server", "database"}
+SERVER_FIXTURES = {"moto_server", "history_server", "database", "warm_engine_url"}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller (or the only process) makes the folder the run's shared warm engine is kept in;
+    pytest-xdist's workers inherit it through the environment."""
+    from batch_pipeline_tests.warm_engine import SHARED_ENV
+
+    if not hasattr(config, "workerinput"):
+        os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="batch-pipeline-tests-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The controller stops the shared warm engine once every worker is done."""
+    from batch_pipeline_tests.warm_engine import SHARED_ENV, stop_shared
+
+    if not hasattr(config, "workerinput") and SHARED_ENV in os.environ:
+        stop_shared()
+        shutil.rmtree(os.environ.pop(SHARED_ENV), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

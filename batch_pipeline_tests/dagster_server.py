@@ -193,8 +193,10 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, **extra: str | None) -> dict[str, str | None]:
-    """What a `dagster dev` of these tests needs: storage paths and the tiny model (None unsets)."""
+def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, engine_url: str | None = None,
+                 **extra: str | None) -> dict[str, str | None]:
+    """What a `dagster dev` of these tests needs: storage paths and the tiny model (None unsets), its runs
+    answered by the warm engine at `engine_url` (conftest's warm_engine_url) or, without one, in-process."""
     from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
 
     return {
@@ -205,6 +207,7 @@ def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, **extr
         "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
         "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
         "BATCH_PIPELINE_CACHE": os.environ["BATCH_PIPELINE_CACHE"],
+        "ENGINE_URL": engine_url,
         "SHARD_SIZE": None,
         "CHECKPOINT_ANSWERS": None,
         "CHECKPOINT_SECONDS": None,

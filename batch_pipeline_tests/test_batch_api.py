@@ -101,7 +101,7 @@ def serve_env(extra: dict[str, str | None]) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def service(tiny_model_dir: Path, warm_engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The service over a `dagster dev` with the production instance settings (deploy/dagster.yaml:
     PostgreSQL, queued runs, run retries and monitoring) on a fresh database; on the local SQLite
     instance (the repo's dagster.yaml) when nothing listens on 127.0.0.1:5432."""
@@ -115,7 +115,11 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> A
                   "DAGSTER_POSTGRES_HOSTNAME": PG_HOST, "DAGSTER_POSTGRES_PORT": str(PG_PORT),
                   "DAGSTER_POSTGRES_DB": stack.enter_context(fresh_database("batch_pipeline_api"))}
         # Checkpoint parts every second: the cancel test sees answers coming in well before the end.
-        env = {**pg, **pipeline_env(tiny_model_dir, str(inbox), str(out), CHECKPOINT_SECONDS="1")}
+        # The runs go to the test run's warm engine 4 requests at a time (ENGINE_WINDOW), as a run fed
+        # to a shared server in small bites: the long batches that are cancelled and killed mid-way
+        # then last some seconds (all at once, a warm engine answered 160 of them within a second).
+        env = {**pg, **pipeline_env(tiny_model_dir, str(inbox), str(out), warm_engine_url, CHECKPOINT_SECONDS="1",
+                                    ENGINE_WINDOW="4")}
         server = start_dagster_dev(root / "home", env, root / "dagster-dev.log",
                                    instance_yaml=REPO / "deploy" / "dagster.yaml" if pg else None)
         stack.callback(server.stop)

@@ -87,20 +87,24 @@ def rewind_schedule_start(server: DagsterDev, name: str, start: float) -> None:
     instance.update_instigator_state(state.with_data(ScheduleInstigatorData(cron_schedule=data.cron_schedule, start_timestamp=start)))
 
 
-def s3_server_env(moto_server: MotoS3, tiny_model_dir: Path, bucket: str) -> dict[str, str | None]:
+def s3_server_env(moto_server: MotoS3, tiny_model_dir: Path, bucket: str,
+                  engine_url: str | None = None) -> dict[str, str | None]:
     env: dict[str, str | None] = {name: None for name in _FOREIGN_AWS_VARS}
     env.update(moto_server.env())
-    env.update(pipeline_env(tiny_model_dir, f"s3://{bucket}/incoming", f"s3://{bucket}/output"))
+    env.update(pipeline_env(tiny_model_dir, f"s3://{bucket}/incoming", f"s3://{bucket}/output", engine_url))
     return env
 
 
 @pytest.fixture(scope="module")
-def e2e(moto_server: MotoS3, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+def e2e(moto_server: MotoS3, tiny_model_dir: Path, warm_engine_url: str, tmp_path_factory: pytest.TempPathFactory,
         request: pytest.FixtureRequest) -> Any:
+    """The sensor's and the UI's runs on the test run's warm engine (the schedule's and the queue's
+    scenarios below answer in-process: both ways into the engine run end to end here)."""
     request.getfixturevalue("background")  # under way while this server comes up
     bucket = moto_server.create_bucket()
     root = tmp_path_factory.mktemp("dagster_e2e")
-    server = start_dagster_dev(root / "home", s3_server_env(moto_server, tiny_model_dir, bucket), root / "dagster-dev.log")
+    server = start_dagster_dev(root / "home", s3_server_env(moto_server, tiny_model_dir, bucket, warm_engine_url),
+                               root / "dagster-dev.log")
     try:
         server.start_sensor(SENSOR)
         yield server, bucket

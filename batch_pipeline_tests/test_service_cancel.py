@@ -23,8 +23,9 @@ KEY = "key-cancel-0123456789"
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    with service_stack(tmp_path_factory.mktemp("cancel"), tiny_model_dir, {"BATCH_API_KEYS": f"team-a:{KEY}"}) as s:
+def stack(tiny_model_dir: Path, warm_engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    with service_stack(tmp_path_factory.mktemp("cancel"), tiny_model_dir, {"BATCH_API_KEYS": f"team-a:{KEY}"},
+                       engine_url=warm_engine_url) as s:
         yield s
 
 

@@ -51,7 +51,7 @@ DEQUEUE_WAIT = 3.0  # three of its looks: a run it could start, it has started
 
 
 @pytest.fixture(scope="module")
-def queue(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def queue(tiny_model_dir: Path, warm_engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     root = tmp_path_factory.mktemp("priority")
     settings = yaml.safe_load((REPO / "dagster.yaml").read_text())
     runs = settings["concurrency"]["runs"]
@@ -65,7 +65,7 @@ def queue(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any
     instance_yaml.write_text(yaml.safe_dump(settings))
     extra = {"BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B},team-c:{KEY_C}",
              "BATCH_API_MAX_PRIORITY": "5", "BATCH_API_TENANT_MAX_PRIORITY": "team-c:0"}
-    with service_stack(root, tiny_model_dir, extra, instance_yaml=instance_yaml) as stack:
+    with service_stack(root, tiny_model_dir, extra, instance_yaml=instance_yaml, engine_url=warm_engine_url) as stack:
         yield stack
 
 

@@ -84,7 +84,7 @@ def chat_line(custom_id: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def ui(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def ui(tiny_model_dir: Path, warm_engine_url: str, tmp_path_factory: pytest.TempPathFactory) -> Any:
     playwright = ensure_browser()
     root = tmp_path_factory.mktemp("dagster_ui")
     inbox, out = root / "in", root / "out"
@@ -96,7 +96,7 @@ def ui(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
         (inbox / date).mkdir(parents=True)
         (inbox / date / f"ui-{date}.jsonl").write_text("\n".join(chat_line(f"{date}-{i}") for i in range(3)) + "\n")
     (inbox / dates[1] / "broken.jsonl").write_text('{"custom_id": "b-1"}\nnot json\n')  # every line invalid
-    env = pipeline_env(tiny_model_dir, str(inbox), str(out), PARTITIONS_START=dates[0])
+    env = pipeline_env(tiny_model_dir, str(inbox), str(out), warm_engine_url, PARTITIONS_START=dates[0])
     shots = Path(os.environ.get("UI_SCREENSHOTS_DIR") or root / "screenshots")
     shots.mkdir(parents=True, exist_ok=True)
     server = start_dagster_dev(root / "home", env, root / "dagster-dev.log")

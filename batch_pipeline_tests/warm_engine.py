@@ -8,8 +8,11 @@ eager, seed 0 as on any CPU), so greedy answers match token for token.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+import signal
 import subprocess
 import threading
 import time
@@ -82,6 +85,59 @@ class WarmServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, 9)
                 self.process.wait(10)
+
+
+# -- one warm engine for the whole test run ----------------------------------------------------
+# The files that run many pipelines (the Batch API, its priorities, usage and audit, the UI walk-through,
+# the Dagster end-to-end files) send their runs to one real server on the tiny model, as a platform team
+# would run it, so their run workers import no vLLM (~14 CPU-s each). It is started on first use by
+# whichever pytest worker needs it first, under a file lock in a folder the controller made for the run
+# (SHARED_ENV, inherited by pytest-xdist's workers), and stopped by the controller when the run ends.
+
+SHARED_ENV = "BATCH_PIPELINE_TEST_SHARED"
+_STATE = "warm-engine.json"
+
+
+def shared_url(model_dir: Path) -> str:
+    """The run's warm engine's URL, starting it if nobody has (or it died)."""
+    folder = Path(os.environ[SHARED_ENV])
+    with open(folder / "warm-engine.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the other worker waits here while this one starts it
+        state = folder / _STATE
+        if state.exists():
+            known = json.loads(state.read_text())
+            if health(known["url"]) == 200:
+                return known["url"]
+            stop_group(known["pgid"])
+        server = WarmServer(model_dir, TINY_NAME, folder / "warm-engine.log")
+        state.write_text(json.dumps({"url": server.url, "pgid": server.process.pid}))
+        return server.url
+
+
+def stop_shared() -> None:
+    """Stop the run's warm engine if one was started (the controller, at the end of the run)."""
+    state = Path(os.environ.get(SHARED_ENV, "/nonexistent")) / _STATE
+    if state.exists():
+        stop_group(json.loads(state.read_text())["pgid"])
+        state.unlink()
+
+
+def stop_group(pgid: int) -> None:
+    """SIGTERM a server's process group, SIGKILL what is left after 30 s."""
+    for sig, grace in ((signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        with contextlib.suppress(ChildProcessError):  # this process started it (one worker, no xdist)
+            os.waitpid(pgid, os.WNOHANG)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pgid, os.WNOHANG)
+            time.sleep(0.2)
 
 
 # -- a stand-in server, for failure injection -------------------------------------------------

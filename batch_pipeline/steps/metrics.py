@@ -78,6 +78,8 @@ def batch_metrics(loc: BatchLocation) -> dict[str, Any]:
         "ordering": str(inference.get("ordering", "input")),
         "planning_seconds": float(inference.get("planning_seconds", 0.0)),
         **({"engine_idle_share": float(inference["engine_idle_share"])} if "engine_idle_share" in inference else {}),
+        # A warm engine's run: which server answered, how busy it was and this run's share of its tokens.
+        **{k: inference[k] for k in ("engine_url", "engine_busy_share", "engine_token_share") if k in inference},
         "inference_seconds": infer_s,
         **{k: v for k, v in batch_cost(inference, usage).items() if k in ("gpus", "engine_seconds", "gpu_seconds")},
         "writing_seconds": float(finalize["seconds"]),
