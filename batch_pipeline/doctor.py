@@ -108,20 +108,24 @@ def check_engine() -> CheckResult:
 
 
 def check_warm_engine() -> CheckResult:
-    """ENGINE_URL (and MODELS_FILE's `url`s), when set: each server answers and serves the models sent
+    """ENGINE_URL (and MODELS_FILE's `url`s, EMBEDDING_ENGINE_URL, SCORE_ENGINE_URL), when set: each server answers and serves the models sent
     to it, as a run checks them before its first request (engine/remote.py), and ENGINE_URL's schedules
     by priority. vLLM shows its scheduling policy only on /server_info, which it serves in dev mode
     alone (VLLM_SERVER_DEV_MODE=1); elsewhere the policy cannot be seen from outside, and that is a
     warning: vLLM takes a `priority` it does not use without a word."""
-    from batch_pipeline.engine.remote import EngineUnavailable, RemoteEngines, warm_routes
+    from batch_pipeline.defs.resources import BUNDLED_EMBEDDING_NAME
+    from batch_pipeline.engine.remote import EngineUnavailable, RemoteEngines, pooling_routes, warm_routes
 
     name = "warm engine"
     s = engine_settings_from_env()
     served_name = s.served_model_name or (Path(s.model_path).name if s.model_path else models.bundled_model_dir().name)
-    if not warm_routes(s, served_name):
+    embedding_name = s.embedding_served_model_name or (Path(s.embedding_model_path).name if s.embedding_model_path
+                                                       else BUNDLED_EMBEDDING_NAME)
+    pooling = pooling_routes(s, embedding_name)
+    if not warm_routes(s, served_name) and not pooling:
         return _pass(name, "ENGINE_URL unset: each run builds its engine in its own process")
-    try:
-        engines = RemoteEngines(s, served_name, local=lambda: None)  # checks every server, as a run starts
+    try:  # checks every server, as a run starts
+        engines = RemoteEngines(s, served_name, local=lambda: None, pooling=pooling)
     except (EngineUnavailable, ValueError) as e:  # ConfigError: a URL without a host, a model not served
         return _fail(name, str(e))
     try:

@@ -277,6 +277,44 @@ def test_the_inference_asset_is_in_the_pool_the_manifests_limit():
     assert pools["granularity"] == "run"  # a run pod holds its GPUs from start to end
 
 
+def test_runs_on_a_warm_engine_hold_no_gpu_pool_slot(monkeypatch, tmp_path):
+    """The answering steps take the gpu pool when they load a model in their run; with every model on a
+    warm engine (ENGINE_URL, a url per MODELS_FILE entry) they take none and runs answer side by side."""
+    from batch_pipeline.defs.resources import answering_pool
+
+    for var in ("ENGINE_URL", "MODELS_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    assert answering_pool() == "gpu"
+    monkeypatch.setenv("ENGINE_URL", "http://engine:8000")
+    assert answering_pool() is None
+    models = tmp_path / "models.yaml"
+    models.write_text("mini:\n  path: /models/mini\n")
+    monkeypatch.setenv("MODELS_FILE", str(models))
+    assert answering_pool() == "gpu"  # mini would load in the run's own process
+    models.write_text("mini:\n  path: /models/mini\n  url: http://mini-engine:8000\n")
+    assert answering_pool() is None
+    monkeypatch.setenv("MODELS_FILE", str(tmp_path / "missing.yaml"))
+    assert answering_pool() == "gpu"  # unreadable: the run says why; the pool is kept meanwhile
+
+
+def test_a_slotless_run_builds_no_engine_of_its_own_beside_a_warm_engine_on_gpus(monkeypatch):
+    """With every model warm the answering step holds no gpu slot; a line that still needs an engine in
+    the run's process (embeddings, score) is then refused on a GPU machine, naming why (GPUs faked: none here)."""
+    from batch_pipeline.config.settings import ConfigError
+    from batch_pipeline.defs import resources
+
+    monkeypatch.delenv("MODELS_FILE", raising=False)
+    monkeypatch.setattr(resources, "gpu_count", lambda: 2)
+    monkeypatch.setenv("ENGINE_URL", "http://engine:8000")
+    with pytest.raises(ConfigError, match=r"holds no `gpu` pool slot, and this machine has GPUs"):
+        resources.refuse_slotless_engine()
+    monkeypatch.setattr(resources, "gpu_count", lambda: 0)
+    resources.refuse_slotless_engine()  # CPUs: built in the run's process as before
+    monkeypatch.setattr(resources, "gpu_count", lambda: 2)
+    monkeypatch.delenv("ENGINE_URL")
+    resources.refuse_slotless_engine()  # in-process: the step holds the slot
+
+
 def test_helm_instance_settings():
     values = helm()
     daemon = values["dagsterDaemon"]

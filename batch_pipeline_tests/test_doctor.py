@@ -371,3 +371,23 @@ def test_the_warm_engine_check_names_what_the_server_serves_and_its_policy(monke
     monkeypatch.setenv("ENGINE_URL", "http://127.0.0.1:9")
     down = doctor.check_warm_engine()
     assert down.status == "FAIL" and "http://127.0.0.1:9 does not answer" in down.detail
+
+
+def test_the_warm_engine_check_covers_the_pooling_models_engine(monkeypatch: pytest.MonkeyPatch):
+    """EMBEDDING_ENGINE_URL alone: its server must serve the embedding model's name."""
+    from batch_pipeline_tests.warm_engine import StandIn
+
+    for var in ("ENGINE_URL", "EMBEDDING_MODEL_PATH", "EMBEDDING_SERVED_MODEL_NAME", "MODELS_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    servers = {"right": StandIn(lambda n, b: None, served=("all-MiniLM-L6-v2",)),
+               "wrong": StandIn(lambda n, b: None, served=("bge-m3",))}
+    try:
+        results = {}
+        for case, server in servers.items():
+            monkeypatch.setenv("EMBEDDING_ENGINE_URL", server.url)
+            results[case] = doctor.check_warm_engine()
+    finally:
+        for server in servers.values():
+            server.stop()
+    assert results["right"].status == "WARN" and "serves all-MiniLM-L6-v2" in results["right"].detail
+    assert results["wrong"].status == "FAIL" and "serves bge-m3, not all-MiniLM-L6-v2" in results["wrong"].detail

@@ -27,7 +27,7 @@ from batch_pipeline.contract import contract
 from batch_pipeline.engine.remote import (EngineUnavailable, RemoteEngines, Reply, Sent, Window, answer_of, base_url,
                                           vllm_priority, window_size)
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
-from batch_pipeline_tests.conftest import TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.conftest import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
 from batch_pipeline_tests.warm_engine import StandIn, chat_answer
 
 
@@ -475,3 +475,77 @@ def test_a_server_killed_and_restarted_mid_stream_loses_no_line_and_doubles_none
     assert all(a.kind == "output" and a.completion_tokens == 40 for a in answers)
     assert any("sending it again as it comes back" in m for m in logged), logged
     assert small_engine.started_at > 0 and small_engine.healthy()
+
+
+# -- the pooling models on a warm engine of their own ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pooling_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """vLLM's server on the bundled all-MiniLM-L6-v2 (`batch-pipeline engine start --runner pooling`)."""
+    from batch_pipeline.config import models
+    from batch_pipeline_tests.warm_engine import WarmServer
+
+    server = WarmServer(models.embedding_model_dir(), EMBED_NAME, tmp_path_factory.mktemp("pooling") / "server.log",
+                        runner="pooling")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def pooling_lines() -> list[str]:
+    def line(custom_id: str, url: str, **body: Any) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": EMBED_NAME, **body}})
+
+    return [line("e-1", contract.EMBEDDINGS_URL, input="The food was delicious."),
+            line("e-2", contract.EMBEDDINGS_URL, input=["hello", "world"]),
+            line("e-3", contract.EMBEDDINGS_URL, input="base64, please", encoding_format="base64"),
+            line("s-1", contract.SCORE_URL, queries="capital of France?", documents=["Paris", "Bananas"]),
+            line("s-2", contract.SCORE_URL, text_1="a cat", text_2="a kitten"),
+            line("r-1", contract.RERANK_URL, query="capital of France?", documents=["Bananas", "Paris", "Rome"], top_n=2),
+            line("r-2", contract.RERANK_URL, query="a cat", documents=["a kitten", "a car"], return_documents=True),
+            json.dumps({"custom_id": "chat-1", "method": "POST", "url": contract.CHAT_URL,  # stays in this process
+                        "body": {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                 "temperature": 0}})]
+
+
+def test_embeddings_score_and_rerank_answer_the_same_on_a_pooling_warm_engine(pooling_engine, tiny_llm, tmp_path):
+    """EMBEDDING_ENGINE_URL: the embedding model's embeddings, score and rerank lines go to its warm
+    engine and give the in-process result lines (ids, shapes, token counts; vectors and scores equal to
+    float precision); the chat line of the same file is answered in this process."""
+    write_batch(tmp_path / "in" / DATE, "pooled.jsonl", pooling_lines())
+    local = materialize(tiny_llm, str(tmp_path / "in"), str(tmp_path / "local"))
+    warm = materialize(tiny_llm.rebuilt(embedding_engine_url=pooling_engine.url), str(tmp_path / "in"),
+                       str(tmp_path / "warm"))
+    assert local.success and warm.success
+    served = pooling_engine.metrics()
+    outs = {name: by_id(read_jsonl(str(tmp_path / name / DATE / "pooled" / "output.jsonl"))) for name in ("local", "warm")}
+    assert sorted(outs["local"]) == sorted(outs["warm"]) and len(outs["warm"]) == 8
+    for custom_id, record in outs["local"].items():
+        mine = outs["warm"][custom_id]
+        assert mine["id"] == record["id"] and mine["response"]["status_code"] == 200, (custom_id, mine)
+        body, theirs = mine["response"]["body"], record["response"]["body"]
+        assert sorted(body) == sorted(theirs), custom_id  # the same fields
+        assert body.get("id") == theirs.get("id") and sorted(body["usage"]) == sorted(theirs["usage"]), custom_id
+        if custom_id.startswith("e-"):
+            assert body["usage"] == theirs["usage"], (custom_id, body["usage"], theirs["usage"])
+        else:  # score and rerank on an embedding model: the server counts the query once, as it encodes it;
+            # LLM.score in this process counts it again in every pair (docs/ENGINE.md)
+            assert 0 < body["usage"]["prompt_tokens"] <= theirs["usage"]["prompt_tokens"], (custom_id, body, theirs)
+        if custom_id.startswith("e-") and custom_id != "e-3":
+            for a, b in zip(body["data"], theirs["data"], strict=True):
+                assert a["index"] == b["index"] and a["embedding"] == pytest.approx(b["embedding"], abs=1e-4)
+        elif custom_id == "e-3":
+            assert isinstance(body["data"][0]["embedding"], str)  # base64, as asked
+        elif custom_id.startswith("s-"):
+            assert [d["score"] for d in body["data"]] == pytest.approx([d["score"] for d in theirs["data"]], abs=1e-4)
+        elif custom_id.startswith("r-"):
+            assert [(r["index"], r["document"]) for r in body["results"]] == \
+                [(r["index"], r["document"]) for r in theirs["results"]], custom_id
+            assert [r["relevance_score"] for r in body["results"]] == \
+                pytest.approx([r["relevance_score"] for r in theirs["results"]], abs=1e-4)
+    info = json.loads((tmp_path / "warm" / DATE / "pooled" / "_work" / "inference.json").read_text())
+    assert pooling_engine.url in json.dumps(info), info  # the run says which server answered
+    # The server answered the pooling lines (7 requests), not the chat line.
+    assert served.get("vllm:request_success_total", 0) >= 7, served

@@ -34,14 +34,16 @@ START_SECONDS = 240.0  # imports, the engine core's start and the model, on 2 lo
 class WarmServer:
     """`python -m vllm.entrypoints.launchers.api_server.entry` in its own process group."""
 
-    def __init__(self, model_dir: Path, name: str, log_path: Path, port: int | None = None, **settings: Any) -> None:
+    def __init__(self, model_dir: Path, name: str, log_path: Path, port: int | None = None, runner: str = "generate",
+                 **settings: Any) -> None:
         """The server `batch-pipeline engine start` runs (engine/server.py's flags), for the tiny model
-        with the tests' settings (tiny_llm's) and any other EngineSettings field given."""
+        with the tests' settings (tiny_llm's) and any other EngineSettings field given; `runner`
+        "pooling" for an embedding or scoring model."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         engine = EngineSettings(max_model_len=TINY_MAX_MODEL_LEN, kv_cache_memory_bytes=TEST_KV_BYTES, **settings)
-        self.command = server_command(engine, str(model_dir), name, "127.0.0.1", self.port)
+        self.command = server_command(engine, str(model_dir), name, "127.0.0.1", self.port, runner)
         self.start()
 
     def start(self) -> None:

@@ -58,6 +58,8 @@ ENGINE_ENV = {
     "ENGINE_API_KEY": "engine_api_key",
     "ENGINE_WINDOW": "engine_window",
     "ENGINE_WAIT_SECONDS": "engine_wait_seconds",
+    "EMBEDDING_ENGINE_URL": "embedding_engine_url",
+    "SCORE_ENGINE_URL": "score_engine_url",
 }
 # Secrets among them: read from the environment only, never a launchpad field (a run's config is kept
 # in its record and shown in the UI).
@@ -132,6 +134,10 @@ class EngineSettings:
     engine_api_key: str = field(default="", repr=False)
     engine_window: int | None = None  # requests in flight at once on the server; None: engine/remote.py's default
     engine_wait_seconds: float = 300.0  # how long a run waits for a server that went away before failing
+    # Warm engines of the pooling models (a server started with --runner pooling): the embedding model's
+    # (embeddings, and score/rerank when no SCORE_MODEL_PATH) and the scoring model's; empty: in-process.
+    embedding_engine_url: str = ""
+    score_engine_url: str = ""
 
     def __post_init__(self) -> None:
         checks = {
@@ -304,7 +310,7 @@ _NOT_INHERITED = {"model_path", "served_model_name", "lora_modules", "max_lora_r
                   "model_versions",
                   "preset", "tool_call_parser",
                   # The default model's warm engine serves it alone: an entry has a `url` of its own or none.
-                  "engine_url", "engine_api_key"}
+                  "engine_url", "engine_api_key", "embedding_engine_url", "score_engine_url"}
 _ENTRY_FIELDS = {"tensor_parallel_size", "max_model_len", "batch_size", "dtype", "gpu_memory_utilization",
                  "max_num_batched_tokens", "enable_prefix_caching", "seed", "kv_cache_memory_bytes", "enforce_eager",
                  "extra_engine_args", "reasoning_parser", "lora_modules", "max_lora_rank", "tool_call_parser",

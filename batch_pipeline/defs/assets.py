@@ -11,7 +11,7 @@ import dagster as dg
 
 from batch_pipeline.defs import file_status
 from batch_pipeline.defs.partitions import daily_partitions
-from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
+from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource, answering_pool
 from batch_pipeline.defs.run_watch import CancelWatch
 from batch_pipeline.io import checkpoints, locations, tables
 from batch_pipeline.contract import contract
@@ -220,7 +220,7 @@ def validate_batches(context: dg.AssetExecutionContext, taken: list[BatchLocatio
     group_name="batch",
     kinds={"vllm"},
     deps=[validated_requests],
-    pool="gpu",
+    pool=answering_pool(),
     # A crashed engine fails the step; the retry resumes from the checkpoints instead of from zero.
     retry_policy=INFERENCE_RETRIES,
     description="One answer per valid request from vLLM offline inference, checkpointed as it goes.",

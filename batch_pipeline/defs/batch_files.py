@@ -21,6 +21,7 @@ from batch_pipeline.defs import file_status
 from batch_pipeline.defs.assets import (
     INFERENCE_RETRIES,
     already_done,
+    answering_pool,
     answer_batches,
     validate_batches,
     write_batches,
@@ -36,7 +37,7 @@ from batch_pipeline.io.storage import read_json
     partitions_def=batch_file_partitions,
     group_name="batch_files",
     kinds={"vllm"},
-    pool="gpu",
+    pool=answering_pool(),
     retry_policy=INFERENCE_RETRIES,
     description=(
         "Each batch file on its own, keyed <date>/<batch name>: green once its results are written (by its date's "

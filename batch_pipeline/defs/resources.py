@@ -19,7 +19,7 @@ from pydantic import Field, PrivateAttr
 from batch_pipeline.config import models
 from batch_pipeline.engine.engine_args import engine_kwargs, require_hardware
 from batch_pipeline.engine.engines import Engines
-from batch_pipeline.engine.remote import RemoteEngines, base_url, warm_routes
+from batch_pipeline.engine.remote import RemoteEngines, base_url, pooling_routes, warm_routes
 from batch_pipeline.engine.placement import plan_ranks
 from batch_pipeline.engine.ranks import RankedEngines
 from batch_pipeline.base.runtime import configure_runtime_env, gpu_count
@@ -36,6 +36,38 @@ from batch_pipeline.config.settings import (
 )
 from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.steps.validation import ValidationSettings
+
+GPU_POOL = "gpu"
+
+
+def answering_pool() -> str | None:
+    """The Dagster pool of the steps that answer (inference_results, batch_files), chosen when the
+    definitions load: "gpu" when a run builds its engine in its own process (dagster.yaml's pool limit:
+    one such step per set of GPUs at once); none when every model it can be asked for is on a warm
+    engine (ENGINE_URL, and a `url` on each MODELS_FILE entry): the server holds the GPUs and schedules
+    every run's requests, so runs answer side by side, bounded by the run queue's limits. A setting
+    that cannot be read keeps the pool (the run then says what is wrong)."""
+    try:
+        settings = engine_settings_from_env()
+        warm = bool(settings.engine_url) and all(entry.engine_url for entry in settings.model_registry().values())
+    except (ConfigError, OSError, ValueError):
+        return GPU_POOL
+    return None if warm else GPU_POOL
+
+
+def refuse_slotless_engine() -> None:
+    """Refuse to build an engine in this process when the answering step holds no `gpu` slot (every
+    model was on a warm engine when the definitions loaded) on a machine with GPUs: it would load a
+    model beside the warm engine's, onto devices that engine has already filled. On CPUs it is built
+    (memory is the machine's, not a device's)."""
+    if answering_pool() is None and gpu_count() > 0:
+        raise ConfigError(
+            "this run needs an engine in its own process (embeddings, score or rerank lines of a model without "
+            "EMBEDDING_ENGINE_URL / SCORE_ENGINE_URL, or a launchpad's engine_url left blank), but with ENGINE_URL set "
+            "(and a url on every MODELS_FILE entry) its answering step holds no `gpu` pool slot, and this machine has "
+            "GPUs: it would load a second model onto devices the warm engine uses. Give the pooling model a warm "
+            "engine of its own (`batch-pipeline engine start --runner pooling`, EMBEDDING_ENGINE_URL), or run these "
+            "lines where ENGINE_URL is unset.")
 
 BUNDLED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
 
@@ -129,6 +161,12 @@ class LLMResource(dg.ConfigurableResource):
         description="ENGINE_URL: a warm engine (vLLM's OpenAI-compatible server) that answers this run's requests; "
         "blank = the engine runs in the run's own process",
     )
+    embedding_engine_url: str = Field(
+        default="", description="EMBEDDING_ENGINE_URL: a warm engine (vLLM's server, --runner pooling) for the embedding "
+        "model's lines (and score/rerank without SCORE_MODEL_PATH); blank = in the run's own process")
+    score_engine_url: str = Field(
+        default="", description="SCORE_ENGINE_URL: a warm engine for SCORE_MODEL_PATH's score and rerank lines; blank = "
+        "in the run's own process")
     engine_window: Optional[int] = Field(
         default=None, description="ENGINE_WINDOW: requests in flight on the warm engine; blank = twice BATCH_SIZE, else 64")
     engine_wait_seconds: Optional[float] = Field(
@@ -243,24 +281,30 @@ class LLMResource(dg.ConfigurableResource):
         path, served = self.generation_model()
         emb_path, emb_name = self.embedding_model()
         engines: Engines | RankedEngines | RemoteEngines
-        if self.engine_url and s.engine_api_key and base_url(self.engine_url) != base_url(os.environ.get("ENGINE_URL", "")):
+        typed = [(var, url) for var, url in (("ENGINE_URL", self.engine_url), ("EMBEDDING_ENGINE_URL", self.embedding_engine_url),
+                                             ("SCORE_ENGINE_URL", self.score_engine_url))
+                 if url and base_url(url) != base_url(os.environ.get(var, ""))]
+        if typed and s.engine_api_key:
             # ENGINE_API_KEY is the operator's, for the engines the environment names: never sent to
             # a URL typed into a run's launchpad config.
-            log(f"ENGINE_URL from the launchpad ({base_url(self.engine_url)}) is not the environment's: "
-                "ENGINE_API_KEY is not sent to it")
+            var, url = typed[0]
+            log(f"{var} from the launchpad ({base_url(url)}) is not the environment's: ENGINE_API_KEY is not sent to it")
             s = dataclasses.replace(s, engine_api_key="")
-        if warm_routes(s, served):
+        pooling = pooling_routes(s, emb_name)
+        if warm_routes(s, served) or pooling:
             def local() -> Engines:  # only for lines the server does not serve: MODELS_FILE models, pooling
+                refuse_slotless_engine()
                 require_hardware(s)
                 return Engines(s, path or str(models.prepare_bundled_model(log=log)), served, emb_path, emb_name,
                                log=log, builder=self.build_engine, owns=self.owns_engines())
 
-            engines = RemoteEngines(s, served, local, priority=priority, log=log)
+            engines = RemoteEngines(s, served, local, priority=priority, log=log, pooling=pooling)
             try:
                 yield engines
             finally:
                 engines.close()
             return
+        refuse_slotless_engine()
         require_hardware(s)  # e.g. a GPU preset without a GPU: refused before any model is loaded
         if path is None:
             path = str(models.prepare_bundled_model(log=log))

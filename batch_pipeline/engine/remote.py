@@ -5,8 +5,9 @@ the default model (chat, completions, Responses; LoRA adapters served beside it;
 checked here as in-process, sent as data: URLs) to the server and
 writes the same result lines the in-process engine writes (contract/lines.py's envelope, the same
 deterministic ids, the same `context_length_exceeded` error line for a prompt over the limit, usage
-with cached tokens). Requests of other models (MODELS_FILE entries) and of the pooling endpoints
-(embeddings, score, rerank) still run in-process, built only if such a line comes.
+with cached tokens). The pooling models' lines (embeddings, score, rerank) go to their own warm
+engine when EMBEDDING_ENGINE_URL / SCORE_ENGINE_URL name one (a server started with --runner
+pooling). Requests of a model with no warm engine still run in-process, built only if such a line comes.
 
 Feeding. The run's requests go in its planned order (steps/ordering.py) through a bounded window of
 requests in flight (ENGINE_WINDOW): vLLM's own waiting queue is unbounded and first-come, so the
@@ -55,6 +56,7 @@ ANSWER_SECONDS = 1800.0  # one request's answer (a long decode on a loaded CPU s
 SHORT_SECONDS = 15.0  # the server's model list and /metrics: a server silent this long is not answering
 LINE_ERROR_TRIES = 3  # a 500 with an error body, this many times for one line: that line's error
 GENERATION_URLS = (contract.CHAT_URL, contract.COMPLETIONS_URL, contract.RESPONSES_URL)
+POOLING_URLS = (contract.EMBEDDINGS_URL, contract.SCORE_URL, contract.RERANK_URL)
 
 
 class EngineUnavailable(RuntimeError):
@@ -83,6 +85,19 @@ def warm_routes(settings: EngineSettings, served_name: str) -> dict[str, str]:
     for name, entry in settings.model_registry().items():
         if entry.engine_url:
             routes[name] = base_url(entry.engine_url)
+    return routes
+
+
+def pooling_routes(settings: EngineSettings, embedding_name: str | None) -> dict[str, str]:
+    """{served name: its warm engine's URL} of the pooling models: the embedding model on
+    EMBEDDING_ENGINE_URL (its embeddings, and score/rerank when no SCORE_MODEL_PATH), the scoring
+    model on SCORE_ENGINE_URL. Empty: they are answered in the run's own process."""
+    routes: dict[str, str] = {}
+    if settings.embedding_engine_url and embedding_name:
+        routes[embedding_name] = base_url(settings.embedding_engine_url)
+    score = settings.score_model()
+    if score is not None and settings.score_engine_url:
+        routes[score[1]] = base_url(settings.score_engine_url)
     return routes
 
 
@@ -342,17 +357,22 @@ class RemoteEngines:
     clock = None  # the server's own steps are not seen from here (its /metrics are)
 
     def __init__(self, settings: EngineSettings, served_name: str, local: Callable[[], Any],
-                 priority: int = 0, log: Callable[[str], None] = lambda _m: None) -> None:
+                 priority: int = 0, log: Callable[[str], None] = lambda _m: None,
+                 pooling: dict[str, str] | None = None) -> None:
+        """`pooling`: the pooling models' warm engines (pooling_routes), for embeddings, score and rerank."""
         self.settings = settings
         self.served_name = served_name
-        self.routes = warm_routes(settings, served_name)  # served model name -> its server's URL
-        self.url = base_url(settings.engine_url) if settings.engine_url else next(iter(self.routes.values()), "")
+        self.routes = warm_routes(settings, served_name)  # generation: served model name -> its server's URL
+        self.pooling = dict(pooling or {})  # embeddings, score, rerank: served model name -> its server's URL
+        self.url = (base_url(settings.engine_url) if settings.engine_url
+                    else next(iter({**self.pooling, **self.routes}.values()), ""))
         self.priority = vllm_priority(priority)
         self.log = log
         self.load_seconds = 0.0  # no model is loaded by the run
         self.window = Window(window_size(settings))
         # ENGINE_API_KEY goes to every warm engine of the run (one key for the deployment's engines).
-        self.clients = {url: EngineClient(url, settings.engine_api_key) for url in set(self.routes.values())}
+        self.clients = {url: EngineClient(url, settings.engine_api_key)
+                        for url in {*self.routes.values(), *self.pooling.values()}}
         self._local_factory, self._local = local, None  # in-process engines for what no server serves
         # Plain names of versioned models answer with the version this run is pinned to (as in-process).
         self.aliases = {name: versioned_name(name, version) for name, version in settings.resolved_versions({}).items()}
@@ -367,15 +387,17 @@ class RemoteEngines:
         model, the version this run is pinned to; another version a line names is that line's error)."""
         served = {}
         versions = {name for name in self.routes if VERSION_SEP in name}
-        required = (set(self.routes) - versions) | (set(self.aliases.values()) & versions)
+        required = (set(self.routes) - versions) | (set(self.aliases.values()) & versions) | set(self.pooling)
+        where = {**self.pooling, **self.routes}
         for url, client in self.clients.items():
             served[url] = client.models()
-            missing = sorted(name for name in required if self.routes[name] == url and name not in served[url])
+            missing = sorted(name for name in required if where[name] == url and name not in served[url])
             if missing:
                 raise ConfigError(f"the warm engine at {url} serves {', '.join(served[url]) or 'no model'}, not "
-                                  f"{', '.join(missing)} (SERVED_MODEL_NAME / LORA_MODULES / MODELS_FILE's url): start "
-                                  "it with this model, or point the URL at the server that has it")
-            self.log(f"answering {', '.join(sorted(n for n, to in self.routes.items() if to == url))} on the warm "
+                                  f"{', '.join(missing)} (SERVED_MODEL_NAME / LORA_MODULES / MODELS_FILE's url / "
+                                  "EMBEDDING_ENGINE_URL / SCORE_ENGINE_URL): start it with this model, or point the "
+                                  "URL at the server that has it")
+            self.log(f"answering {', '.join(sorted(n for n, to in where.items() if to == url))} on the warm "
                      f"engine at {url} (serves {', '.join(served[url])}; {self.window.ceiling} requests in flight, "
                      f"vLLM priority {self.priority})")
         return served
@@ -392,12 +414,18 @@ class RemoteEngines:
 
     def route(self, req: contract.BatchRequest) -> tuple[str, str] | None:
         """(the URL of the server that answers this request, the model name it serves it as), or None:
-        a generation line of a model (or adapter) with a warm engine."""
+        a generation line of a model (or adapter) with a warm engine, or a pooling line (embeddings,
+        score, rerank) of a pooling model with one."""
         model = req.body.get("model") if isinstance(req.body, dict) else None
-        model = self.aliases.get(model, model)
-        if req.url not in GENERATION_URLS or model not in self.routes:
+        if req.url in GENERATION_URLS:
+            model, table = self.aliases.get(model, model), self.routes
+        elif req.url in POOLING_URLS:
+            table = self.pooling
+        else:
             return None
-        return self.routes[model], model
+        if model not in table:
+            return None
+        return table[model], model
 
     def stream(self, batch_id: str, requests: Iterable[contract.BatchRequest], created: int,
                expected: int | None = None) -> Iterator[Answer]:
@@ -621,8 +649,57 @@ def _response_shape(batch_id: str, req: contract.BatchRequest, payload: dict[str
     return body, prompt, completion, reasoning, cached
 
 
+def _pooling_tokens(payload: dict[str, Any]) -> int:
+    usage = payload["usage"]
+    return int(usage.get("prompt_tokens") or usage.get("total_tokens") or 0)
+
+
+def _embeddings_shape(batch_id: str, req: contract.BatchRequest, payload: dict[str, Any], created: int) -> Shaped | None:
+    """An embeddings list as in-process (engine/bodies.embeddings_body): no id or created of the server's."""
+    data = payload.get("data")
+    if not isinstance(data, list) or not all(isinstance(d, dict) and "embedding" in d for d in data):
+        return None
+    prompt = _pooling_tokens(payload)
+    body = {"object": "list",
+            "data": [{"object": "embedding", "index": int(d.get("index", i)), "embedding": d["embedding"]}
+                     for i, d in enumerate(data)],
+            "model": payload.get("model"), "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
+    return body, prompt, 0, 0, 0
+
+
+def _score_shape(batch_id: str, req: contract.BatchRequest, payload: dict[str, Any], created: int) -> Shaped | None:
+    """vLLM's ScoreResponse as in-process (engine/scoring.score_body): the pipeline's id and created."""
+    data = payload.get("data")
+    if not isinstance(data, list) or not all(isinstance(d, dict) and "score" in d for d in data):
+        return None
+    prompt = _pooling_tokens(payload)
+    body = {"id": ids.completion_id("score", batch_id, req.line), "object": "list", "created": created,
+            "model": payload.get("model"),
+            "data": [{"index": int(d.get("index", i)), "object": "score", "score": float(d["score"])}
+                     for i, d in enumerate(data)],
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt, "completion_tokens": 0}}
+    return body, prompt, 0, 0, 0
+
+
+def _rerank_shape(batch_id: str, req: contract.BatchRequest, payload: dict[str, Any], created: int) -> Shaped | None:
+    """vLLM's RerankResponse as in-process (engine/scoring.rerank_body): the pipeline's id; each
+    result's document as {"text": ... or null}."""
+    results = payload.get("results")
+    if not isinstance(results, list) or not all(isinstance(r, dict) and "relevance_score" in r for r in results):
+        return None
+    prompt = _pooling_tokens(payload)
+    body = {"id": ids.completion_id("rerank", batch_id, req.line), "model": payload.get("model"),
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+            "results": [{"index": int(r["index"]), "document": {"text": (r.get("document") or {}).get("text")},
+                         "relevance_score": float(r["relevance_score"])} for r in results]}
+    return body, prompt, 0, 0, 0
+
+
 BODY_SHAPES: dict[str, Callable[[str, contract.BatchRequest, dict[str, Any], int], Shaped | None]] = {
     contract.CHAT_URL: lambda b, r, p, c: _completion_shape("chatcmpl", b, r, p, c),
     contract.COMPLETIONS_URL: lambda b, r, p, c: _completion_shape("cmpl", b, r, p, c),
     contract.RESPONSES_URL: _response_shape,
+    contract.EMBEDDINGS_URL: _embeddings_shape,
+    contract.SCORE_URL: _score_shape,
+    contract.RERANK_URL: _rerank_shape,
 }
