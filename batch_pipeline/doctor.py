@@ -108,11 +108,12 @@ def check_engine() -> CheckResult:
 
 
 def check_warm_engine() -> CheckResult:
-    """ENGINE_URL (and MODELS_FILE's `url`s, EMBEDDING_ENGINE_URL, SCORE_ENGINE_URL), when set: each server answers and serves the models sent
-    to it, as a run checks them before its first request (engine/remote.py), and ENGINE_URL's schedules
-    by priority. vLLM shows its scheduling policy only on /server_info, which it serves in dev mode
-    alone (VLLM_SERVER_DEV_MODE=1); elsewhere the policy cannot be seen from outside, and that is a
-    warning: vLLM takes a `priority` it does not use without a word."""
+    """ENGINE_URL (and MODELS_FILE's `url`s, EMBEDDING_ENGINE_URL, SCORE_ENGINE_URL), when set: each
+    server answers and serves the models sent to it, as a run checks them before its first request
+    (engine/remote.py), and ENGINE_URL's schedules by priority. vLLM shows its scheduling policy only
+    on /server_info, which it serves in dev mode alone (VLLM_SERVER_DEV_MODE=1); elsewhere the policy
+    cannot be seen from outside, and that is a warning: vLLM takes a `priority` it does not use
+    without a word."""
     from batch_pipeline.defs.resources import BUNDLED_EMBEDDING_NAME
     from batch_pipeline.engine.remote import EngineUnavailable, RemoteEngines, pooling_routes, warm_routes
 

@@ -537,7 +537,8 @@ def kill_run_worker(server: Any, batch_id: str) -> dict[str, Any]:
 
 def check_the_retry(server: Any, batch_id: str, first: dict[str, Any], done_at_kill: int, total: int) -> dict[str, Any]:
     """The killed run failed (the code server saw its worker die) with Dagster's decision to retry it,
-    and its retry (run_retries; the queue holds it until the dead run's "gpu" slot is freed) finished
+    and its retry (run_retries; on the warm engine no "gpu" pool slot is held, so the queue starts it
+    as soon as the daemon launches it) finished
     and resumed from the killed attempt's checkpoints: reused at least what was written at the kill."""
     # (SUCCESS once its run worker has finished its last step, shortly after it wrote the Batch object)
     retry, killed = wait_for("the retry run finished", lambda: (runs := batch_runs(server, batch_id))[0]["status"] != "STARTED"
