@@ -223,16 +223,14 @@ def test_backfill_of_two_dates_from_the_ui(ui: Walk) -> None:
         assert batch["metadata"]["partition"] == date
     assert json.loads((out / dates[1] / "broken" / "batch.json").read_text())["status"] == "failed"
 
-    # One gpu slot for two runs: their inference steps never overlapped; a run that waited says so in its log.
+    # On the test run's warm engine the runs hold no gpu pool slot (defs/resources.answering_pool):
+    # neither waited for one, and their inference steps may run side by side on the server. (The pool's
+    # rule for in-process runs is checked in test_deploy.)
     spans = sorted(step_span(server, r.run_id, "inference_results") for r in runs)
-    assert spans[0][1] <= spans[1][0], f"inference steps overlapped: {spans}"
     waited = [r.run_id for r in runs if any("blocked by limit for pool gpu" in (e.message or "")
                                              for e in server.instance().all_logs(r.run_id))]
     print(f"inference_results spans {spans}; runs that waited for the gpu pool: {waited}")
-    later = [r for r in runs if step_span(server, r.run_id, "inference_results") == spans[1]][0]
-    ready = step_ready(server, later.run_id)
-    if ready < spans[0][1]:  # it reached inference while the other held the gpu slot: its log says so
-        assert later.run_id in waited, f"run {later.run_id} waited for the gpu pool without saying so"
+    assert waited == [], f"runs on the warm engine waited for the gpu pool: {waited}"
 
 
 def new_run_finished(server: DagsterDev, before: set[str]) -> Any:
@@ -445,14 +443,6 @@ def test_a_new_upload_runs_as_batch_job_and_its_page_names_the_job(ui: Walk) -> 
     ui.shot("9-new-upload-named-job")
     assert re.search(r"Job\s+batch_job", body), body[:3000]  # the sensor's job, on the file's page
     assert run.run_id[:8] in body
-
-
-def step_ready(server: DagsterDev, run_id: str) -> float:
-    """When the run's validated_requests finished: from then on its inference_results could start."""
-    done = [r.timestamp for r in server.instance().all_logs(run_id) if r.step_key == "validated_requests"
-            and r.dagster_event and r.dagster_event.event_type == dg.DagsterEventType.STEP_SUCCESS]
-    assert done, f"no validated_requests success in run {run_id}"
-    return done[0]
 
 
 def step_span(server: DagsterDev, run_id: str, step: str) -> tuple[float, float]:
