@@ -432,7 +432,9 @@ def test_an_urgent_batch_overtakes_a_bulk_one_on_one_engine(small_engine, urgent
     bulk = RemoteEngines(settings, TINY_NAME, no_local, priority=0)
     urgent = RemoteEngines(dataclasses.replace(settings, engine_window=4), TINY_NAME, no_local, priority=urgent_priority)
     # Equal lengths (ignore_eos): the bulk requests finish 4 at a time, in waves.
-    bulk_requests = [request(i, f"bulk {i}", max_tokens=150, ignore_eos=True) for i in range(1, 21)]
+    # 400 tokens: a wave lasts long enough that a loaded machine (load 12 in CI) cannot let a second
+    # wave finish between the test taking the first answers and the urgent batch reaching the server.
+    bulk_requests = [request(i, f"bulk {i}", max_tokens=400, ignore_eos=True) for i in range(1, 21)]
     urgent_requests = [request(100 + i, f"urgent {i}", max_tokens=5, ignore_eos=True) for i in range(4)]
     stream = bulk.stream("bulk", bulk_requests, created=1)
     # The first wave's 4 answers: the server now decodes the second wave and holds 4 more waiting.
