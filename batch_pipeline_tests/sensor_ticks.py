@@ -72,14 +72,13 @@ def by_uri(result: dg.SensorResult) -> dict[str, dg.RunRequest]:
 
 
 def files_of(result: dg.SensorResult) -> dict[str, dg.RunRequest]:
-    """Input file -> the run request that takes it (a run of several files of one date names them
-    in input_uris); each file in exactly one run."""
+    """Input file -> the run request that takes it (its tag; with SHARDS=n, the first shard's);
+    each file's runs in one place."""
     found: dict[str, dg.RunRequest] = {}
     for request in result.run_requests or []:
-        config = request.run_config["resources"]["batch"]["config"]
-        for uri in config.get("input_uris") or [config["input_uri"]]:
-            assert uri not in found, uri
-            found[uri] = request
+        uri = request.tags["batch_pipeline/input_uri"]
+        assert uri not in found or "batch_pipeline/shard" in request.tags, uri
+        found.setdefault(uri, request)
     return found
 
 

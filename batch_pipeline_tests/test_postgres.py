@@ -72,7 +72,7 @@ def test_instance_has_postgres_storage_and_production_settings(dagster_home: Pat
         assert type(instance.run_launcher).__name__ == "DefaultRunLauncher"
         concurrency = instance.get_concurrency_config()
         assert concurrency.pool_config.default_pool_limit == 1
-        assert concurrency.run_queue_config.max_concurrent_runs == 4
+        assert concurrency.run_queue_config.max_concurrent_runs == 10
         assert instance.run_retries_enabled and instance.run_retries_max_retries == 2
         assert not instance.telemetry_enabled
 

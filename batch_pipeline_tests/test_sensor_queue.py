@@ -74,9 +74,10 @@ def test_uploads_become_runs_and_messages_are_deleted_by_the_next_tick(queued, m
     first = evaluate(storage, on.cursor, log=log)
     requests = by_uri(first)
     assert set(requests) == {dated, loose}
-    assert requests[dated].run_key == f"{dated}@{dated_etag}" and requests[dated].partition_key == "2025-03-14"
-    assert requests[loose].run_key == f"{loose}@{loose_etag}" and requests[loose].partition_key == utc_date(loose_modified)
-    assert requests[dated].run_config == batch_run_config(input_uri=dated)
+    assert requests[dated].run_key == f"{dated}@{dated_etag}" and requests[dated].partition_key == "2025-03-14/chat"
+    assert requests[loose].run_key == f"{loose}@{loose_etag}"
+    assert requests[loose].partition_key == f"{utc_date(loose_modified)}/my notes"
+    assert requests[dated].job_name == "batch_file_job" and requests[dated].run_config == batch_run_config()
     assert any(done in m and "already completed" in m for m in log)
     assert any("2025-13-01/x.jsonl: folder '2025-13-01' is not a date" in m for m in log), log
     assert any("a/b/c.jsonl: nested deeper" in m for m in log), log
@@ -118,9 +119,9 @@ def test_at_most_the_cap_per_tick_and_the_rest_released(queued, moto_server, mon
     storage = queued["storage"]
     cursor = evaluate(storage).cursor
     uris = {put(queued, f"incoming/2025-03-{10 + i:02d}/f{i}.jsonl")[0] for i in range(8)}  # 8 dates
-    uris |= {put(queued, f"incoming/2025-03-10/g{i}.jsonl")[0] for i in range(2)}  # join 03-10's run
+    uris |= {put(queued, f"incoming/2025-03-10/g{i}.jsonl")[0] for i in range(2)}  # a run each too
     asked: list[str] = []
-    for _ in range(4):
+    for _ in range(5):  # 3 + 3 + 3 + 1, and a tick that deletes the last message
         result = evaluate(storage, cursor)
         assert len(result.run_requests) <= 3
         asked.extend(files_of(result))

@@ -4,8 +4,8 @@ Covers, on moto's S3 server over HTTP with the sensor evaluated in-process: a ti
 the input folder and the window's date folders only (LIST calls counted through a proxy: the same
 few whatever the history holds), and a new upload among the 20,000 is found in one tick; what is
 there when the sensor is turned on with SENSOR_BACKLOG=skip (no run, small cursor) and =run (one
-date run per window date, none for the history; with SENSOR_WINDOW_DAYS=all, every date of the
-history, SENSOR_MAX_RUNS_PER_TICK per tick, each date once: on a bucket with the same 202 dates
+file run per window file, none for the history; with SENSOR_WINDOW_DAYS=all, every file of the
+history, SENSOR_MAX_RUNS_PER_TICK per tick, each file once: on a bucket with the same 202 dates
 and 6 old files a date, 2 LIST pages instead of 20 a tick); and, on small local folders, backlog
 dates whose files a backfill completed (no run), a file landing in a date folder outside the
 window (not seen; seen with a wider window), files deferred by the per-tick cap (run on a later
@@ -148,7 +148,7 @@ def test_skip_backlog_then_a_new_upload_is_found_in_one_cheap_tick(s3, list_coun
     lists_before = list_counter.count("GET", "list-type=2")
     found = evaluate(storage, idle.cursor)
     assert [r.tags["batch_pipeline/input_uri"] for r in found.run_requests] == [f"s3://{bucket}/{key}"]
-    assert found.run_requests[0].partition_key == day(0)
+    assert found.run_requests[0].partition_key == f"{day(0)}/brand-new"
     assert list_counter.count("GET", "list-type=2") - lists_before == 1 + 3
     assert len(found.cursor) < 2_000
     assert evaluate(storage, found.cursor).run_requests == []
@@ -161,22 +161,31 @@ def test_skip_backlog_then_a_new_upload_is_found_in_one_cheap_tick(s3, list_coun
     assert list_counter.count("GET", "list-type=2") - lists_before >= 20
 
 
-def test_run_backlog_one_run_per_window_date(s3) -> None:
+def test_run_backlog_one_run_per_window_file(s3) -> None:
     bucket = s3["bucket"]
     storage = storage_for(bucket, "out-run")
     log: list[str] = []
-    on = evaluate(storage, log=log)
-    # Today's and yesterday's folders (plus the loose files of today): two date runs, no file runs,
-    # nothing for the 19,950 files of 2025 outside the window.
-    assert sorted(r.partition_key for r in on.run_requests) == [day(1), day(0)]
-    for request in on.run_requests:
-        assert request.run_config == batch_run_config()  # blank: every file of the date
-        assert request.run_key.startswith(f"s3://{bucket}/incoming/{request.partition_key}@backlog-")
-        assert request.tags == {"batch_pipeline/trigger": "sensor backlog"}
-    assert any("SENSOR_BACKLOG=run" in m and f"{len(s3['window']) + len(s3['loose'])} batch file(s)" in m for m in log)
-    cursor = UploadCursor.parse(on.cursor)
-    assert cursor.backlog == [] and len(on.cursor) < 2_000
-    assert evaluate(storage, on.cursor).run_requests == []  # each date once
+    cursor, ticks, requests = None, 0, []
+    while True:
+        result = evaluate(storage, cursor, log=log)
+        ticks += 1
+        assert len(result.run_requests) <= 25  # SENSOR_MAX_RUNS_PER_TICK's default
+        requests += result.run_requests
+        cursor = result.cursor
+        assert len(cursor) < 2_000  # where a date goes on is one URI, not the files done
+        if not UploadCursor.parse(cursor).backlog:
+            break
+        assert ticks < 5
+    # Today's and yesterday's folders plus the loose files of today: a run per file, each once, none
+    # for the 19,950 files of 2025 outside the window.
+    window = {f"s3://{bucket}/{key}" for key in s3["window"] + s3["loose"]}
+    assert sorted(r.tags["batch_pipeline/input_uri"] for r in requests) == sorted(window)
+    assert ticks == -(-len(window) // 25)
+    for request in requests:
+        assert request.job_name == "batch_file_job" and request.run_config == batch_run_config()
+        assert request.partition_key.split("/")[0] in (day(0), day(1))
+    assert any("SENSOR_BACKLOG=run" in m and f"{len(window)} batch file(s)" in m for m in log)
+    assert evaluate(storage, cursor).run_requests == []  # each file once
 
 
 def test_run_backlog_over_the_whole_history_is_capped_per_tick(s3, monkeypatch) -> None:
@@ -184,20 +193,22 @@ def test_run_backlog_over_the_whole_history_is_capped_per_tick(s3, monkeypatch) 
     monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")
     monkeypatch.setenv("SENSOR_MAX_RUNS_PER_TICK", "100")
     storage = storage_for(DATES_BUCKET, "out-all")
-    dates: list[str] = []
+    files: list[str] = []
     cursor = None
     ticks = 0
     while True:
         result = evaluate(storage, cursor)
         ticks += 1
         assert len(result.run_requests) <= 100  # never thousands of runs from one tick
-        dates.extend(r.partition_key for r in result.run_requests)
+        files.extend(r.partition_key for r in result.run_requests)
         cursor = result.cursor
         if not UploadCursor.parse(cursor).backlog:
             break
-        assert ticks < 10
-    assert len(dates) == len(set(dates)) == HISTORY_DATES + 2  # every date once, one run each
-    assert ticks == -(-len(dates) // 100)
+        assert ticks < 20
+    # Every file of the 202 dates once, one run each.
+    assert len(files) == len(set(files)) == HISTORY_DATES * DATES_PER_DATE + len(window_keys()) + LOOSE_FILES
+    assert len({f.split("/")[0] for f in files}) == HISTORY_DATES + 2
+    assert ticks == -(-len(files) // 100)
     assert evaluate(storage, cursor).run_requests == []
 
 
@@ -218,7 +229,7 @@ def completed_batch_json(tmp_path: Path, path: Path, date: str) -> None:
 
 def test_backlog_a_backfill_completed_starts_no_run(tmp_path: Path) -> None:
     """Turned on after a backfill of today and yesterday: yesterday is complete (no run); today has
-    one file the backfill did not finish (one date run)."""
+    one file the backfill did not finish (its run)."""
     storage = local_storage(tmp_path)
     done = [write(tmp_path / "in" / day(1) / f"y{i}.jsonl", age_seconds=3600) for i in range(3)]
     today = [write(tmp_path / "in" / day(0) / f"t{i}.jsonl", age_seconds=3600) for i in range(2)]
@@ -226,9 +237,9 @@ def test_backlog_a_backfill_completed_starts_no_run(tmp_path: Path) -> None:
         completed_batch_json(tmp_path, path, path.parent.name)
     log: list[str] = []
     on = evaluate(storage, log=log)
-    assert [r.partition_key for r in on.run_requests] == [day(0)]
-    assert any(f"backlog of {day(1)}: all 3 file(s) already completed; no run" in m for m in log), log
-    assert any(f"backlog of {day(0)}" in m and str(today[1]) in m for m in log), log
+    assert [r.partition_key for r in on.run_requests] == [f"{day(0)}/t1"]
+    assert any(f"backlog of {day(1)}: 3 file(s)" in m and "all already completed; no run" in m for m in log), log
+    assert any(f"backlog of {day(0)}: 2 file(s)" in m and "1 run(s)" in m for m in log), log
 
 
 def test_a_file_outside_the_window_waits_for_a_backfill_or_a_wider_window(tmp_path: Path, monkeypatch) -> None:
@@ -252,7 +263,7 @@ def test_a_file_outside_the_window_waits_for_a_backfill_or_a_wider_window(tmp_pa
 
 def test_files_over_the_cap_wait_for_later_ticks(tmp_path: Path, monkeypatch) -> None:
     """Seven dates with a new file each and three loose files of today, at most 4 runs per tick: the
-    files wait in upload order and each runs once; today's loose files join today's run."""
+    files wait in upload order and each runs once, in a run of its own."""
     monkeypatch.setenv("SENSOR_MAX_RUNS_PER_TICK", "4")
     monkeypatch.setenv("SENSOR_WINDOW_DAYS", "10")
     storage = local_storage(tmp_path)
@@ -264,9 +275,7 @@ def test_files_over_the_cap_wait_for_later_ticks(tmp_path: Path, monkeypatch) ->
     for _ in range(3):
         result = evaluate(storage, cursor, log=log)
         assert len(result.run_requests) <= 4
-        for request in result.run_requests:
-            config = request.run_config["resources"]["batch"]["config"]
-            order.extend(config.get("input_uris") or [config["input_uri"]])
+        order.extend(r.tags["batch_pipeline/input_uri"] for r in result.run_requests)
         cursor = result.cursor
     assert order == [str(f) for f in files + loose]  # oldest first, each once, none lost
     assert any("wait for the next tick (SENSOR_MAX_RUNS_PER_TICK=4)" in m for m in log)

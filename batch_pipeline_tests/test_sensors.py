@@ -1,13 +1,14 @@
 """Tests for batch_upload_sensor (batch_pipeline/defs/sensors.py), evaluated in-process.
 
-Covers: one RunRequest per new batch file on S3 (moto's server over HTTP) and in a local folder;
+Covers: one RunRequest per new batch file (a batch_file_job run of its `<date>/<name>` partition) on S3 (moto's server over HTTP) and in a local folder;
 the partition of dated (`<input>/<date>/x.jsonl`) and undated files (their upload date, UTC); run
 keys `<uri>@<etag>`, run config and tags; repeated files (no new run), changed files (new ETag, new
 run), more than 1,000 keys (listing pagination); the cursor round trip (a second evaluation with the
 returned cursor asks for nothing) and its size; files ignored with a log line (folder that is not a
 date, date outside the partitions, deeper paths, results written under the input folder); local
 files still being written (left for the next tick); the look-back window; and the sensor as the
-Definitions declare it (job, interval, default status, run requests valid for batch_job).
+Definitions declare it (jobs, interval, default status, run requests valid for batch_file_job, and for
+batch_job with SHARDS=n).
 
 Does not touch the daemon, the UI or vLLM: Dagster's launching of the requested runs is covered by
 test_dagster_e2e.py.
@@ -89,13 +90,17 @@ def test_s3_new_dated_and_undated_files_become_runs(client, s3_bucket, s3_storag
 
     requests = by_uri(result)
     assert set(requests) == {dated, undated}
-    assert requests[dated].partition_key == "2025-03-14"
-    assert requests[undated].partition_key == utc_date(modified)
+    # One run of batch_file_job per file, for its batch_files partition <date>/<name>.
+    assert requests[dated].partition_key == "2025-03-14/chat"
+    assert requests[undated].partition_key == f"{utc_date(modified)}/loose"
     for uri, etag, name in [(dated, dated_etag, "chat"), (undated, undated_etag, "loose")]:
         request = requests[uri]
+        assert request.job_name == "batch_file_job"
         assert request.run_key == f"{uri}@{etag}"
-        assert request.run_config == batch_run_config(input_uri=uri)
-        assert request.tags == {"batch_pipeline/input_uri": uri, "batch_pipeline/batch_name": name}
+        assert request.run_config == batch_run_config()  # the file is the partition key
+        assert request.tags == {"batch_pipeline/input_uri": uri, "batch_pipeline/batch_name": name,
+                                "batch_pipeline/date": request.partition_key.split("/")[0],
+                                "batch_pipeline/engine": "in-process"}
     for key, reason in ignored.items():
         assert any(f"ignoring s3://{s3_bucket}/{key}: " in m and reason in m for m in log), key
 
@@ -126,23 +131,30 @@ def test_s3_repeated_and_changed_files(client, s3_bucket, s3_storage, whole_hist
     assert evaluate(s3_storage, changed.cursor).run_requests == []
 
 
-def test_s3_more_than_1000_keys(client, s3_bucket, s3_storage, whole_history) -> None:
+def test_s3_more_than_1000_keys(client, s3_bucket, s3_storage, whole_history, monkeypatch) -> None:
     on = turned_on(s3_storage)
     keys = [f"incoming/2025-03-{10 + i % 3:02d}/part-{i:05d}.jsonl" for i in range(1000)]
     keys += [f"incoming/loose-{i:03d}.jsonl" for i in range(60)]
     with ThreadPoolExecutor(max_workers=16) as pool:
         list(pool.map(lambda key: client.put_object(Bucket=s3_bucket, Key=key, Body=LINE), keys))
 
-    # 1,060 new files on four dates (the loose ones are today's): four runs, one model load each.
-    result = evaluate(s3_storage, on)
+    # 1,060 new files on four dates (the loose ones are today's): 1,000 runs (the most
+    # SENSOR_MAX_RUNS_PER_TICK allows), then the other 60 on the next tick.
+    monkeypatch.setenv("SENSOR_MAX_RUNS_PER_TICK", "1000")
+    first = evaluate(s3_storage, on)
+    assert len(first.run_requests) == 1000
+    result = evaluate(s3_storage, first.cursor)
+    assert len(result.run_requests) == 60
+    result = dg.SensorResult(run_requests=first.run_requests + result.run_requests, cursor=result.cursor)
     files = files_of(result)
     assert set(files) == {f"s3://{s3_bucket}/{key}" for key in keys}
     partitions = [r.partition_key for r in result.run_requests]
-    assert len(partitions) == len(set(partitions)) == 4
-    assert {"2025-03-10", "2025-03-11", "2025-03-12"} < set(partitions)  # plus today's, for the loose files
+    assert len(partitions) == len(set(partitions)) == len(keys)  # one run per file
+    assert {p.split("/")[0] for p in partitions} > {"2025-03-10", "2025-03-11", "2025-03-12"}  # and today's
     for request in result.run_requests:
-        assert request.run_key.startswith(f"s3://{s3_bucket}/incoming/{request.partition_key}@files-")
-        assert int(request.tags["batch_pipeline/files"]) == sum(1 for r in files.values() if r is request)
+        date, name = request.partition_key.split("/")
+        assert request.run_key.startswith(f"s3://{s3_bucket}/incoming/")
+        assert request.run_key.split("@")[0].endswith(f"/{name}.jsonl")
     # Compact: about 15 bytes per file (a 12-digit version id), not the file's URI and ETag.
     assert len(result.cursor) < 20 * len(keys)
     assert len(UploadCursor.parse(result.cursor).seen) == len(keys)
@@ -171,8 +183,8 @@ def test_local_folder(tmp_path: Path, whole_history) -> None:
     result = evaluate(storage, on, log=log)
     requests = by_uri(result)
     assert set(requests) == {str(dated), str(undated)}
-    assert requests[str(dated)].partition_key == "2025-03-14"
-    assert requests[str(undated)].partition_key == utc_date(undated.stat().st_mtime)
+    assert requests[str(dated)].partition_key == "2025-03-14/a"
+    assert requests[str(undated)].partition_key == f"{utc_date(undated.stat().st_mtime)}/b"
     st = dated.stat()
     assert requests[str(dated)].run_key == f"{dated}@{st.st_mtime_ns}-{st.st_size}"
     assert any("2025-02-30" in m and "is not a date" in m for m in log)
@@ -202,7 +214,7 @@ def test_local_cursor_forgets_files_older_than_the_lookback(tmp_path: Path, whol
     for i in range(3):
         write(tmp_path / "in" / "2025-01-01" / f"old-{i}.jsonl", age_seconds=3 * 86400)
     first = evaluate(storage, on)
-    assert len(first.run_requests) == 1 and len(files_of(first)) == 3  # one date: one run for the three
+    assert len(first.run_requests) == len(files_of(first)) == 3  # one run per file
 
     newest = write(tmp_path / "in" / "2025-01-02" / "new.jsonl", age_seconds=60)
     second = evaluate(storage, first.cursor)
@@ -251,23 +263,34 @@ def test_unknown_cursor_version_is_refused(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------ definitions
 
 
-def test_sensor_as_defined_and_requests_valid_for_batch_job(tmp_path: Path, whole_history) -> None:
+def test_sensor_as_defined_and_requests_valid_for_its_jobs(tmp_path: Path, whole_history, monkeypatch) -> None:
     from batch_pipeline.definitions import defs
 
     definitions = defs()
     sensor = definitions.resolve_sensor_def("batch_upload_sensor")
-    assert sensor.job_name == "batch_job"
+    assert sorted(t.job_name for t in sensor.targets) == ["batch_file_job", "batch_job"]  # files; SHARDS=n
     assert sensor.minimum_interval_seconds == SENSOR_INTERVAL_SECONDS == 30
     assert sensor.default_status == dg.DefaultSensorStatus.STOPPED
     assert sensor.required_resource_keys == {"storage"}
 
-    job = definitions.resolve_job_def("batch_job")
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
     on = turned_on(storage)
     write(tmp_path / "in" / "2025-03-14" / "a.jsonl")
-    (request,) = evaluate(storage, on).run_requests
-    assert job.partitions_def.has_partition_key(request.partition_key)
+    result = evaluate(storage, on)
+    (request,) = result.run_requests
+    job = definitions.resolve_job_def(request.job_name)
+    assert job.partitions_def.name == "batch_files"
+    [added] = result.dynamic_partitions_requests  # the partition exists before the run is launched
+    assert list(added.partition_keys) == [request.partition_key] == ["2025-03-14/a"]
     dg.validate_run_config(job, request.run_config)
+    # With SHARDS=n: n line-range runs of batch_job for the file's date.
+    monkeypatch.setenv("SHARDS", "2")
+    write(tmp_path / "in" / "2025-03-14" / "b.jsonl")
+    shards = evaluate(storage, result.cursor).run_requests
+    assert [(r.job_name, r.partition_key, r.tags["batch_pipeline/shard"]) for r in shards] == [
+        ("batch_job", "2025-03-14", "1/2"), ("batch_job", "2025-03-14", "2/2")]
+    for r in shards:
+        dg.validate_run_config(definitions.resolve_job_def("batch_job"), r.run_config)
 
 
 def test_s3_file_versions_already_completed_start_no_run(client, s3_bucket, s3_storage, whole_history) -> None:
@@ -294,28 +317,27 @@ def test_s3_file_versions_already_completed_start_no_run(client, s3_bucket, s3_s
     assert evaluate(s3_storage, result.cursor).run_requests == []
 
 
-def test_new_files_of_one_date_in_one_tick_share_one_run(tmp_path: Path, whole_history) -> None:
-    """One model load for what arrives together: three new files of a date are one run (the batch
-    resource's input_uris), a lone file of another date keeps its own run key; the same set of file
-    versions asks for the same run key again; the request is valid for batch_job; each file's
-    batch_files partition is added."""
-    from batch_pipeline.definitions import defs
-
+def test_new_files_of_one_date_are_one_run_each(tmp_path: Path, whole_history, monkeypatch) -> None:
+    """Three new files of a date are three runs (each red or green on its own), in upload order, each
+    tagged with its file, date and engine; each file's batch_files partition is added; the same file
+    versions ask for the same run keys again. On a warm engine the engine tag is its URL (the run
+    queue's limit per engine counts it)."""
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
     on = turned_on(storage)
     trio = [write(tmp_path / "in" / "2025-03-14" / f"{n}.jsonl", age_seconds=90 - i) for i, n in enumerate("abc")]
     lone = write(tmp_path / "in" / "2025-03-15" / "d.jsonl")
+    monkeypatch.setenv("ENGINE_URL", "http://engine.example:8000")
     result = evaluate(storage, on)
-    by_date = {r.partition_key: r for r in result.run_requests}
-    assert set(by_date) == {"2025-03-14", "2025-03-15"}
-    group = by_date["2025-03-14"]
-    assert group.run_config == batch_run_config(input_uris=[str(p) for p in trio])  # upload order
-    assert group.tags == {"batch_pipeline/batch_name": "a, b, c", "batch_pipeline/files": "3"}
-    st = lone.stat()
-    assert by_date["2025-03-15"].run_key == f"{lone}@{st.st_mtime_ns}-{st.st_size}"
-    assert evaluate(storage, on).run_requests[0].run_key in {r.run_key for r in result.run_requests}
-    job = defs().resolve_job_def("batch_job")
-    dg.validate_run_config(job, group.run_config)
+    assert [r.partition_key for r in result.run_requests] == ["2025-03-14/a", "2025-03-14/b", "2025-03-14/c",
+                                                              "2025-03-15/d"]
+    for request, path in zip(result.run_requests, trio + [lone]):
+        st = path.stat()
+        assert request.run_key == f"{path}@{st.st_mtime_ns}-{st.st_size}"
+        assert request.tags["batch_pipeline/input_uri"] == str(path)
+        assert request.tags["batch_pipeline/date"] == path.parent.name
+        assert request.tags["batch_pipeline/engine"] == "http://engine.example:8000"
+    again = evaluate(storage, on).run_requests
+    assert [r.run_key for r in again] == [r.run_key for r in result.run_requests]
     # Each queued file gets its batch_files partition at once, so it shows in the UI while it waits.
     [added] = result.dynamic_partitions_requests
     assert added.partitions_def_name == "batch_files"

@@ -16,10 +16,26 @@ batch_job = dg.define_asset_job(
     description="Validate, infer, write and measure the batch files of one date (or the one file in the run config).",
 )
 
+# Every file run names the engine its answers go to: the run queue's limit per engine counts it
+# (dagster.yaml's tag_concurrency_limits), so one engine's runs cannot take every run slot.
+ENGINE_TAG = "batch_pipeline/engine"
+IN_PROCESS = "in-process"
+
+
+def engine_tag() -> str:
+    """The engine a run started now answers on: ENGINE_URL (a warm engine), else "in-process"."""
+    try:
+        return engine_settings_from_env().engine_url or IN_PROCESS
+    except ConfigError:
+        return IN_PROCESS  # the run says what is wrong with the setting when it starts
+
+
 batch_file_job = dg.define_asset_job(
     "batch_file_job",
     selection=dg.AssetSelection.assets(batch_files),
-    description="Re-run one batch file (a batch_files partition, <date>/<name>) alone: validate, infer, write, measure.",
+    tags={ENGINE_TAG: engine_tag()},  # read when the definitions load, as answering_pool() is
+    description="One batch file (a batch_files partition, <date>/<name>): validate, infer, write, measure. The "
+                "upload sensor, the nightly schedule and backfills from this job run one of these per file.",
 )
 
 

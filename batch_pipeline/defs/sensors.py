@@ -1,23 +1,23 @@
-"""`batch_upload_sensor`: `batch_job` runs for new or changed batch files under STORAGE_INPUT_PATH.
+"""`batch_upload_sensor`: one `batch_file_job` run per new or changed batch file under STORAGE_INPUT_PATH.
 
 Two ways to find them (docs/TRIGGERS.md): listing (the top of the input folder and the date
 folders of the last SENSOR_WINDOW_DAYS dates; io/uploads.py) or, for big buckets, draining the
 SQS queue the bucket notifies on ObjectCreated (INPUT_QUEUE_URL; io/notifications.py). Either way
-the new file versions of one date found in one tick become one run (one model load: the `batch`
-resource's input_uris, run key `<input>/<date>@files-<digest>`); a lone new file keeps its run key
-`<uri>@<etag>`, and with SHARDS=n each file gets n runs `<uri>@<etag>#shard-i-of-n`. A version that a
-backfill, the nightly schedule or an earlier run
-already completed (its batch.json says `completed` for the same ETag) starts no run, and Dagster
-never launches one run key twice, so a lost cursor or a message read twice starts nothing new.
+each new file version is one run of its batch_files partition `<date>/<name>` (run key
+`<uri>@<etag>`), so a file that cannot be answered is its own red run and partition in the UI; with
+SHARDS=n each file gets n line-range runs of batch_job `<uri>@<etag>#shard-i-of-n`. A version that a
+backfill, the nightly schedule or an earlier run already completed (its batch.json says `completed`
+for the same ETag) starts no run, and Dagster never launches one run key twice, so a lost cursor or
+a message read twice starts nothing new. On a warm engine (ENGINE_URL) the runs are light clients
+that answer side by side; in-process, each loads the model (docs/TRIGGERS.md).
 
-What is already there when the sensor is turned on follows SENSOR_BACKLOG: `run` queues one date
-run per date (the nightly schedule's run: every file of the date not yet completed), `skip` leaves
-it to backfills. No tick requests more than SENSOR_MAX_RUNS_PER_TICK runs; the rest wait.
+What is already there when the sensor is turned on follows SENSOR_BACKLOG: `run` queues a run for
+each of those files not yet completed, `skip` leaves them to backfills. No tick requests more than
+SENSOR_MAX_RUNS_PER_TICK runs; the rest wait.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import dagster as dg
@@ -31,7 +31,7 @@ from batch_pipeline.config.settings import (
     shards_from_env,
 )
 from batch_pipeline.config.priority import priority_tags
-from batch_pipeline.defs.jobs import batch_job, batch_run_config
+from batch_pipeline.defs.jobs import ENGINE_TAG, batch_file_job, batch_job, batch_run_config, engine_tag
 from batch_pipeline.defs.partitions import (
     batch_file_partitions,
     daily_partitions,
@@ -39,7 +39,7 @@ from batch_pipeline.defs.partitions import (
 )
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.io import locations, notifications
-from batch_pipeline.io.storage import describe
+from batch_pipeline.io.storage import ObjectInfo, describe
 from batch_pipeline.io.uploads import (
     BASELINE_SLACK_SECONDS,
     NewBatch,
@@ -75,17 +75,28 @@ def partition_range() -> PartitionRange:
     return PartitionRange(first, last)
 
 
-def run_requests(new: NewBatch, shards: int = 1) -> list[dg.RunRequest]:
-    """One run for the file, or with SHARDS=n, one run per line-range shard (io/shards.py): n runs
-    that queue for the `gpu` pool like any other and, on Kubernetes, land on n GPU pods."""
+def file_tags(new: NewBatch) -> dict[str, str]:
+    """What a file run's page says it is for: the file, its batch name and date, and the engine its
+    answers go to (the run queue's limit per engine counts this tag: dagster.yaml)."""
     uri = new.info.uri
-    tags = {"batch_pipeline/input_uri": uri, "batch_pipeline/batch_name": locations.batch_name(uri)}
+    return {"batch_pipeline/input_uri": uri, "batch_pipeline/batch_name": locations.batch_name(uri),
+            "batch_pipeline/date": new.partition, ENGINE_TAG: engine_tag()}
+
+
+def run_requests(new: NewBatch, shards: int = 1) -> list[dg.RunRequest]:
+    """One run of batch_file_job for the file (its batch_files partition `<date>/<name>`: red or
+    green on its own in the UI), or with SHARDS=n, n line-range runs (io/shards.py) of batch_job
+    for its date, which queue for the `gpu` pool like any other and, on Kubernetes, land on n GPU pods."""
+    uri = new.info.uri
+    tags = file_tags(new)
     if shards == 1:
-        return [dg.RunRequest(run_key=new.run_key, partition_key=new.partition,
-                              run_config=batch_run_config(input_uri=uri), tags=tags)]
+        return [dg.RunRequest(run_key=new.run_key, job_name=batch_file_job.name,
+                              partition_key=file_key(new.partition, locations.batch_name(uri)),
+                              run_config=batch_run_config(), tags=tags)]
     return [
         dg.RunRequest(
             run_key=f"{new.run_key}#shard-{i}-of-{shards}",
+            job_name=batch_job.name,
             partition_key=new.partition,
             run_config=batch_run_config(input_uri=uri, shard=f"{i}/{shards}"),
             tags={**tags, "batch_pipeline/shard": f"{i}/{shards}"},
@@ -94,33 +105,9 @@ def run_requests(new: NewBatch, shards: int = 1) -> list[dg.RunRequest]:
     ]
 
 
-def files_run_request(root: str, date: str, news: list[NewBatch]) -> dg.RunRequest:
-    """One run for several new files of one date (one model load): its run key is made of their
-    file versions, so the same set asks for the same run; each file still has its own results."""
-    keys = sorted(n.run_key for n in news)
-    digest = hashlib.sha256("\n".join(keys).encode()).hexdigest()[:16]
-    names = [locations.batch_name(n.info.uri) for n in news]
-    listed = ", ".join(names)
-    if len(listed) > 200:
-        listed = listed[:200].rsplit(", ", 1)[0] + f" ... ({len(names)} files)"
-    return dg.RunRequest(
-        run_key=f"{folder_prefix(root)}{date}@files-{digest}",
-        partition_key=date,
-        run_config=batch_run_config(input_uris=[n.info.uri for n in news]),
-        tags={"batch_pipeline/batch_name": listed, "batch_pipeline/files": str(len(news))},
-    )
-
-
-def requests_for(root: str, chosen: list[NewBatch], shards: int) -> list[dg.RunRequest]:
-    """The tick's new files as runs: one per date (a date with one new file keeps that file's run
-    key `<uri>@<etag>`); with SHARDS=n, n runs per file."""
-    if shards > 1:
-        return [r for new in chosen for r in run_requests(new, shards)]
-    by_date: dict[str, list[NewBatch]] = {}
-    for new in chosen:
-        by_date.setdefault(new.partition, []).append(new)
-    return [run_requests(news[0])[0] if len(news) == 1 else files_run_request(root, date, news)
-            for date, news in by_date.items()]
+def requests_for(chosen: list[NewBatch], shards: int) -> list[dg.RunRequest]:
+    """The tick's new files as runs: one per file (run key `<uri>@<etag>`); with SHARDS=n, n per file."""
+    return [r for new in chosen for r in run_requests(new, shards)]
 
 
 def file_partitions(chosen: list[NewBatch]) -> list[dg.AddDynamicPartitionsRequest]:
@@ -130,24 +117,13 @@ def file_partitions(chosen: list[NewBatch]) -> list[dg.AddDynamicPartitionsReque
     return [batch_file_partitions.build_add_request(keys)] if keys else []
 
 
-def backlog_run_request(root: str, date: str, since: float) -> dg.RunRequest:
-    """The run for a date's files that were there when the sensor was turned on: the nightly
-    schedule's run (blank config: every file of the date not yet completed)."""
-    return dg.RunRequest(
-        run_key=f"{folder_prefix(root)}{date}@backlog-{since:.0f}",
-        partition_key=date,
-        run_config=batch_run_config(),
-        tags={"batch_pipeline/trigger": "sensor backlog"},
-    )
-
-
 def _description() -> str:
     try:
         how = sensor_settings_from_env().describe()
     except ConfigError as e:
         how = f"not configured: {e}"
     return (
-        "Starts batch_job for every new or changed .jsonl/.json/.ndjson/.parquet/.csv file under STORAGE_INPUT_PATH "
+        "Starts one batch_file_job run (its batch_files partition) for every new or changed .jsonl/.json/.ndjson/.parquet/.csv file under STORAGE_INPUT_PATH "
         "(<date>/<name>.jsonl runs as that date; <name>.jsonl as its upload date, UTC); a file version "
         f"already completed (by a backfill or the nightly run) starts no run. Now: every {SENSOR_INTERVAL_SECONDS} s "
         f"(SENSOR_INTERVAL_SECONDS), {how}."
@@ -168,8 +144,7 @@ def _choose(new: NewBatch, output_root: str, shards: int, budget: _Budget, chose
             log: dg.DagsterLogManager) -> bool:
     """Add `new` to the tick's runs unless its version is completed already; False when the tick
     has no run left for it (it waits for the next tick)."""
-    joins = shards == 1 and any(c.partition == new.partition for c in chosen)  # that date's run takes it too
-    if not joins and budget.runs < shards:
+    if budget.runs < shards:
         return False
     if already_completed(new, output_root):
         budget.checks -= 1
@@ -179,9 +154,33 @@ def _choose(new: NewBatch, output_root: str, shards: int, budget: _Budget, chose
         f"new batch file {new.info.uri} (etag {new.info.etag}) -> partition {new.partition}"
         + (f", {shards} shard runs" if shards > 1 else "")
     )
-    if not joins:
-        budget.runs -= shards
+    budget.runs -= shards
     chosen.append(new)
+    return True
+
+
+def _backlog(date: str, files: list[ObjectInfo], cursor: UploadCursor, output_root: str, shards: int,
+             budget: _Budget, chosen: list[NewBatch], log: dg.DagsterLogManager) -> bool:
+    """Runs for the files of `date` that were there when the sensor was turned on (SENSOR_BACKLOG=run),
+    in URI order: one per file not completed, like a new upload's. False when the tick's budget ran
+    out first: the cursor keeps the last file handled, and the next tick goes on after it."""
+    after = cursor.backlog_after.get(date, "")
+    before, runs = len(chosen), 0
+    for info in sorted(files, key=lambda i: i.uri):
+        if info.uri <= after:
+            continue
+        new = NewBatch(info, date)
+        if any(c.run_key == new.run_key for c in chosen):
+            continue  # a new upload of this tick already
+        if budget.exhausted() or not _choose(new, output_root, shards, budget, chosen, log):
+            if after:
+                cursor.backlog_after[date] = after
+            return False
+        after = info.uri
+    runs = len(chosen) - before
+    cursor.backlog_after.pop(date, None)
+    log.info(f"backlog of {date}: {len(files)} file(s) there when the sensor was turned on; "
+             + (f"{runs} run(s) for those not completed (SENSOR_BACKLOG=run)" if runs else "all already completed; no run"))
     return True
 
 
@@ -202,30 +201,13 @@ def _listing_tick(context: dg.SensorEvaluationContext, root: str, output_root: s
     for new in result.found:
         if deferred or budget.checks <= 0 or not _choose(new, output_root, shards, budget, chosen, context.log):
             deferred.append(new)  # in upload order: once one waits, the later ones wait too
-    requests = requests_for(root, chosen, shards)
     new_cursor.defer(deferred)
     pending = []
     for date in new_cursor.backlog:
-        if budget.exhausted():
-            pending.append(date)
-            continue
-        files = result.backlog.get(date, [])
-        unfinished = None
-        for info in files:
-            if budget.checks <= 0:
-                unfinished = info  # out of checks: let the run look (it skips what is completed)
-                break
-            budget.checks -= 1
-            if not completed(info, date, output_root):
-                unfinished = info
-                break
-        if unfinished is None:
-            context.log.info(f"backlog of {date}: all {len(files)} file(s) already completed; no run")
-            continue
-        context.log.info(f"backlog of {date}: {len(files)} file(s) there when the sensor was turned on -> one run "
-                         f"for the date (SENSOR_BACKLOG=run; {unfinished.uri} not completed)")
-        requests.append(backlog_run_request(root, date, new_cursor.since or 0.0))
-        budget.runs -= 1
+        if budget.exhausted() or not _backlog(date, result.backlog.get(date, []), new_cursor, output_root, shards,
+                                              budget, chosen, context.log):
+            pending.append(date)  # what its files still need waits for the next tick
+    requests = requests_for(chosen, shards)
     new_cursor.backlog = pending
     waiting = len(deferred) + len(pending)
     summary = (f"listed {result.listed} objects ({len(window) if window is not None else 'all'} date folder(s) "
@@ -279,7 +261,7 @@ def _queue_tick(context: dg.SensorEvaluationContext, root: str, output_root: str
                 notifications.release(url, [m.receipt for m in messages[i:]])
                 break
             handled.append(message.receipt)
-    requests = requests_for(root, chosen, shards)
+    requests = requests_for(chosen, shards)
     context.log.info(f"received {received} message(s) from {url}; {len(requests)} run request(s)"
                      + ("; more wait for the next tick" if full else ""))
     new_cursor = UploadCursor(since=since, delete=handled)
@@ -325,7 +307,7 @@ def _queue_object(context: dg.SensorEvaluationContext, uri: str, prefix: str, ex
 # on a fresh instance it would otherwise start runs, and load the model, for every file already in
 # the input folder the moment `make dev` comes up.
 @dg.sensor(
-    job=batch_job,
+    jobs=[batch_file_job, batch_job],
     minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
     default_status=dg.DefaultSensorStatus.STOPPED,
     description=_description(),

@@ -22,10 +22,10 @@ file uploaded in the window.
 
 **The backlog**: what is already there when the sensor is turned on (its first tick, an empty
 cursor). `baseline` is the newest modification time among those files; a file modified at or before
-it is backlog, never a run of its own. SENSOR_BACKLOG=skip leaves the backlog alone (only files
-uploaded from now on run); `run` (the default) queues one date run per date that holds backlog
-(`backlog` in the cursor), requested a few per tick; that run takes every file of its date not
-yet completed, as the nightly schedule does.
+it is backlog, never a new upload. SENSOR_BACKLOG=skip leaves the backlog alone (only files
+uploaded from now on run); `run` (the default) queues a run for each backlog file not yet completed,
+date by date (`backlog` in the cursor: the dates still to do; `backlog_after`: where a date that
+needed more runs than one tick had goes on), as many per tick as SENSOR_MAX_RUNS_PER_TICK allows.
 """
 
 from __future__ import annotations
@@ -65,7 +65,10 @@ class UploadCursor:
     mark: float | None = None  # newest modification time seen; None: nothing yet
     seen: set[str] = field(default_factory=set)  # version ids of files handled (see the module doc)
     baseline: float | None = None  # files modified at or before this were there when the sensor was turned on
-    backlog: list[str] = field(default_factory=list)  # dates whose backlog run is still to be requested
+    backlog: list[str] = field(default_factory=list)  # dates whose backlog runs are still to be requested
+    # date -> the last of its backlog files (by URI) whose run is requested: a date whose files
+    # needed more runs than one tick had goes on after it
+    backlog_after: dict[str, str] = field(default_factory=dict)
     delete: list[str] = field(default_factory=list)  # SQS receipt handles the next tick deletes (queue.py)
 
     @property
@@ -86,7 +89,8 @@ class UploadCursor:
         if data.get("v") != CURSOR_VERSION:
             raise ValueError(f"unknown batch_upload_sensor cursor version: {raw[:80]!r}")
         return cls(since=data["since"], mark=data["mark"], seen=set(data["seen"]), baseline=data.get("baseline"),
-                   backlog=list(data.get("backlog", ())), delete=list(data.get("delete", ())))
+                   backlog=list(data.get("backlog", ())), delete=list(data.get("delete", ())),
+                   backlog_after=dict(data.get("backlog_after", {})))
 
     def dumps(self) -> str:
         data = {"v": CURSOR_VERSION, "since": self.since, "mark": self.mark, "seen": sorted(self.seen)}
@@ -94,6 +98,9 @@ class UploadCursor:
             data["baseline"] = self.baseline
         if self.backlog:
             data["backlog"] = self.backlog
+        after = {d: uri for d, uri in self.backlog_after.items() if d in self.backlog}
+        if after:
+            data["backlog_after"] = after
         if self.delete:
             data["delete"] = self.delete
         return json.dumps(data, separators=(",", ":"))
@@ -274,7 +281,7 @@ def scan(
             files = sum(len(v) for v in backlog.values())
             if backlog_policy == "run":
                 log(f"sensor turned on over {files} batch file(s) already there, on {len(backlog)} date(s): "
-                    f"one run per date, a few per tick (SENSOR_BACKLOG=run): {', '.join(pending[:10])}"
+                    f"a run per file not yet completed, a few per tick (SENSOR_BACKLOG=run): {', '.join(pending[:10])}"
                     + (" ..." if len(pending) > 10 else ""))
             else:
                 log(f"sensor turned on over {files} batch file(s) already there, on {len(backlog)} date(s): "
@@ -289,7 +296,7 @@ def scan(
     pending = [d for d in pending if d in backlog]
     new_cursor = UploadCursor(
         since=now if fresh else cursor.since, mark=mark, seen=seen, baseline=baseline, backlog=pending,
-        delete=[],
+        backlog_after=dict(cursor.backlog_after), delete=[],
     )
     return Scan(found=found, backlog=backlog, cursor=new_cursor, listed=len(objects))
 
