@@ -1,16 +1,15 @@
 """End to end through a real `dagster dev` (web server, daemon, code server) with S3 storage.
 
 Covers: batch_upload_sensor turned on over GraphQL, a batch file uploaded to
-s3://<bucket>/incoming/ after the sensor's first tick, the daemon launching one run for it (run key,
-partition, tags), real vLLM on the tiny model in that run, and the results in
+s3://<bucket>/incoming/ after the sensor's first tick, the daemon launching one batch_file_job run for
+it (run key, its `<date>/<name>` partition, tags), real vLLM on the tiny model in that run, and the results in
 s3://<bucket>/output/<date>/<name>/ checked line by line (every custom_id answered once, the bad
 line in errors.jsonl with its code, batch.json completed with exact counts); later ticks start no
 second run. nightly_batch_schedule fired by the scheduler daemon itself: its cron cannot change at
 run time, so the test rewinds the schedule's start time in the instance to just before the last
-02:00 UTC, and the daemon catches that tick up; the run is for the day before the tick, a date with
-no files, and finishes without loading the model. The schedule has a `dagster dev` of its own (own
-instance and bucket), so its run never waits for the gpu pool behind another run's model load: its
-duration is asserted.
+02:00 UTC, and the daemon catches that tick up; the day before the tick holds one file, which
+becomes one batch_file_job run of its partition on the warm engine (no model load). The schedule
+has a `dagster dev` of its own (own instance and bucket).
 
 The queue trigger (INPUT_QUEUE_URL) through its own `dagster dev`: the bucket notifies an SQS queue,
 the sensor receives the upload's message and is held (its HEAD of the object hangs at a proxy), the
@@ -147,7 +146,8 @@ def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
     run = finished_run(server, run.run_id)
     assert run.status.value == "SUCCESS", server.log_tail()
     assert run.tags["dagster/run_key"] == f"{uri}@{etag}"
-    assert run.tags["dagster/partition"] == date
+    assert run.job_name == "batch_file_job"
+    assert run.tags["dagster/partition"] == f"{date}/{BATCH}"  # the file's own batch_files partition
     assert run.tags["batch_pipeline/input_uri"] == uri
     assert run.tags["batch_pipeline/batch_name"] == BATCH
     assert batch["metadata"]["dagster_run_id"] == run.run_id
@@ -262,13 +262,13 @@ def batch_json(client: Any, bucket: str, folder: str) -> dict[str, Any] | None:
 # of the queue scenario's for sensor ticks, the run queue and SQS's visibility timeout; the sensor's
 # and `make dev`'s tests fill that time.
 BACKGROUND = {
-    "test_schedule_fired_by_the_daemon_runs_an_empty_date_fast": "schedule",
+    "test_schedule_fired_by_the_daemon_runs_each_file_of_yesterday": "schedule",
     "test_queue_trigger_survives_a_server_killed_between_receive_and_run_request": "queue",
 }
 
 
 @pytest.fixture(scope="module")
-def background(request: pytest.FixtureRequest, moto_server: MotoS3, tiny_model_dir: Path,
+def background(request: pytest.FixtureRequest, moto_server: MotoS3, tiny_model_dir: Path, warm_engine_url: str,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
     """The selected ones of BACKGROUND's scenarios, in turn in one thread (the schedule's, then the
     queue's): name -> its future."""
@@ -278,7 +278,7 @@ def background(request: pytest.FixtureRequest, moto_server: MotoS3, tiny_model_d
         futures = {}
         if "schedule" in selected:
             futures["schedule"] = pool.submit(schedule_scenario, moto_server, tiny_model_dir,
-                                              tmp_path_factory.mktemp("schedule"))
+                                              tmp_path_factory.mktemp("schedule"), warm_engine_url)
         if "queue" in selected:
             futures["queue"] = pool.submit(queue_trigger_scenario, moto_server, tiny_model_dir,
                                            tmp_path_factory.mktemp("queue_trigger"))
@@ -286,41 +286,44 @@ def background(request: pytest.FixtureRequest, moto_server: MotoS3, tiny_model_d
         # Leaving the block waits for them (each scenario's own `finally` stops its servers).
 
 
-def schedule_scenario(moto_server: MotoS3, tiny_model_dir: Path, tmp_path: Path) -> None:
+def schedule_scenario(moto_server: MotoS3, tiny_model_dir: Path, tmp_path: Path, engine_url: str) -> None:
     """nightly_batch_schedule fired by the scheduler daemon of its own `dagster dev` (own instance and
-    bucket: no other run holds the gpu pool before its inference step); raises what fails."""
+    bucket), on the test run's warm engine: yesterday's one file becomes one named file run, whose
+    partition the tick added; raises what fails."""
     bucket = moto_server.create_bucket()
-    server = start_dagster_dev(tmp_path / "home", s3_server_env(moto_server, tiny_model_dir, bucket),
+    client = moto_server.client()
+    server = start_dagster_dev(tmp_path / "home", s3_server_env(moto_server, tiny_model_dir, bucket, engine_url),
                                tmp_path / "dagster-dev.log")
     try:
         # Start the schedule and rewind it inside one scheduler minute (see rewind_schedule_start).
         if time.time() % 60 > 45:
             time.sleep(61 - time.time() % 60)
-        server.start_schedule(SCHEDULE)
         tick = last_nightly_tick(dt.datetime.now(dt.timezone.utc))
-        rewind_schedule_start(server, SCHEDULE, tick.timestamp() - 60)
         partition = (tick - dt.timedelta(days=1)).date().isoformat()
+        client.put_object(Bucket=bucket, Key=f"incoming/{partition}/{BATCH}.jsonl",
+                          Body=("\n".join(batch_lines()) + "\n").encode())
+        server.start_schedule(SCHEDULE)
+        rewind_schedule_start(server, SCHEDULE, tick.timestamp() - 60)
 
         [run] = wait_for("a run launched by nightly_batch_schedule",
                          lambda: runs_tagged(server, "dagster/schedule_name", SCHEDULE), 150, interval=1.0,
                          on_timeout=server.log_tail)
-        run = finished_run(server, run.run_id)
+        run = finished_run(server, run.run_id, timeout=RUN_TIMEOUT)
         assert run.status.value == "SUCCESS", server.log_tail()
-        assert run.tags["dagster/partition"] == partition
-        assert run.tags["dagster/run_key"] == f"nightly-{partition}"
-
-        stats = server.instance().get_run_stats(run.run_id)
-        # Measured ~10 s here (process start and Dagster imports); with the model it would be 25 s+.
-        assert stats.end_time - stats.start_time < 60
-        inference = materialization_metadata(server, run.run_id, "inference_results")
-        assert inference["batches"] == 0 and "model_load_seconds" not in inference  # no zeros in the plots
-        assert materialization_metadata(server, run.run_id, "validated_requests")["batches"] == 0
+        assert run.job_name == "batch_file_job"
+        assert run.tags["dagster/partition"] == f"{partition}/{BATCH}"
+        assert run.tags["dagster/run_key"].startswith(f"nightly-{partition}/{BATCH}@")
+        assert run.tags["batch_pipeline/engine"] == engine_url
+        answered = read_jsonl(client, bucket, f"output/{partition}/{BATCH}/output.jsonl")
+        assert sorted(o["custom_id"] for o in answered) == GOOD_IDS
+        file = materialization_metadata(server, run.run_id, "batch_files")
+        assert file["status"] == "completed" and file["model_load_seconds"] == 0  # a warm engine loads nothing
     finally:
         print(f"dagster dev log: {server.log_path}")
         server.stop()
 
 
-def test_schedule_fired_by_the_daemon_runs_an_empty_date_fast(background: dict[str, Future]) -> None:
+def test_schedule_fired_by_the_daemon_runs_each_file_of_yesterday(background: dict[str, Future]) -> None:
     """See schedule_scenario (it ran alongside the tests above; this raises what it raised)."""
     background["schedule"].result()
 

@@ -1,11 +1,13 @@
 """Tests for nightly_batch_schedule (batch_pipeline/defs/schedules.py), evaluated in-process.
 
-Covers: the partition a tick runs (the UTC day before the tick, across month ends, leap days and
-ticks given in other time zones), its run key, a tick before the first partition (skipped), the
-schedule as the Definitions declare it; the run it requests, materialized with blank config: every
-file of the date (dated folder plus undated files uploaded that day, nothing from other days) on
-the tiny model; and a date without files, which must finish in seconds without building an engine
-(the LLM resource raises if it is asked for one).
+Covers: the date a tick runs (the UTC day before the tick, across month ends, leap days and
+ticks given in other time zones), one batch_file_job run per file of that date (dated folder plus
+undated files uploaded that day, nothing from other days), their run keys and partitions, files
+already completed (no run), a date without files (skipped, saying so), a tick before the first
+partition (skipped), the schedule as the Definitions declare it; the runs it requests,
+materialized on the tiny model; and a date run (batch_job, the CLI's) over a date without files,
+which must finish in seconds without building an engine (the LLM resource raises if it is asked
+for one).
 
 Does not touch the daemon or the UI (test_dagster_e2e.py fires the schedule through the daemon).
 """
@@ -23,8 +25,10 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.defs.assets import BATCH_ASSETS
+from batch_pipeline.defs.batch_files import batch_files
+from batch_pipeline.io import storage as store
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_schedule_for
+from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_requests, nightly_schedule_for, previous_day
 
 nightly_batch_schedule = nightly_schedule_for(NIGHTLY_CRON)
 from batch_pipeline_tests.cli_runs import jsonl_records
@@ -33,8 +37,18 @@ from batch_pipeline_tests.conftest import TINY_NAME
 UTC = dt.timezone.utc
 
 
-def tick(when: dt.datetime) -> dg.RunRequest | dg.SkipReason:
-    return nightly_batch_schedule(dg.build_schedule_context(scheduled_execution_time=when))
+def tick(when: dt.datetime, inbox: Path, out: Path | None = None) -> list[dg.RunRequest] | dg.SkipReason:
+    """What the schedule's tick at `when` asks for (the daemon's tick also adds the runs' batch_files
+    partitions to the instance first: test_dagster_e2e.py fires it through the daemon)."""
+    storage = StorageResource(input_path=str(inbox), output_path=str(out or inbox.parent / "out"))
+    return nightly_requests(previous_day(when), storage)
+
+
+def one_file(inbox: Path, day: str, name: str = "one") -> Path:
+    path = inbox / day / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(chat_line(name) + "\n")
+    return path
 
 
 @pytest.mark.parametrize(
@@ -50,16 +64,37 @@ def tick(when: dt.datetime) -> dg.RunRequest | dg.SkipReason:
         (dt.datetime(2026, 12, 1, 2, 0, tzinfo=dt.timezone(dt.timedelta(hours=1))), "2026-11-30"),
     ],
 )
-def test_tick_runs_yesterdays_partition(when: dt.datetime, partition: str) -> None:
-    request = tick(when)
-    assert isinstance(request, dg.RunRequest)
-    assert request.partition_key == partition
-    assert request.run_key == f"nightly-{partition}"
-    assert not request.run_config  # blank: every file of the date
+def test_tick_runs_yesterdays_files(when: dt.datetime, partition: str, tmp_path: Path) -> None:
+    path = one_file(tmp_path / "in", partition)
+    [request] = tick(when, tmp_path / "in")
+    assert request.job_name is None  # the schedule's job, batch_file_job
+    assert request.partition_key == f"{partition}/one"
+    assert request.run_key == f"nightly-{partition}/one@{store.describe(str(path)).etag}"
+    assert request.tags["batch_pipeline/input_uri"] == str(path) and request.tags["batch_pipeline/date"] == partition
+    assert not request.run_config  # the file is the partition key
 
 
-def test_tick_before_the_first_partition_is_skipped() -> None:
-    skipped = tick(dt.datetime(2024, 1, 1, 2, 0, tzinfo=UTC))
+def test_one_run_per_file_not_yet_completed(tmp_path: Path) -> None:
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    day, when = "2026-11-29", dt.datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
+    files = [one_file(inbox, day, n) for n in ("a", "b", "c")]
+    done = out / day / "b" / "batch.json"
+    done.parent.mkdir(parents=True)
+    done.write_text(json.dumps({"status": "completed", "metadata": {"input_etag": store.describe(str(files[1])).etag}}))
+    assert [r.partition_key for r in tick(when, inbox, out)] == [f"{day}/a", f"{day}/c"]
+    for path in (files[0], files[2]):
+        done = out / day / path.stem / "batch.json"
+        done.parent.mkdir(parents=True)
+        done.write_text(json.dumps({"status": "completed", "metadata": {"input_etag": store.describe(str(path)).etag}}))
+    skipped = tick(when, inbox, out)
+    assert isinstance(skipped, dg.SkipReason)
+    assert skipped.skip_message == f"{day}: 3 batch file(s) under {inbox}, all already completed; no run"
+    empty = tick(dt.datetime(2026, 11, 29, 2, 0, tzinfo=UTC), inbox, out)
+    assert empty.skip_message == f"2026-11-28: 0 batch file(s) under {inbox}, none; no run"
+
+
+def test_tick_before_the_first_partition_is_skipped(tmp_path: Path) -> None:
+    skipped = tick(dt.datetime(2024, 1, 1, 2, 0, tzinfo=UTC), tmp_path)
     assert isinstance(skipped, dg.SkipReason)
     assert "2023-12-31 is outside the partitions" in skipped.skip_message
 
@@ -70,7 +105,8 @@ def test_schedule_as_defined() -> None:
     schedule = defs().resolve_schedule_def("nightly_batch_schedule")
     assert schedule.cron_schedule == NIGHTLY_CRON == "0 2 * * *"
     assert schedule.execution_timezone == "UTC"
-    assert schedule.job_name == "batch_job"
+    assert schedule.job_name == "batch_file_job"
+    assert schedule.required_resource_keys == {"storage"}
     assert schedule.default_status == dg.DefaultScheduleStatus.STOPPED
 
 
@@ -105,7 +141,8 @@ def test_a_date_without_files_finishes_fast_without_an_engine(tmp_path: Path) ->
     (inbox / "loose.jsonl").write_text("{}\n")
     stamp = dt.datetime(2026, 11, 28, 12, tzinfo=UTC).timestamp()
     os.utime(inbox / "loose.jsonl", (stamp, stamp))
-    request = tick(dt.datetime(2026, 11, 30, 2, 0, tzinfo=UTC))
+    assert isinstance(tick(dt.datetime(2026, 11, 30, 2, 0, tzinfo=UTC), inbox, out), dg.SkipReason)
+    request = dg.RunRequest(partition_key="2026-11-29")  # a date run of batch_job, as the CLI starts
 
     started = time.perf_counter()
     result = materialize(request, NoEngineLLM(model_path="/nonexistent/model", served_model_name=TINY_NAME), inbox, out)
@@ -149,11 +186,18 @@ def test_the_nightly_run_takes_every_file_of_the_date(tiny_llm, tmp_path: Path) 
         stamp = dt.datetime(*when, tzinfo=UTC).timestamp()
         os.utime(inbox / name, (stamp, stamp))
 
-    request = tick(dt.datetime(2025, 3, 15, 2, 0, tzinfo=UTC))
-    result = materialize(request, tiny_llm, inbox, out)
+    requests = tick(dt.datetime(2025, 3, 15, 2, 0, tzinfo=UTC), inbox, out)
+    assert [r.partition_key for r in requests] == [f"{day}/dated", f"{day}/uploaded-that-day"]
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("batch_files", [r.partition_key for r in requests])
+    for request in requests:
+        result = dg.materialize([batch_files], partition_key=request.partition_key, run_config=request.run_config or None,
+                                resources={"batch": BatchSelection(), "llm": tiny_llm,
+                                           "storage": StorageResource(input_path=str(inbox), output_path=str(out))},
+                                instance=instance)
+        assert result.success
 
-    assert result.success
-    assert sorted(p.name for p in (out / day).iterdir()) == [".runs", "dated", "metrics.parquet", "uploaded-that-day"]
+    assert sorted(p.name for p in (out / day).iterdir()) == ["dated", "uploaded-that-day"]
     for name, ids in [("dated", ["d-1", "d-2"]), ("uploaded-that-day", ["u-1"])]:
         batch = json.loads((out / day / name / "batch.json").read_text())
         assert batch["status"] == "completed"
@@ -173,9 +217,15 @@ def test_nightly_cron_is_configurable_when_definitions_load(monkeypatch):
         nightly_schedule_for("every night")
 
 
-def test_nightly_runs_take_a_configurable_priority_on_the_batch_apis_scale(monkeypatch) -> None:
+def test_nightly_runs_take_a_configurable_priority_on_the_batch_apis_scale(monkeypatch, tmp_path: Path) -> None:
     from batch_pipeline.config.priority import PRIORITY_TAG, TURN_SPAN
     when = dt.datetime(2026, 11, 30, 2, 0, tzinfo=UTC)
+    one_file(tmp_path / "in", "2026-11-29")
+
+    def tick(when: dt.datetime) -> dg.RunRequest:
+        [request] = globals()["tick"](when, tmp_path / "in")
+        return request
+
     default = tick(when)
     assert PRIORITY_TAG not in default.tags  # Dagster's queue reads no tag as priority 0
     monkeypatch.setenv("SCHEDULE_RUN_PRIORITY", "-3")  # below API batches of priority 0

@@ -1,9 +1,10 @@
-"""`nightly_batch_schedule`: every night, run yesterday's partition (all of that date's batch files).
+"""`nightly_batch_schedule`: every night, one run per batch file of yesterday not yet completed.
 
-The run has blank config, so it takes every file of the date (`io/locations.resolve_batches`): the
-`<input>/<date>/` folder plus the files directly under the input folder uploaded that day (UTC).
-Files that batch_upload_sensor (or an earlier run) already completed are left as they are. A date without
-files finishes in seconds: no step loads the model when there is nothing to answer.
+Yesterday's files are those of its partition (`io/locations.partition_inputs`): the `<input>/<date>/`
+folder plus the files directly under the input folder uploaded that day (UTC). Each becomes a
+`batch_file_job` run of its batch_files partition `<date>/<name>` (red or green on its own). Files
+that batch_upload_sensor (or an earlier run) already completed from the same version start no
+run; a date without files, or with every file completed, starts none and says so on the tick.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import dagster as dg
 
 from batch_pipeline.config.settings import ConfigError, schedule_run_priority_from_env
 from batch_pipeline.config.priority import priority_tags
-from batch_pipeline.defs.jobs import batch_job, batch_run_config, model_versions_now
-from batch_pipeline.defs.partitions import daily_partitions
+from batch_pipeline.defs.jobs import ENGINE_TAG, batch_file_job, batch_run_config, engine_tag, model_versions_now
+from batch_pipeline.defs.partitions import batch_file_partitions, daily_partitions, file_key
+from batch_pipeline.defs.resources import StorageResource
+from batch_pipeline.io import locations
+from batch_pipeline.io.uploads import completed
 
 # 02:00 UTC leaves two hours for late uploads of the day before. NIGHTLY_CRON overrides it; it is
 # read when the definitions load (the cron is part of them, shown in the UI), never at import.
@@ -43,25 +47,56 @@ def _nightly_schedule(cron: str) -> dg.ScheduleDefinition:
     @dg.schedule(
         name="nightly_batch_schedule",
         cron_schedule=cron,
-        job=batch_job,
+        job=batch_file_job,
         execution_timezone="UTC",
         default_status=dg.DefaultScheduleStatus.STOPPED,
-        description=f"At {cron} (UTC), runs batch_job for yesterday's partition: every batch file of that date.",
+        description=f"At {cron} (UTC), one batch_file_job run per batch file of yesterday not yet completed.",
     )
-    def nightly_batch_schedule(context: dg.ScheduleEvaluationContext) -> dg.RunRequest | dg.SkipReason:
+    def nightly_batch_schedule(context: dg.ScheduleEvaluationContext,
+                               storage: StorageResource) -> list[dg.RunRequest] | dg.SkipReason:
         scheduled = context.scheduled_execution_time or dt.datetime.now(dt.timezone.utc)
-        day = previous_day(scheduled)
-        if not daily_partitions.has_partition_key(day):
-            return dg.SkipReason(f"{day} is outside the partitions (from {daily_partitions.get_first_partition_key()})")
-        # Read at each evaluation, so a bad value fails the tick naming the variable, not the code location.
-        priority = schedule_run_priority_from_env()
-        # MODELS_FILE's versioned models as their aliases name them at this tick (none: no run config).
-        versions = model_versions_now()
-        return dg.RunRequest(run_key=f"nightly-{day}", partition_key=day,
-                             run_config=batch_run_config(model_versions=versions) if versions else None,
-                             tags=priority_tags(priority) if priority else None)  # no tag: 0
+        requests = nightly_requests(previous_day(scheduled), storage)
+        if requests and not isinstance(requests, dg.SkipReason):
+            add_file_partitions(context, [r.partition_key for r in requests])  # before the runs need them
+        return requests
 
     return nightly_batch_schedule
+
+
+def nightly_requests(day: str, storage: StorageResource) -> list[dg.RunRequest] | dg.SkipReason:
+    """A batch_file_job run for each batch file of `day` not yet completed, or why there is none."""
+    if not daily_partitions.has_partition_key(day):
+        return dg.SkipReason(f"{day} is outside the partitions (from {daily_partitions.get_first_partition_key()})")
+    # Read at each evaluation, so a bad value fails the tick naming the variable, not the code location.
+    priority = schedule_run_priority_from_env()
+    paths = storage.settings()
+    files = locations.partition_inputs(paths.input_path, day)
+    # Two files of one name (x.jsonl and x.csv) would write one folder: the run of that name says so.
+    by_name = {locations.batch_name(info.uri): info for info in sorted(files, key=lambda i: i.uri)}
+    todo = {name: info for name, info in by_name.items() if not completed(info, day, paths.output_path)}
+    if not todo:
+        return dg.SkipReason(f"{day}: {len(by_name)} batch file(s) under {paths.input_path}, "
+                             + ("all already completed" if by_name else "none") + "; no run")
+    # MODELS_FILE's versioned models as their aliases name them at this tick (none: no run config).
+    versions = model_versions_now()
+    tags = {ENGINE_TAG: engine_tag(), "batch_pipeline/date": day, **(priority_tags(priority) if priority else {})}
+    return [dg.RunRequest(run_key=f"nightly-{file_key(day, name)}@{info.etag}", partition_key=file_key(day, name),
+                          run_config=batch_run_config(model_versions=versions) if versions else None,
+                          tags={**tags, "batch_pipeline/input_uri": info.uri, "batch_pipeline/batch_name": name})
+            for name, info in todo.items()]
+
+
+def add_file_partitions(context: dg.ScheduleEvaluationContext, keys: list[str]) -> None:
+    """Add the batch_files partitions of a tick's runs (a schedule, unlike a sensor, cannot return them).
+    Through an instance of its own from the tick's reference, closed at once: `context.instance` on a
+    schedule with resources is opened on a context that nothing closes."""
+    if context.instance_ref is None:
+        raise dg.DagsterInvariantViolationError("nightly_batch_schedule needs an instance to add its files' partitions")
+    instance = dg.DagsterInstance.from_ref(context.instance_ref)
+    try:
+        instance.add_dynamic_partitions(batch_file_partitions.name, keys)
+    finally:
+        instance.dispose()
 
 
 @dg.definitions
