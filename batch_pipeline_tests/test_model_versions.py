@@ -266,11 +266,10 @@ def test_model_verify_compares_a_golden_batch_with_the_current_version(tiny_mode
 def test_schedule_and_sensor_runs_are_pinned_to_the_versions_of_their_tick(tmp_path, monkeypatch):
     """A run the schedule or the sensor requests carries the versions the aliases named at its tick, so
     it keeps them if it starts after a switch (the Batch API pins at create the same way)."""
-    import datetime as dt
-
     from batch_pipeline.config.model_versions import ModelVersions
     from batch_pipeline.defs.jobs import batch_run_config
-    from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_schedule_for
+    from batch_pipeline.defs.resources import StorageResource
+    from batch_pipeline.defs.schedules import nightly_requests
 
     models_file = tmp_path / "models.yaml"
     models_file.write_text("s:\n  versions: {a: /models/a, b: /models/b}\n  current: a\nplain: /models/p\n")
@@ -281,8 +280,11 @@ def test_schedule_and_sensor_runs_are_pinned_to_the_versions_of_their_tick(tmp_p
     def pins(config: dict | None) -> str | None:
         return ((config or {}).get("resources", {}).get("llm") or {}).get("config", {}).get("model_versions")
 
-    tick = nightly_schedule_for(NIGHTLY_CRON)(dg.build_schedule_context(
-        scheduled_execution_time=dt.datetime(2026, 11, 30, 2, tzinfo=dt.timezone.utc)))
+    day = tmp_path / "in" / "2026-11-29"
+    day.mkdir(parents=True)
+    (day / "x.jsonl").write_text("{}\n")
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
+    [tick] = nightly_requests("2026-11-29", storage)  # the schedule's tick at 02:00 on the 30th
     assert pins(tick.run_config) == "s=a"
     model_aliases.switch(str(tmp_path / "out"), ModelVersions("s", ("a", "b"), "a"), "b")
     assert pins(batch_run_config(input_uri="s3://in/x.jsonl")) == "s=b"  # the sensor's run requests
@@ -291,8 +293,7 @@ def test_schedule_and_sensor_runs_are_pinned_to_the_versions_of_their_tick(tmp_p
     assert pins(batch_run_config(input_uri="x")) is None
     monkeypatch.delenv("MODELS_FILE")
     assert pins(batch_run_config(input_uri="x")) is None
-    tick = nightly_schedule_for(NIGHTLY_CRON)(dg.build_schedule_context(
-        scheduled_execution_time=dt.datetime(2026, 11, 30, 2, tzinfo=dt.timezone.utc)))
+    [tick] = nightly_requests("2026-11-29", storage)
     assert not tick.run_config  # without versioned models the nightly run's config stays blank
 
 
