@@ -97,7 +97,7 @@ def test_each_file_of_a_date_shows_alone_and_the_broken_one_reruns_alone(tiny_ll
     assert json.loads((out / DATE / "alpha" / "batch.json").read_text())["metadata"]["dagster_run_id"] == first.run_id
     assert {e.asset_key for e in rerun.get_asset_materialization_events()} == {FILES}
     assert not rerun.get_asset_check_evaluations()
-    assert "materialize 2026-11-27" in metadata_of(rerun, "batch_files")["date_assets"]
+    assert "recorded again with this file by date_figures_sensor" in metadata_of(rerun, "batch_files")["date_assets"]
     date_assets = BATCH_ASSETS[2].partitions_def
     assert instance.get_status_by_partition(dg.AssetKey("batch_outputs"), [DATE], date_assets)[DATE].value == "FAILED"
 
@@ -123,6 +123,55 @@ def test_each_file_of_a_date_shows_alone_and_the_broken_one_reruns_alone(tiny_ll
     again = run_file(tiny_llm, inbox, out, instance, f"{DATE}/alpha")
     assert again.success
     assert json.loads((out / DATE / "alpha" / "batch.json").read_text())["metadata"]["dagster_run_id"] == first.run_id
+
+
+def test_file_runs_turn_red_alone_and_the_dates_figures_follow_them(tiny_llm, instance, date_with_a_broken_file):
+    """The new grain: each file its own run (as the sensor, the schedule and a backfill of batch_files
+    launch them). The broken file's run fails with its reason as the failure's metadata, and its
+    partition is FAILED (red) natively; date_figures_sensor's tick then records the date's
+    batch_outputs, check and throughput over the three files, and after the fixed file's re-run,
+    again, with nobody launching a date run."""
+    from batch_pipeline.defs.date_figures import FiguresCursor, update_dates
+
+    inbox, out = date_with_a_broken_file
+    instance.add_dynamic_partitions(batch_file_partitions.name, [f"{DATE}/{n}" for n in ("alpha", "beta", "broken")])
+    runs = {name: run_file(tiny_llm, inbox, out, instance, f"{DATE}/{name}") for name in ("alpha", "beta", "broken")}
+    assert [runs[n].success for n in ("alpha", "beta", "broken")] == [True, True, False]
+    assert status(instance) == {f"{DATE}/alpha": "MATERIALIZED", f"{DATE}/beta": "MATERIALIZED",
+                                f"{DATE}/broken": "FAILED"}
+    [failure] = runs["broken"].get_step_failure_events()
+    data = failure.step_failure_data
+    assert "broken of 2026-11-27 failed" in data.error.message and data.user_failure_data.description.startswith("broken")
+    why = {k: v.value for k, v in data.user_failure_data.metadata.items()}
+    assert why["status"] == "failed" and why["first_error_lines"] == "1, 2"
+    assert why["errors"] == str(out / DATE / "broken" / "errors.jsonl")
+
+    tick = update_dates(instance, FiguresCursor(), str(out))
+    assert tick.files == {DATE: [f"{DATE}/alpha", f"{DATE}/beta", f"{DATE}/broken"]}
+    for event in tick.events:  # recordable as the daemon records a sensor's asset events
+        instance.report_runless_asset_event(event)
+    by_key = {(type(e).__name__, e.asset_key.to_user_string()): e for e in tick.events}
+    outputs = {k: v.value for k, v in by_key[("AssetMaterialization", "batch_outputs")].metadata.items()}
+    assert (outputs["batches"], outputs["completed"], outputs["failed"], outputs["total"]) == (3, 4, 3, 7)
+    assert by_key[("AssetMaterialization", "batch_outputs")].partition == DATE
+    check = by_key[("AssetCheckEvaluation", "batch_outputs")]
+    assert check.check_name == "failed_line_rate" and not check.passed and "broken: 2 of 2" in check.description
+    figures = {k: v.value for k, v in by_key[("AssetMaterialization", "throughput_metrics")].metadata.items()}
+    assert (figures["batches"], figures["requests_completed"], figures["requests_total"]) == (3, 4, 7)
+    assert (out / DATE / "metrics.parquet").exists()
+    assert update_dates(instance, tick.cursor, str(out)).files == {}  # each finished run once
+
+    # Fixed and re-run alone: the file turns green, and the next tick records the date again.
+    write_batch(inbox / DATE, "broken.jsonl", [chat_line("fixed-1"), chat_line("fixed-2")])
+    assert run_file(tiny_llm, inbox, out, instance, f"{DATE}/broken").success
+    assert status(instance)[f"{DATE}/broken"] == "MATERIALIZED"
+    later = update_dates(instance, tick.cursor, str(out))
+    assert later.files == {DATE: [f"{DATE}/broken"]}
+    outputs = [e for e in later.events if e.asset_key.to_user_string() == "batch_outputs"
+               and isinstance(e, dg.AssetMaterialization)][0]
+    assert (outputs.metadata["completed"].value, outputs.metadata["failed"].value) == (6, 1)
+    figures = [e for e in later.events if e.asset_key.to_user_string() == "throughput_metrics"][0]
+    assert figures.metadata["requests_completed"].value == 6
 
 
 def test_line_counts_are_the_dates_whichever_runs_answered_its_files(tiny_llm, instance, date_with_a_broken_file):

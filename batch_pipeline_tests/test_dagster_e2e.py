@@ -152,6 +152,21 @@ def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
     assert run.tags["batch_pipeline/batch_name"] == BATCH
     assert batch["metadata"]["dagster_run_id"] == run.run_id
 
+    # The date's figures follow the file's run with no run launched for them (date_figures_sensor).
+    import dagster as dg
+
+    def date_recorded() -> Any:
+        found = server.instance().fetch_materializations(
+            dg.AssetRecordsFilter(dg.AssetKey("throughput_metrics"), asset_partitions=[date]), limit=1).records
+        return found[0] if found else None
+
+    record = wait_for(f"throughput_metrics of {date} recorded after the file run", date_recorded, 90,
+                      on_timeout=server.log_tail)
+    assert not record.run_id  # recorded by the sensor, not by a run
+    figures = {k: v.value for k, v in record.asset_materialization.metadata.items()}
+    assert (figures["batches"], figures["requests_completed"], figures["requests_total"]) == (1, len(GOOD_IDS), 5)
+    assert figures["recorded_after"] == f"{date}/{BATCH}"
+
     # Ticks after the one that asked for the run find nothing new: the cursor came back from the DB.
     def later_ticks() -> list[dict[str, Any]] | None:
         ticks = server.sensor_ticks(SENSOR)

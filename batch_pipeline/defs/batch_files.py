@@ -1,16 +1,16 @@
-"""`batch_files`: one partition per batch file ("<date>/<name>"), its status, and a re-run of it alone.
+"""`batch_files`: one partition per batch file ("<date>/<name>"), the unit a run is launched for.
 
-The four batch assets run a whole date (backfills, the nightly schedule, the upload sensor), with one
-model load for all of its files; every file they take shows here on its own (defs/file_status.py).
-Materializing a partition of this asset answers that one file (validate, infer, write, measure, as
-batch_job does), so a file fixed after a failure is re-run in a few clicks without writing config.
+The upload sensor, the nightly schedule and backfills of this asset run one file per run
+(`batch_file_job`): validate, infer, write, measure, as batch_job does for a whole date. A file that
+cannot be answered fails its run with dg.Failure carrying its reason, error codes, first error lines
+and errors.jsonl, so its partition and its run are red in the UI while the date's other files go on;
+a file with some bad lines is green with its counts. On a warm engine (ENGINE_URL) a file run is a
+light client and several answer side by side; in-process, each loads the model.
 
-It records that file only. The date's assets are recorded by runs of the date, which Dagster's
-pages read as the date's story: a date's page shows a failure banner while the latest run that
-planned the date failed, even under a later materialization from another run (AssetPartitionDetail
-in Dagster's UI, `latestRunForPartition`, the latest ASSET_MATERIALIZATION_PLANNED event). So the
-re-run says on its page how to record the date again: materialize the date, which takes only the
-files not completed (none is answered twice, and no model loads when none is left).
+The date's own assets (batch_outputs with its check, throughput_metrics) are recorded again by
+date_figures_sensor whenever a file run of the date finishes, so nobody launches a date run for
+them. A date run (batch_job: the CLI, SHARDS=n) still reports every file it takes here
+(defs/file_status.py).
 """
 
 import functools
@@ -40,13 +40,12 @@ from batch_pipeline.io.storage import read_json
     pool=answering_pool(),
     retry_policy=INFERENCE_RETRIES,
     description=(
-        "Each batch file on its own, keyed <date>/<batch name>: green once its results are written (by its date's "
-        "run, an upload sensor run or a re-run here). A file a date's run failed is not green; its reason (codes, "
-        "first error lines, errors.jsonl) is an observation: 'View all historical events' on its page, or Events. "
-        "Materialize a partition to re-run that one file. A re-run loads the model first, which is most of a small "
-        "file's time (about 40 s with the bundled model on 2 CPU cores); each re-run's model_load_seconds is on its "
-        "page. It records the file only: materialize its date afterwards (no model load when no file is left) to "
-        "record the date's figures and clear its failure."
+        "Each batch file on its own, keyed <date>/<batch name>, one run per file (the upload sensor, the nightly "
+        "schedule, a backfill of these partitions): green once its results are written; red when the file cannot be "
+        "answered, with the reason (codes, first error lines, errors.jsonl) on its run's failure. Materialize a "
+        "partition to re-run that one file; the date's batch_outputs and throughput_metrics follow on their own "
+        "(date_figures_sensor). On a warm engine (ENGINE_URL) a run answers on the server; in-process it loads the "
+        "model first (about 40 s with the bundled model on 2 CPU cores: model_load_seconds on its page)."
     ),
 )
 def batch_files(
@@ -87,8 +86,6 @@ def batch_files(
 
 
 def date_note(date: str) -> str:
-    """What the re-run's page says of its date: a one-file run plans only batch_files, so Dagster
-    goes on showing the date's last date run (a failure banner if it failed) until the date runs."""
-    return (f"{date}'s own assets show its last date run (and its failure, if it failed), not this file yet: "
-            f"materialize {date} (asset group batch, or Jobs > batch_job) to record the date with it; that run takes "
-            "only the files not completed and loads no model when none is left")
+    """What a file run's page says of its date."""
+    return (f"{date}'s batch_outputs and throughput_metrics are recorded again with this file by date_figures_sensor "
+            "within about 20 s of this run's end (no run is launched for them)")
