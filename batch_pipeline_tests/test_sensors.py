@@ -363,3 +363,37 @@ def test_sensor_runs_take_a_configurable_priority(tmp_path: Path, whole_history,
     monkeypatch.setenv("SENSOR_RUN_PRIORITY", "high")
     with pytest.raises(Exception, match="SENSOR_RUN_PRIORITY='high' is not a valid integer"):
         evaluate(storage, result.cursor)
+
+
+def test_every_file_there_becomes_a_partition_without_a_run(tmp_path: Path, monkeypatch) -> None:
+    """file_partitions_sensor (on by default): the files of the window, dated and loose, each get their
+    batch_files partition, so the UI can backfill them as one run each; it asks for no run, adds
+    only keys not there yet, and skips an empty or missing input folder, saying so."""
+    from batch_pipeline.definitions import defs
+    from batch_pipeline.defs.sensors import file_partitions_sensor
+
+    monkeypatch.setenv("SENSOR_WINDOW_DAYS", "3")
+    today = dt.datetime.now(dt.timezone.utc).date()
+    storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "in" / "results"))
+    instance = dg.DagsterInstance.ephemeral()
+
+    def tick() -> dg.SensorResult:
+        return file_partitions_sensor(dg.build_sensor_context(instance=instance, resources={"storage": storage}))
+
+    assert tick().skip_reason.skip_message.startswith(f"no batch files under {tmp_path / 'in'}")  # none yet
+    yesterday = (today - dt.timedelta(days=1)).isoformat()
+    write(tmp_path / "in" / yesterday / "a.jsonl")
+    write(tmp_path / "in" / yesterday / "b.csv")
+    write(tmp_path / "in" / "loose.jsonl", age_seconds=10)
+    write(tmp_path / "in" / (today - dt.timedelta(days=9)).isoformat() / "old.jsonl")  # outside the window
+    write(tmp_path / "in" / "results" / yesterday / "a" / "output.jsonl")  # our own results
+    result = tick()
+    assert not result.run_requests
+    [added] = result.dynamic_partitions_requests
+    assert sorted(added.partition_keys) == sorted([f"{yesterday}/a", f"{yesterday}/b", f"{utc_date(time.time() - 10)}/loose"])
+    instance.add_dynamic_partitions("batch_files", list(added.partition_keys))
+    assert "each a batch_files partition already" in tick().skip_reason.skip_message
+    write(tmp_path / "in" / yesterday / "c.jsonl")
+    assert list(tick().dynamic_partitions_requests[0].partition_keys) == [f"{yesterday}/c"]
+    sensor = defs().resolve_sensor_def("file_partitions_sensor")
+    assert sensor.default_status == dg.DefaultSensorStatus.RUNNING and not sensor.targets

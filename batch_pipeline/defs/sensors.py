@@ -338,3 +338,49 @@ def batch_upload_sensor(context: dg.SensorEvaluationContext, storage: StorageRes
         skip_reason=result.skip_reason,
         cursor=result.cursor,
     )
+
+
+def window_file_keys(root: str, exclude: str, window_days: int | None) -> list[str]:
+    """The batch_files partitions of the files a listing tick looks at (the top of the input folder and
+    the window's date folders), in URI order; files that cannot be a partition are left out."""
+    partitions = partition_range()
+    prefix = folder_prefix(root)
+    keys = []
+    for info in sorted(list_inputs(root, window_dates(partitions, window_days)), key=lambda i: i.uri):
+        relative = watched(info.uri, prefix, exclude)
+        if not relative:
+            continue
+        date, _ = partition_of(relative, info, partitions)
+        if date is not None:
+            keys.append(file_key(date, locations.batch_name(info.uri)))
+    return list(dict.fromkeys(keys))
+
+
+# Running by default, unlike the upload sensor: it launches nothing, it only makes each file there
+# is a batch_files partition, so a user can backfill or re-run files from the UI (Jobs >
+# batch_file_job, or the asset's Partitions tab) before any run has seen them.
+@dg.sensor(
+    minimum_interval_seconds=SENSOR_INTERVAL_SECONDS,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+    description=(
+        "Adds a batch_files partition (<date>/<name>) for each batch file under STORAGE_INPUT_PATH (the top, and the "
+        "date folders of the last SENSOR_WINDOW_DAYS dates), so files can be backfilled from the UI as one run each. "
+        f"Launches no run; every {SENSOR_INTERVAL_SECONDS} s."
+    ),
+)
+def file_partitions_sensor(context: dg.SensorEvaluationContext, storage: StorageResource) -> dg.SensorResult:
+    paths = storage.settings()
+    root = paths.input_path
+    output = folder_prefix(paths.output_path)
+    exclude = output if output.startswith(folder_prefix(root)) else ""
+    settings = sensor_settings_from_env()
+    keys = window_file_keys(root, exclude, settings.window_days)
+    if not keys:
+        return dg.SensorResult(skip_reason=f"no batch files under {root} (the top, and the last "
+                               f"{settings.window_days or 'all'} date folders)")
+    known = set(context.instance.get_dynamic_partitions(batch_file_partitions.name))
+    new = [k for k in keys if k not in known]
+    if not new:
+        return dg.SensorResult(skip_reason=f"{len(keys)} batch file(s) under {root}, each a batch_files partition already")
+    context.log.info(f"{len(new)} new batch_files partition(s): {', '.join(new[:10])}" + (" ..." if len(new) > 10 else ""))
+    return dg.SensorResult(dynamic_partitions_requests=[batch_file_partitions.build_add_request(new)])
