@@ -13,6 +13,7 @@ file; the upload sensor adding the partitions of the files it queues. The UI its
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import dagster as dg
@@ -225,3 +226,78 @@ def test_file_keys_round_trip():
     assert split_file_key(f"{DATE}/a/b") == (DATE, "a/b")
     with pytest.raises(ValueError, match="not <YYYY-MM-DD>/<batch name>"):
         split_file_key(f"{DATE}/")
+
+
+# One file run in a process of its own, as the daemon launches one: its partition added to the
+# instance under DAGSTER_HOME, then materialized; the environment says where the files and engine are.
+FILE_RUN = """
+import sys
+import dagster as dg
+from batch_pipeline.defs.batch_files import batch_files
+from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
+key = sys.argv[1]
+with dg.DagsterInstance.get() as instance:
+    instance.add_dynamic_partitions("batch_files", [key])
+    result = dg.materialize([batch_files], partition_key=key, instance=instance, raise_on_error=False,
+                            resources={"batch": BatchSelection(), "llm": LLMResource(), "storage": StorageResource()})
+sys.exit(0 if result.success else 1)
+"""
+
+
+def test_file_runs_on_the_warm_engine_killed_cancelled_and_left_alone(warm_engine_url, tiny_model_dir, tmp_path):
+    """Three file runs of one date side by side on the test run's warm engine, each in its own
+    process: one killed with SIGKILL mid-answers and run again answers every line once (resumed
+    from its checkpoints); one cancelled (SIGINT, as a terminate) says cancelled and keeps its
+    answers; the third, beside both, completes untouched."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from batch_pipeline_tests.cli_runs import answered_once, part_files, read_results
+    from batch_pipeline_tests.conftest import tiny_env
+
+    inbox, out, home = tmp_path / "in", tmp_path / "out", tmp_path / "home"
+    home.mkdir()
+    ids = {name: [f"{name}-{i:03d}" for i in range(160)] for name in ("killed", "cancelled", "alone")}
+    for name, names in ids.items():
+        write_batch(inbox / DATE, f"{name}.jsonl", [chat_line(i, max_tokens=16, ignore_eos=True) for i in names])
+    env = tiny_env(tiny_model_dir, DAGSTER_HOME=str(home), ENGINE_URL=warm_engine_url, ENGINE_WINDOW="4",
+                   CHECKPOINT_ANSWERS="20", STORAGE_INPUT_PATH=str(inbox), STORAGE_OUTPUT_PATH=str(out),
+                   PARTITIONS_START="2026-11-01")
+
+    def start(name: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", FILE_RUN, f"{DATE}/{name}"], env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    runs = {name: start(name) for name in ("killed", "alone", "cancelled")}
+    try:
+        for name, sig in (("killed", signal.SIGKILL), ("cancelled", signal.SIGINT)):
+            deadline = time.monotonic() + 240
+            while len(part_files(out / DATE / name)) < 2 and runs[name].poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert runs[name].poll() is None, f"{name}'s run ended before it could be stopped: {runs[name].stderr.read()[-2000:]}"
+            os.killpg(runs[name].pid, sig)
+        assert runs["killed"].wait(60) == -signal.SIGKILL
+        assert runs["cancelled"].wait(120) == 1  # the run failed: cancelled
+        assert runs["alone"].wait(300) == 0, runs["alone"].stderr.read()[-2000:]
+    finally:
+        for run in runs.values():
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait(30)
+
+    outputs, errors, batch = read_results(out / DATE / "alone")
+    answered_once(outputs, errors, ids["alone"])
+    assert batch["status"] == "completed"
+    cancelled = json.loads((out / DATE / "cancelled" / "batch.json").read_text())
+    assert cancelled["status"] == "cancelled" and 0 < cancelled["request_counts"]["completed"] < 160
+    saved = sum(p.read_text().count("\n") for p in part_files(out / DATE / "killed"))
+    assert 0 < saved < 160 and not (out / DATE / "killed" / "batch.json").exists()
+
+    again = start("killed")
+    assert again.wait(300) == 0, again.stderr.read()[-2000:]
+    outputs, errors, batch = read_results(out / DATE / "killed")
+    answered_once(outputs, errors, ids["killed"])
+    assert batch["status"] == "completed" and batch["request_counts"]["completed"] == 160
+    assert json.loads((out / DATE / "killed" / "metrics.json").read_text())["resumed_requests"] >= saved
