@@ -270,6 +270,10 @@ def test_file_runs_on_the_warm_engine_killed_cancelled_and_left_alone(warm_engin
         return subprocess.Popen([sys.executable, "-c", FILE_RUN, f"{DATE}/{name}"], env=env, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
+    # The instance (SQLite under DAGSTER_HOME) made once first: three processes creating it at once race
+    # in its schema migration.
+    subprocess.run([sys.executable, "-c", "import dagster as dg; dg.DagsterInstance.get().add_dynamic_partitions("
+                    f"'batch_files', {[f'{DATE}/{n}' for n in ids]!r})"], env=env, check=True, timeout=120)
     runs = {name: start(name) for name in ("killed", "alone", "cancelled")}
     try:
         for name, sig in (("killed", signal.SIGKILL), ("cancelled", signal.SIGINT)):
