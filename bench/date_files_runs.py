@@ -1,0 +1,411 @@
+#!/usr/bin/env python3
+"""A date of several files as one date run, as file runs in-process, and as file runs on one warm engine.
+
+A script, not a test. From the repository root:
+
+    nice -n 10 .venv/bin/python bench/date_files_runs.py                 # 4 files, 16 documents x 8 questions, 2 rounds
+    nice -n 10 .venv/bin/python bench/date_files_runs.py --files 2 --num-docs 4 --questions-per-doc 2 --rounds 1  # smoke
+    # a candidate pipeline (e.g. a patched clone) for every run:
+    PYTHONPATH=/tmp/stable_clone nice -n 10 .venv/bin/python bench/date_files_runs.py --pipeline-src /tmp/stable_clone
+
+Issue #38 makes every batch file of a date its own run (asset batch_files, partition <date>/<name>,
+batch_file_job). Its target: the date_files workload (bench/date_files.py: documents x questions,
+shuffled and dealt out over --files files of one date) as file runs on a warm engine within 1.1x of
+today's single date run, and at least 1.4x faster than file runs in-process. Three systems, side by
+side in one invocation, the rounds rotating their order:
+
+    date_run             the date as one run (date_files.py's `planned`): the four batch assets of the
+                         date partition in one fresh process, one model load, one plan over every file;
+    file_runs_inprocess  each file its own run, one after another: a fresh process per file
+                         materializing batch_files for <date>/<name>, each loading the model;
+    file_runs_warm       each file its own run, all started together (a fresh process per file, ENGINE_URL
+                         set: no vLLM imported), answered by ONE vLLM OpenAI-compatible server started
+                         before the rounds and not timed (engine/server.py's command), its prefix cache
+                         reset (POST /reset_prefix_cache, VLLM_SERVER_DEV_MODE=1) before every timed use.
+
+Engine settings, the same for all: date_files.py's (MAX_MODEL_LEN 2048, a 256 MiB KV cache, prefix
+caching on), as the pipeline's variables for the in-process runs and as the server's flags (the same
+engine_kwargs turned into flags). vLLM's scheduler defaults differ by entry point (on CPU the LLM class
+takes 256 sequences / 4096 tokens per step, the server 128 / 2048); --server-scheduler match (default)
+gives the server the LLM class's, `default` leaves the server's own. ORDER=planned everywhere.
+
+Wall time: date_run spawn to exit; file_runs_inprocess from the first spawn to the last exit (the runs
+back to back); file_runs_warm from the spawn of all to the last exit. Every file must have all its lines
+answered (batch.json, output.jsonl), else the script stops. Printed: wall time per system and round,
+medians, file_runs_warm / date_run, file_runs_inprocess / file_runs_warm, and the prefix-cache hit rate
+(cached prompt tokens / prompt tokens over the files' batch.json usage). The timed part holds an
+exclusive flock on --lock (/tmp/bench.lock), shared with other benchmarks on this machine.
+
+The pipeline the runs use: a `git archive` export of --pipeline-rev (default HEAD, so edits made to
+the working tree while this runs do not reach it; `worktree` for the tree itself), or --pipeline-src DIR
+(a folder holding batch_pipeline/), put first on every run's PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from date_files import DATE, figures, write_date  # noqa: E402  (the same workload, the same figures)
+from run_bench import DEFAULT_CACHE, REPO, child_env, engine_settings_env, measure, preflight, read_outputs, say  # noqa: E402
+
+SYSTEMS = ("date_run", "file_runs_inprocess", "file_runs_warm")
+START_SECONDS = 600.0
+# vLLM 0.32's CPU scheduler defaults for the LLM class (what an in-process run gets; arg_utils.get_batch_defaults).
+LLM_CLASS_SCHEDULER = ["--max-num-seqs", "256", "--max-num-batched-tokens", "4096"]
+
+# The date run: the date's four assets in-process (date_files.py's CHILD), then an immediate exit.
+DATE_CHILD = r"""
+import os, sys
+import dagster as dg
+import batch_pipeline
+from batch_pipeline.defs.assets import BATCH_ASSETS
+from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
+print("batch_pipeline from", os.path.dirname(batch_pipeline.__file__), flush=True)
+inbox, out, date = sys.argv[1:4]
+result = dg.materialize(BATCH_ASSETS, partition_key=date, instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
+                        resources={"batch": BatchSelection(), "llm": LLMResource(),
+                                   "storage": StorageResource(input_path=inbox, output_path=out)})
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0 if result.success else 1)
+"""
+
+# A file run: batch_files for <date>/<name> (what batch_file_job runs), on an ephemeral instance.
+FILE_CHILD = r"""
+import os, sys
+import dagster as dg
+import batch_pipeline
+from batch_pipeline.defs.batch_files import batch_files
+from batch_pipeline.defs.partitions import batch_file_partitions
+from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
+print("batch_pipeline from", os.path.dirname(batch_pipeline.__file__), "ENGINE_URL", os.environ.get("ENGINE_URL"), flush=True)
+inbox, out, key = sys.argv[1:4]
+instance = dg.DagsterInstance.ephemeral()
+instance.add_dynamic_partitions(batch_file_partitions.name, [key])
+result = dg.materialize([batch_files], partition_key=key, instance=instance, raise_on_error=False,
+                        resources={"batch": BatchSelection(), "llm": LLMResource(),
+                                   "storage": StorageResource(input_path=inbox, output_path=out)})
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0 if result.success else 1)
+"""
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def pipeline_source(args: argparse.Namespace, work: Path) -> Path:
+    """The folder holding the batch_pipeline package every run imports."""
+    if args.pipeline_src:
+        src = args.pipeline_src.resolve()
+        if not (src / "batch_pipeline" / "__init__.py").exists():
+            raise SystemExit(f"--pipeline-src {src}: no batch_pipeline/ package there")
+        return src
+    if args.pipeline_rev == "worktree":
+        return REPO
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{args.pipeline_rev}^{{commit}}"],
+                            capture_output=True, text=True).stdout.strip()
+    if not commit:
+        raise SystemExit(f"--pipeline-rev {args.pipeline_rev!r}: not a commit of {REPO}")
+    dest = work / f"pipeline-src-{commit[:12]}"
+    if not (dest / "batch_pipeline").is_dir():
+        dest.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "batch_pipeline"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+    return dest
+
+
+class WarmServer:
+    """vLLM's OpenAI-compatible server (engine/server.py's command for these settings), own process group."""
+
+    def __init__(self, command: list[str], env: dict[str, str], url: str, served: str, log_path: Path) -> None:
+        from batch_pipeline.engine.server import health
+
+        self._health = health
+        self.url, self.served, self.log_path = url, served, log_path
+        say(f"starting the warm engine at {url} (untimed); log {log_path}")
+        started = time.perf_counter()
+        with open(log_path, "ab") as log:
+            log.write(("$ " + " ".join(command) + "\n").encode())
+            log.flush()
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        while not self.healthy():
+            if time.perf_counter() - started > START_SECONDS:
+                raise SystemExit(f"the warm engine was not healthy after {START_SECONDS:.0f} s; see {log_path}")
+            time.sleep(0.5)
+        self.start_s = round(time.perf_counter() - started, 2)
+        body = {"model": served, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
+        self.post("/v1/chat/completions", body)  # a first request, untimed
+        say(f"warm engine healthy after {self.start_s} s")
+
+    def healthy(self) -> bool:
+        if self.process.poll() is not None:
+            raise SystemExit(f"the warm engine exited ({self.process.returncode}); see {self.log_path}")
+        return self._health(self.url) == 200
+
+    def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as response:
+            return json.loads(response.read() or b"{}")
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache (fails while blocks are held: retried), so a use profits from no earlier one."""
+        deadline = time.perf_counter() + 60
+        while True:
+            if self.post("/reset_prefix_cache").get("success"):
+                return
+            if time.perf_counter() > deadline:
+                raise SystemExit("the warm engine would not reset its prefix cache within 60 s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # the process group of the server this script started
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+def check_outputs(system: str, out: Path, names: list[str], lines: dict[str, int], logs: list[str]) -> dict[str, Any]:
+    """Every file answered in full (output.jsonl and batch.json); the date's figures (date_files.figures)."""
+    texts: dict[str, str] = {}
+    for name in names:
+        folder = out / DATE / name
+        result = read_outputs(folder / "output.jsonl")
+        try:
+            completed = json.loads((folder / "batch.json").read_text())["request_counts"]["completed"]
+        except (OSError, ValueError, KeyError):
+            completed = None
+        if result["ok"] != lines[name] or completed != lines[name]:
+            raise SystemExit(f"{system}: {name} answered {result['ok']} of {lines[name]} lines "
+                             f"(batch.json completed {completed}); see {', '.join(logs)}")
+        texts.update(result["texts"])
+    fig = figures(out)
+    if fig["files"] != len(names):
+        raise SystemExit(f"{system}: {fig['files']} batch.json for {len(names)} files under {out / DATE}")
+    return {**fig, "texts": texts}
+
+
+def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """One timed run of a system into a fresh folder."""
+    run_dir.mkdir(parents=True)
+    out, inbox, python, timeout = run_dir / "out", ctx["inbox"], ctx["python"], ctx["timeout"]
+    names, env = ctx["names"], ctx["env"]
+    load_before = loadavg()
+    if system == "date_run":
+        started = time.perf_counter()
+        m = measure([python, str(ctx["date_child"]), str(inbox), str(out), DATE], env, run_dir / "log.txt", timeout)
+        wall, measured = time.perf_counter() - started, [m]
+    elif system == "file_runs_inprocess":
+        started, measured = time.perf_counter(), []
+        for name in names:
+            m = measure([python, str(ctx["file_child"]), str(inbox), str(out), f"{DATE}/{name}"], env,
+                        run_dir / f"log-{name}.txt", timeout)
+            measured.append(m)
+            if m["exit_code"] != 0:
+                break
+        wall = time.perf_counter() - started
+    else:
+        server: WarmServer = ctx["server"]
+        server.reset_prefix_cache()  # untimed: nothing of an earlier round or system is cached
+        warm_env = dict(env, ENGINE_URL=server.url)
+        results: dict[str, dict[str, Any]] = {}
+
+        def one(name: str) -> None:
+            results[name] = measure([python, str(ctx["file_child"]), str(inbox), str(out), f"{DATE}/{name}"], warm_env,
+                                    run_dir / f"log-{name}.txt", timeout)
+
+        threads = [threading.Thread(target=one, args=(name,)) for name in names]
+        started = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - started
+        measured = [results.get(n, {"exit_code": None, "log": str(run_dir / f"log-{n}.txt")}) for n in names]
+    logs = [m["log"] for m in measured]
+    bad = [m for m in measured if m["exit_code"] != 0]
+    if bad or len(measured) != (1 if system == "date_run" else len(names)):
+        raise SystemExit(f"{system}: a run failed (exit codes {[m['exit_code'] for m in measured]}); see {', '.join(logs)}")
+    return {"system": system, "wall_s": round(wall, 2), "runs_wall_s": [m["wall_s"] for m in measured],
+            "loadavg_before": load_before, **check_outputs(system, out, names, ctx["lines"], logs)}
+
+
+@contextlib.contextmanager
+def bench_lock(path: Path | None):
+    if path is None:
+        yield
+        return
+    with open(path, "a") as f:
+        say(f"waiting for the lock {path}")
+        fcntl.flock(f, fcntl.LOCK_EX)
+        say(f"holding {path}")
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--files", type=int, default=4)
+    p.add_argument("--num-docs", type=int, default=16)
+    p.add_argument("--questions-per-doc", type=int, default=8)
+    p.add_argument("--doc-len", type=int, default=400, help="document length in tokens (default 400)")
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--server-scheduler", choices=("match", "default"), default="match",
+                   help="match: the server gets the in-process LLM class's max_num_seqs / max_num_batched_tokens "
+                        "(default); default: the server's own")
+    p.add_argument("--pipeline-rev", default="HEAD", help="the pipeline the runs use, exported (default HEAD; worktree)")
+    p.add_argument("--pipeline-src", type=Path, default=None, help="a folder holding batch_pipeline/ (wins over --pipeline-rev)")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--cache", type=Path, default=Path(os.environ.get("BATCH_PIPELINE_CACHE") or DEFAULT_CACHE))
+    p.add_argument("--work-dir", type=Path, default=None)
+    p.add_argument("--timeout", type=float, default=1800, help="per run (default 1800 s)")
+    p.add_argument("--lock", type=Path, default=Path("/tmp/bench.lock"), help="flock held while timing ('' for none)")
+    p.add_argument("--json", type=Path, default=None, help="write every run and the summary here")
+    for name in ("max_model_len", "kv_cache_mib", "prefix_caching"):
+        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+    args = p.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    work = (args.work_dir or Path(tempfile.mkdtemp(prefix="bench-date-files-runs-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    say(f"work folder {work}; load average {loadavg()}")
+
+    env = child_env(args.cache, work / "tmp")
+    for name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ENGINE_ARGS", "BATCH_SIZE", "MAX_NUM_BATCHED_TOKENS",
+                 "ENGINE_WINDOW", "MODEL_PATH", "SERVED_MODEL_NAME", "SHARDS"):
+        env.pop(name, None)
+    for name, value in engine_settings_env(args, env).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    env["ORDER"] = "planned"
+    src = pipeline_source(args, work)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(src), env.get("PYTHONPATH", "")) if x)
+    say(f"pipeline: {src}; engine settings: " + ", ".join(f"{k}={env.get(k, '(default)')}" for k in
+                                                          ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES", "ENABLE_PREFIX_CACHING")))
+    pre = preflight(args.python, env)
+    workload = write_date(args, pre["served_model_name"], pre["model_path"], work / "in")
+    names = sorted(f.stem for f in (work / "in" / DATE).glob("*.jsonl"))
+    lines = {n: sum(1 for raw in (work / "in" / DATE / f"{n}.jsonl").read_text().splitlines() if raw.strip()) for n in names}
+    say(f"{workload['lines']} lines ({args.num_docs} documents x {args.questions_per_doc} questions, shuffled) in "
+        f"{len(names)} files of {work / 'in' / DATE}")
+    (work / "date_child.py").write_text(DATE_CHILD)
+    (work / "file_child.py").write_text(FILE_CHILD)
+    ctx: dict[str, Any] = {"inbox": work / "in", "python": args.python, "timeout": args.timeout, "names": names,
+                           "lines": lines, "env": env, "date_child": work / "date_child.py",
+                           "file_child": work / "file_child.py", "server": None}
+
+    lock = args.lock if str(args.lock) not in ("", ".") else None
+    runs: list[dict[str, Any]] = []
+    server: WarmServer | None = None
+    load_start = loadavg()  # again when the timing starts
+    previous_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server is stopped on SIGTERM
+    try:
+        if "file_runs_warm" in systems:
+            # The server's command: engine/server.py's, from these engine settings (the bench process's view of them).
+            os.environ.update({k: env[k] for k in ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES", "ENABLE_PREFIX_CACHING") if k in env})
+            from batch_pipeline.defs.resources import LLMResource
+            from batch_pipeline.engine.server import server_command
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            command = server_command(LLMResource().settings(), pre["model_path"], pre["served_model_name"], "127.0.0.1", port)
+            if args.server_scheduler == "match":
+                command += LLM_CLASS_SCHEDULER
+            server_env = dict(env, VLLM_SERVER_DEV_MODE="1")  # for POST /reset_prefix_cache
+            server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default, as `engine start`
+            with bench_lock(lock):  # its start loads the machine too
+                server = WarmServer(command, server_env, f"http://127.0.0.1:{port}", pre["served_model_name"],
+                                    work / "server.log")
+            ctx["server"] = server
+            say("server flags: " + " ".join(command[3:]))
+        order = list(systems)
+        with bench_lock(lock):
+            load_start = loadavg()
+            for round_no in range(1, args.rounds + 1):
+                if round_no > 1:
+                    order = order[1:] + order[:1]
+                for system in order:
+                    say(f"round {round_no}/{args.rounds}: {system} ... (load {loadavg()})")
+                    record = {"round": round_no, **run_system(system, ctx, work / f"r{round_no}-{system}")}
+                    runs.append(record)
+                    say(f"  {system}: {record['wall_s']:.1f} s wall (runs {record['runs_wall_s']}), inference "
+                        f"{record['inference_s']:.1f} s, hit rate {record['hit_rate']:.1%}, {record['completed']} lines")
+    finally:
+        if server is not None:
+            server.stop()
+            say("warm engine stopped")
+        signal.signal(signal.SIGTERM, previous_term)
+        load_end = loadavg()
+
+    # Greedy answers: how many lines each system answered word for word as the first system did.
+    reference = runs[0]["texts"]
+    for r in runs:
+        r["same_texts"] = sum(1 for k, v in r.pop("texts").items() if reference.get(k) == v)
+    summary: dict[str, dict[str, Any]] = {}
+    for system in systems:
+        mine = [r for r in runs if r["system"] == system]
+        summary[system] = {key: round(statistics.median(r[key] for r in mine), 3)
+                           for key in ("wall_s", "inference_s", "model_load_s", "planning_s", "hit_rate")}
+    total = workload["lines"]
+    print(f"\n{total} lines ({args.num_docs} documents x {args.questions_per_doc} questions) in {len(names)} files of one "
+          f"date, {args.rounds} rotating rounds; pipeline {src}; server scheduler {args.server_scheduler}; load average "
+          f"{load_start} when the timing started, {load_end} at the end")
+    print(f"{'round':<7}{'system':<21}{'wall s':>9}{'inference s':>13}{'model load s':>14}{'hit rate':>10}{'same answers':>14}")
+    for r in runs:
+        print(f"{r['round']:<7}{r['system']:<21}{r['wall_s']:>9.1f}{r['inference_s']:>13.1f}{r['model_load_s']:>14.1f}"
+              f"{r['hit_rate']:>10.1%}{r['same_texts']:>9}/{total}")
+    print("medians:")
+    for system, s in summary.items():
+        print(f"{'':<7}{system:<21}{s['wall_s']:>9.1f}{s['inference_s']:>13.1f}{s['model_load_s']:>14.1f}{s['hit_rate']:>10.1%}")
+    ratios: dict[str, float] = {}
+    w = summary.get("file_runs_warm", {}).get("wall_s")
+    if w and "date_run" in summary:
+        ratios["file_runs_warm/date_run"] = round(w / summary["date_run"]["wall_s"], 3)
+        print(f"file_runs_warm / date_run: {ratios['file_runs_warm/date_run']:.2f}x (target: at most 1.10x) -> "
+              f"{'met' if ratios['file_runs_warm/date_run'] <= 1.10 else 'NOT met'}")
+    if w and "file_runs_inprocess" in summary:
+        ratios["file_runs_inprocess/file_runs_warm"] = round(summary["file_runs_inprocess"]["wall_s"] / w, 3)
+        print(f"file_runs_inprocess / file_runs_warm: {ratios['file_runs_inprocess/file_runs_warm']:.2f}x (target: at least "
+              f"1.40x) -> {'met' if ratios['file_runs_inprocess/file_runs_warm'] >= 1.40 else 'NOT met'}")
+    if args.json:
+        args.json.write_text(json.dumps({"workload": workload, "pipeline": str(src), "server_scheduler": args.server_scheduler,
+                                         "engine": {k: env.get(k) for k in ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES",
+                                                                             "ENABLE_PREFIX_CACHING")},
+                                         "load_start": load_start, "load_end": load_end, "runs": runs,
+                                         "summary": summary, "ratios": ratios}, indent=2))
+        say(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
