@@ -612,12 +612,13 @@ def test_parquet_with_an_image_column_runs_on_the_vision_model(vlm_llm, s3_bucke
 def test_the_upload_sensor_runs_an_image_table_by_table_image_column(vlm_llm, s3_bucket, monkeypatch):
     """The sensor's runs name no image column: with TABLE_IMAGE_COLUMN=image, a table uploaded with
     a column `image` has its images taken from it (paths beside the table on S3, and bytes), and a
-    text table found in the same tick runs as text; the run says which column it took."""
+    text table found in the same tick runs as text; each table is its own file run, which says which
+    column it took."""
     import pandas as pd
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batch_pipeline.defs.assets import BATCH_ASSETS
+    from batch_pipeline.defs.batch_files import batch_files
     from batch_pipeline.defs.resources import BatchSelection
     from batch_pipeline_tests.asset_runs import DATE
     from batch_pipeline_tests.sensor_ticks import evaluate, turned_on
@@ -640,13 +641,18 @@ def test_the_upload_sensor_runs_an_image_table_by_table_image_column(vlm_llm, s3
         storage.write_bytes(f"{inbox}/{DATE}/{name}.parquet", sink.getvalue().to_pybytes())
     storage.write_bytes(f"{inbox}/{DATE}/tickets.csv", b"prompt,max_tokens,image_caption\ndescribe,8,a red square\n")
 
-    [request] = evaluate(store, on).run_requests  # the date's three tables in one run
-    assert "image_column" not in request.run_config["resources"]["batch"]["config"]
+    requests = evaluate(store, on).run_requests  # one run per table
+    assert sorted(r.partition_key for r in requests) == [f"{DATE}/{n}" for n in ("catalogue", "photos", "tickets")]
+    messages = []
     with dg.instance_for_test() as instance:
-        result = dg.materialize(BATCH_ASSETS, partition_key=DATE, run_config=request.run_config, raise_on_error=False,
-                                resources={"batch": BatchSelection(), "llm": vlm_llm, "storage": store}, instance=instance)
-        assert result.success
-        messages = [str(r.user_message) for r in instance.all_logs(result.run_id)]
+        instance.add_dynamic_partitions("batch_files", [r.partition_key for r in requests])
+        for request in requests:
+            assert "image_column" not in str(request.run_config)  # the run names no column
+            result = dg.materialize([batch_files], partition_key=request.partition_key, run_config=request.run_config or None,
+                                    raise_on_error=False, instance=instance,
+                                    resources={"batch": BatchSelection(), "llm": vlm_llm, "storage": store})
+            assert result.success, request.partition_key
+            messages += [str(r.user_message) for r in instance.all_logs(result.run_id)]
     assert any("catalogue: images from its column `image` (TABLE_IMAGE_COLUMN)" in m for m in messages), messages
     assert not any("tickets: images from" in m for m in messages)
 

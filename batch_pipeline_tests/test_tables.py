@@ -21,12 +21,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
 from batch_pipeline.io import table_inputs, tables
 from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import TINY_NAME
 from batch_pipeline_tests.sensor_ticks import evaluate, turned_on
-from batch_pipeline.defs.assets import BATCH_ASSETS as BATCH_ASSETS_FOR_S3
 
 
 def test_rows_of_every_kind_of_result_line():
@@ -192,13 +192,18 @@ def test_a_table_on_s3_is_found_by_the_sensor_and_answered(tiny_llm, s3_bucket, 
     client.put_object(Bucket=s3_bucket, Key=f"incoming/{DATE}/rows.parquet", Body=frame.to_parquet(index=False))
     client.put_object(Bucket=s3_bucket, Key=f"incoming/{DATE}/sheet.csv", Body=b"prompt,max_tokens,owner\nhey,2,ann\n")
     client.put_object(Bucket=s3_bucket, Key=f"incoming/{DATE}/notes.txt", Body=b"not a batch")
-    [request] = evaluate(storage, on).run_requests  # both tables of the date, in one run
-    assert request.partition_key == DATE and request.tags["batch_pipeline/batch_name"] == "rows, sheet"
-    result = dg.materialize(
-        BATCH_ASSETS_FOR_S3, partition_key=DATE, run_config=request.run_config, raise_on_error=False,
-        resources={"batch": BatchSelection(), "llm": tiny_llm, "storage": storage}, instance=dg.DagsterInstance.ephemeral(),
-    )
-    assert result.success
+    requests = evaluate(storage, on).run_requests  # one run per table; the text file is no batch
+    assert sorted(r.partition_key for r in requests) == [f"{DATE}/rows", f"{DATE}/sheet"]
+    assert sorted(r.tags["batch_pipeline/batch_name"] for r in requests) == ["rows", "sheet"]
+    instance = dg.DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions("batch_files", [r.partition_key for r in requests])
+    for request in requests:
+        result = dg.materialize(
+            [batch_files], partition_key=request.partition_key, run_config=request.run_config or None,
+            raise_on_error=False, instance=instance,
+            resources={"batch": BatchSelection(), "llm": tiny_llm, "storage": storage},
+        )
+        assert result.success, request.partition_key
     body = client.get_object(Bucket=s3_bucket, Key=f"output/{DATE}/rows/results.parquet")["Body"].read()
     results = pq.read_table(pa.BufferReader(body)).to_pandas()
     assert list(results["row_ref"]) == [7, 8] and list(results["status"]) == ["completed", "completed"]
