@@ -7,7 +7,7 @@ finish reasons, token counts, deterministic ids), a prompt over MAX_MODEL_LEN th
 closed stream makes the server abort the requests it holds (its running count falls to 0 and it stops
 generating). With stand-in servers (failure injection): 503s, 429s and dropped connections are waited
 out with every line answered once; a server gone longer than ENGINE_WAIT_SECONDS fails naming its
-URL; at run start an unreachable URL or a server of another model is refused naming the URL and what
+URL; a file run in its own process imports neither torch nor vLLM; at run start an unreachable URL or a server of another model is refused naming the URL and what
 it serves; an answer that is not an OpenAI body is that line's error.
 """
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -216,6 +217,40 @@ def test_a_stream_that_fits_the_window_is_not_planned(tiny_llm, tmp_path):
             assert (info["planning_seconds"] == 0) is (name == "small"), (name, info["planning_seconds"])
     finally:
         server.stop()
+
+
+def test_a_file_run_on_a_warm_engine_imports_neither_torch_nor_vllm(tmp_path):
+    """A run that sends every line to a warm engine is a light client: its own process (as a run
+    worker is) answers a file through the stand-in without importing torch or vLLM (torch alone is
+    1.5-4 s of a file run's start on 2 cores)."""
+    import subprocess
+    import sys
+
+    server = StandIn(lambda n, body: (200, chat_answer(body)))
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    write_batch(inbox / DATE, "f.jsonl", [json.dumps({
+        "custom_id": f"c-{i}", "method": "POST", "url": contract.CHAT_URL,
+        "body": {"model": TINY_NAME, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4}}) for i in range(3)])
+    script = f"""
+import sys, dagster as dg
+from batch_pipeline.defs.batch_files import batch_files
+from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
+instance = dg.DagsterInstance.ephemeral()
+instance.add_dynamic_partitions("batch_files", ["{DATE}/f"])
+result = dg.materialize([batch_files], partition_key="{DATE}/f", instance=instance, resources={{
+    "batch": BatchSelection(), "llm": LLMResource(),
+    "storage": StorageResource(input_path={str(inbox)!r}, output_path={str(out)!r})}})
+print(result.success, sorted(m for m in ("torch", "vllm", "transformers") if m in sys.modules))
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "ENGINE_URL": server.url, "SERVED_MODEL_NAME": TINY_NAME})
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "True []", done.stdout
+    assert [r["custom_id"] for r in read_jsonl(str(out / DATE / "f" / "output.jsonl"))] == ["c-0", "c-1", "c-2"]
+    assert server.posts == 3
 
 
 def test_a_kept_alive_connection_the_server_closed_is_no_fault_of_the_server():

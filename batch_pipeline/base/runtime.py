@@ -27,14 +27,17 @@ def runtime_env(cache_root: Path) -> dict[str, str]:
     }
 
 
-def configure_runtime_env(cache_root: Path) -> None:
+def configure_runtime_env(cache_root: Path, engine_here: bool = True) -> None:
     """Apply runtime_env() where not set already; on CPU also run the engine core in-process.
 
     VLLM_ENABLE_V1_MULTIPROCESSING=1 set by the user keeps vLLM's own default (the engine core in
-    a child process, as on GPUs); the tests run that mode on the CPU too.
+    a child process, as on GPUs); the tests run that mode on the CPU too. `engine_here` False (a
+    run that sends to a warm engine): no engine is built in this process, so torch is not imported
+    to ask whether there are GPUs (1.5-4 s of a file run's start on 2 cores); call it again with
+    True before building one.
     """
     defaults = runtime_env(cache_root)
-    if is_cpu():
+    if engine_here and is_cpu():
         # In-process engine core: ~3 s start for a tiny model instead of ~50 s.
         defaults["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     for key, value in defaults.items():

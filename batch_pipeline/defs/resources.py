@@ -276,7 +276,6 @@ class LLMResource(dg.ConfigurableResource):
         (or a MODELS_FILE entry's `url`), the warm engines there (engine/remote.py; `priority`: the
         run's, higher sooner), checked before the first request; what none serves is answered in
         this process."""
-        configure_runtime_env(models.cache_root())
         s = self.settings()
         path, served = self.generation_model()
         emb_path, emb_name = self.embedding_model()
@@ -292,7 +291,10 @@ class LLMResource(dg.ConfigurableResource):
             s = dataclasses.replace(s, engine_api_key="")
         pooling = pooling_routes(s, emb_name)
         if warm_routes(s, served) or pooling:
+            configure_runtime_env(models.cache_root(), engine_here=False)  # no torch import for a warm run
+
             def local() -> Engines:  # only for lines the server does not serve: MODELS_FILE models, pooling
+                configure_runtime_env(models.cache_root())
                 refuse_slotless_engine()
                 require_hardware(s)
                 return Engines(s, path or str(models.prepare_bundled_model(log=log)), served, emb_path, emb_name,
@@ -304,6 +306,7 @@ class LLMResource(dg.ConfigurableResource):
             finally:
                 engines.close()
             return
+        configure_runtime_env(models.cache_root())
         refuse_slotless_engine()
         require_hardware(s)  # e.g. a GPU preset without a GPU: refused before any model is loaded
         if path is None:
