@@ -17,6 +17,7 @@ import textwrap
 import numpy as np
 import pytest
 
+from batch_pipeline.contract import prompts
 from batch_pipeline.steps import ordering
 from batch_pipeline.config.settings import ConfigError, EngineSettings, engine_settings_from_env
 
@@ -102,8 +103,8 @@ def test_keys_from_the_chat_template_group_as_the_request_text_does(tiny_model_d
     render, keyed_on = ordering.chat_template_renderer(str(tiny_model_dir))
     assert render is not None and keyed_on.startswith("the chat template of ")
     bodies = docs_and_questions(docs=4, questions=3)
-    text = render(ordering._messages(bodies[0]), None)
-    assert "Answer from the document." in text and text != ordering.prompt_text(CHAT, bodies[0])  # rendered
+    text = render(prompts.chat_messages(bodies[0]), None)
+    assert "Answer from the document." in text and text != prompts.prompt_text(CHAT, bodies[0])  # rendered
     with_template = [bodies[i]["doc"] for i in plan_of(bodies, render)]
     assert len([d for d, _ in itertools.groupby(with_template)]) == 4, with_template
 
@@ -118,7 +119,7 @@ def test_a_line_the_template_refuses_still_gets_a_key():
         raise ValueError("template error")
 
     body = {"messages": [{"role": "user", "content": "hi"}]}
-    assert ordering.prompt_text(CHAT, body, refuse) == ordering.prompt_text(CHAT, body)
+    assert prompts.prompt_text(CHAT, body, refuse) == prompts.prompt_text(CHAT, body)
 
 
 def test_records_are_read_back_from_a_local_copy_in_plan_order(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import threading
 import time
 from pathlib import Path
@@ -25,8 +26,9 @@ import pytest
 
 from batch_pipeline.config.settings import ConfigError, EngineSettings
 from batch_pipeline.contract import contract
-from batch_pipeline.engine.remote import (EngineUnavailable, RemoteEngines, Reply, Sent, Window, answer_of, base_url,
-                                          vllm_priority, window_size)
+from batch_pipeline.contract import prompts
+from batch_pipeline.engine.remote import (BATCH_SCALE, EPOCH_SECONDS, EngineUnavailable, RemoteEngines, Reply, Sent,
+                                          Window, answer_of, base_url, vllm_priority, window_size)
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.conftest import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
 from batch_pipeline_tests.warm_engine import StandIn, chat_answer
@@ -54,7 +56,6 @@ def engines_at(url: str, **settings: Any) -> RemoteEngines:
 def test_the_window_and_priority_follow_their_settings():
     assert window_size(EngineSettings()) == 64 and window_size(EngineSettings(batch_size=16)) == 32
     assert window_size(EngineSettings(batch_size=16, engine_window=5)) == 5
-    assert vllm_priority(5) == -5 and vllm_priority(-3) == 3  # ours: higher sooner; vLLM's: lower sooner
     assert base_url("http://h:8000/v1/") == "http://h:8000" == base_url("http://h:8000")
     window = Window(8)
     window.shrink(), window.shrink()
@@ -67,6 +68,37 @@ def test_the_window_and_priority_follow_their_settings():
     with pytest.raises(ConfigError, match="ENGINE_WINDOW=0 is out of range"):
         EngineSettings(engine_window=0)
     assert "secret-key" not in repr(EngineSettings(engine_url="http://h", engine_api_key="secret-key"))
+
+
+def test_a_requests_vllm_priority_is_its_batch_then_its_minute_then_its_prefix():
+    """vLLM runs lower priorities sooner (a heap on priority, then arrival). Ours: a higher batch
+    priority always first; then an earlier minute, whatever the prefix (no run waits behind others'
+    requests for longer than about a minute); within a minute, the users of one document together,
+    in the same order in every run, so that concurrent file runs meet in the prefix cache."""
+    t = 1_790_000_000.0
+    assert vllm_priority(5, prompts.RANK_SPAN - 1, t + 3600) < vllm_priority(4, 0, t)  # ours: higher sooner
+    assert vllm_priority(0, prompts.RANK_SPAN - 1, t) < vllm_priority(0, 0, t + EPOCH_SECONDS)
+    assert vllm_priority(-1) == BATCH_SCALE and vllm_priority(0, 7, t) % prompts.RANK_SPAN == 7
+    for batch in (-1000, 1000):  # the Batch API's bounds fit in vLLM's int64
+        assert abs(vllm_priority(batch, prompts.RANK_SPAN - 1, t)) < 2**63
+    docs = [f"Document {d}: " + f"the {d} facts. " * 120 for d in ("alpha", "beta", "gamma", "delta", "omega")]
+    asks = [(d, q) for d in range(5) for q in range(6)]
+    random.Random(3).shuffle(asks)
+
+    def rank(d: int, q: int) -> int:
+        body = {"model": TINY_NAME, "messages": [{"role": "system", "content": "Answer from the document."},
+                                                 {"role": "user", "content": f"{docs[d]}\nQuestion {q}?"}]}
+        return prompts.prefix_rank(contract.CHAT_URL, body)
+
+    # Two runs, each a shuffled half of the questions: together, sorted by priority, each document's
+    # questions are contiguous, and each run alone sees the documents in the same order.
+    runs = [asks[::2], asks[1::2]]
+    merged = sorted((vllm_priority(0, rank(d, q), t), d) for run in runs for d, q in run)
+    order = [d for _, d in merged]
+    assert [d for i, d in enumerate(order) if i == 0 or order[i - 1] != d] == sorted(set(order), key=order.index)
+    assert len(set(order)) == 5
+    each = [[d for _, d in sorted((rank(d, q), d) for d, q in run)] for run in runs]
+    assert [list(dict.fromkeys(x)) for x in each] == [list(dict.fromkeys(order))] * 2
 
 
 def test_a_shared_engines_time_is_split_by_tokens():
@@ -301,7 +333,9 @@ def test_fields_accepted_and_ignored_in_process_are_not_sent(tiny_llm):
     finally:
         server.stop()
     assert one.kind == "output" and not {"stream_options", "user", "metadata"} & set(bodies[0]), bodies[0]
-    assert bodies[0]["priority"] == 0 and bodies[0]["_request_id"].startswith("req_")
+    sent = vllm_priority(0, prompts.prefix_rank(req.url, req.body), time.time())
+    assert sent - EPOCH_SECONDS * 2**24 <= bodies[0]["priority"] <= sent  # batch priority 0, sent within the last minute
+    assert bodies[0]["_request_id"].startswith("req_")
 
 
 def test_a_server_gone_longer_than_the_wait_fails_naming_its_url():

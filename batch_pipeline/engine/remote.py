@@ -12,9 +12,10 @@ pooling). Requests of a model with no warm engine still run in-process, built on
 Feeding. The run's requests go in its planned order (steps/ordering.py) through a bounded window of
 requests in flight (ENGINE_WINDOW): vLLM's own waiting queue is unbounded and first-come, so the
 window is what keeps the plan's order, and keeps a prefix group's members close enough together that
-its KV blocks are still cached when the later ones arrive. Each request carries the run's priority
-(vLLM's scale: lower runs sooner, so it is the negated batch priority) and the line's deterministic
-request id.
+its KV blocks are still cached when the later ones arrive. Each request carries a vLLM priority
+(`vllm_priority`: the run's batch priority first, then the minute it was sent, then its prompt
+prefix's rank, so that concurrent runs' requests for one prefix meet in the prefix cache) and the
+line's deterministic request id.
 
 Faults. A refused connection, a dropped one, 408, 429 and 5xx are waited out: the request is sent
 again after a back-off, and the window halves (then grows back by one per answer: AIMD). A server
@@ -42,6 +43,7 @@ from batch_pipeline.base import ids
 from batch_pipeline.contract import contract
 from batch_pipeline.contract import lines
 from batch_pipeline.contract.lines import Answer
+from batch_pipeline.contract.prompts import RANK_SPAN, prefix_rank
 from batch_pipeline.io import images
 from batch_pipeline.config.model_versions import VERSION_SEP, versioned_name
 from batch_pipeline.config.settings import ConfigError, EngineSettings
@@ -101,10 +103,28 @@ def pooling_routes(settings: EngineSettings, embedding_name: str | None) -> dict
     return routes
 
 
-def vllm_priority(batch_priority: int) -> int:
-    """The batch's priority (higher sooner: Batch API metadata.priority, SCHEDULE_RUN_PRIORITY,
-    SENSOR_RUN_PRIORITY) on vLLM's scale, where lower runs sooner."""
-    return -int(batch_priority)
+# A request's vLLM priority holds three keys, most significant first (see vllm_priority).
+EPOCH_SECONDS = 60  # requests sent within one such minute are ordered by prefix, across runs
+EPOCH_SPAN = 1 << 28  # epochs are counted modulo this (60 s epochs: it wraps every ~510 years)
+BATCH_SCALE = EPOCH_SPAN * RANK_SPAN  # 2^52: a batch priority of +-1000 keeps the value within int64
+
+
+def vllm_priority(batch_priority: int, rank: int = 0, sent: float | None = None) -> int:
+    """A request's priority on vLLM's scale, where lower runs sooner (its waiting queue is a heap on
+    (priority, arrival)), from three keys, most significant first:
+
+    1. the batch's priority, negated (ours is higher sooner: Batch API metadata.priority,
+       SCHEDULE_RUN_PRIORITY, SENSOR_RUN_PRIORITY): an urgent batch's requests overtake the rest;
+    2. the minute it was sent (`sent`, EPOCH_SECONDS): an earlier minute's requests go first, so no
+       run's requests wait behind other runs' for longer than about that;
+    3. its prompt prefix's rank (contract/prompts.py `prefix_rank`, the same in every run): within a
+       minute, the users of one prefix (a system prompt, a document) are admitted together whichever
+       runs sent them, so the engine computes that prefix once while it is cached. A date's files
+       sent as concurrent file runs meet in the prefix cache as one run's plan would have them.
+
+    Without `sent` (a rank of 0): the batch's key alone, as a whole number of BATCH_SCALE."""
+    epoch = 0 if sent is None else int(sent // EPOCH_SECONDS) % EPOCH_SPAN
+    return -int(batch_priority) * BATCH_SCALE + epoch * RANK_SPAN + rank
 
 
 @dataclass
@@ -366,7 +386,7 @@ class RemoteEngines:
         self.pooling = dict(pooling or {})  # embeddings, score, rerank: served model name -> its server's URL
         self.url = (base_url(settings.engine_url) if settings.engine_url
                     else next(iter({**self.pooling, **self.routes}.values()), ""))
-        self.priority = vllm_priority(priority)
+        self.batch_priority = int(priority)  # ours (higher sooner); each request's vLLM priority: vllm_priority
         self.log = log
         self.load_seconds = 0.0  # no model is loaded by the run
         self.window = Window(window_size(settings))
@@ -399,7 +419,7 @@ class RemoteEngines:
                                   "URL at the server that has it")
             self.log(f"answering {', '.join(sorted(n for n, to in where.items() if to == url))} on the warm "
                      f"engine at {url} (serves {', '.join(served[url])}; {self.window.ceiling} requests in flight, "
-                     f"vLLM priority {self.priority})")
+                     f"batch priority {self.batch_priority}, then each request by its prompt prefix)")
         return served
 
     @property
@@ -500,7 +520,9 @@ class RemoteEngines:
             return lines.contract_error(sent.batch_id, req, contract.INVALID_REQUEST, str(e))
         for field_name in contract.IGNORED_FIELDS:  # accepted and ignored in-process; some refused by vLLM
             body.pop(field_name, None)
-        body.setdefault("priority", self.priority)
+        if "priority" not in body:
+            rank = prefix_rank(req.url, req.body) if req.url in GENERATION_URLS else 0
+            body["priority"] = vllm_priority(self.batch_priority, rank, time.time())
         body["model"] = sent.model  # a versioned model's plain name: the version this run is pinned to
         request_id = ids.request_id(sent.batch_id, req.line)
         backoff, errors = BACKOFF_FIRST, 0

@@ -15,7 +15,7 @@ The plan is a depth-first walk of a prefix tree, built from a few bytes of key p
 rendered prompt (after the chat template, when the model's tokenizer can be loaded; else the
 request's own text in template order: tools, then each message) is cut at LEVELS characters, about
 1, 4, 16, 64, 256 and 1024 KV blocks of 16 tokens at ~4 characters a token, and each cut hashed
-(CRC-32 of the prefix). Requests whose prefixes hash alike at a level are one group there; at each
+(CRC-32 of the prefix; contract/prompts.py). Requests whose prefixes hash alike at a level are one group there; at each
 level the groups go in the order of the longest decode they hold (descending), so a subtree
 is contiguous in the plan (its prefix stays cached until its last user is scheduled) and long
 decodes lead within it. A request's expected decode is what its line says: `max_tokens` (or
@@ -42,7 +42,6 @@ import json
 import os
 import tempfile
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,9 +50,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from batch_pipeline.contract import contract
+from batch_pipeline.contract.prompts import LEVELS, Render, prefix_hashes, prompt_text
 
-# Cut points of the rendered prompt, in characters (bytes of its UTF-8).
-LEVELS = (64, 256, 1024, 4096, 16384, 65536)
 # A request's key; its index in the keys array is its position among the requests keyed.
 KEY_DTYPE = np.dtype([("hash", np.uint32, (len(LEVELS),)), ("decode", np.uint32)])
 KEY_BYTES = KEY_DTYPE.itemsize
@@ -65,49 +63,8 @@ MAX_DECODE = np.uint64(2**31 - 1)  # decodes are capped here for the sort key
 KEY_CHUNK = 8192  # keys are gathered in lists this long, then stored in one numpy assignment
 POOLING_URLS = (contract.EMBEDDINGS_URL, *contract.SCORING_URLS)
 
-Render = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], str]
-
 
 # -- keys ---------------------------------------------------------------------------------------
-
-
-def _text(content: Any) -> str:
-    """A message's content as text: a string, or its text parts joined (OpenAI's content parts)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-    return "" if content is None else json.dumps(content, sort_keys=True)
-
-
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"role": str(m.get("role", "")), "content": _text(m.get("content"))}
-            for m in body.get("messages") or [] if isinstance(m, dict)]
-
-
-def prompt_text(url: str, body: dict[str, Any], render: Render | None = None) -> str:
-    """The prompt of a request as the engine will see it, as far as the plan needs it: the chat
-    template's rendering when `render` is given and accepts it, else the request's own text in the
-    order templates lay it out (tools, then each message)."""
-    if url == contract.CHAT_URL:
-        messages = _messages(body)
-        tools = body.get("tools") or None
-        if render is not None:
-            try:
-                return render(messages, tools)
-            except Exception:  # noqa: BLE001 - a line the template refuses still gets a key
-                pass
-        head = json.dumps(tools, sort_keys=True) if tools else ""
-        return head + "".join(f"\x1e{m['role']}\x1f{m['content']}" for m in messages)
-    if url == contract.RESPONSES_URL:
-        given = body.get("input")
-        turns = given if isinstance(given, str) else "".join(
-            f"\x1e{i.get('role', '')}\x1f{_text(i.get('content'))}" for i in given or [] if isinstance(i, dict))
-        return f"{body.get('instructions') or ''}{turns}"
-    if url == contract.COMPLETIONS_URL:
-        prompt = body.get("prompt")
-        return prompt if isinstance(prompt, str) else json.dumps(prompt)
-    return json.dumps([body.get(k) for k in ("input", "query", "queries", "documents", "text_1", "text_2")])
 
 
 def expected_decode(url: str, body: dict[str, Any]) -> int:
@@ -127,18 +84,6 @@ def expected_decode(url: str, body: dict[str, Any]) -> int:
     except (TypeError, ValueError):
         return UNBOUNDED_DECODE
     return min(tokens * count, int(MAX_DECODE))
-
-
-def prefix_hashes(text: str) -> list[int]:
-    """CRC-32 of the text's prefix at each of LEVELS (of the whole text where it is shorter)."""
-    data = text.encode("utf-8", "surrogatepass")
-    hashes, crc, done = [], 0, 0
-    for cut in LEVELS:
-        end = min(cut, len(data))
-        crc = zlib.crc32(data[done:end], crc)
-        done = end
-        hashes.append(crc)
-    return hashes
 
 
 # -- the plan -----------------------------------------------------------------------------------
