@@ -21,7 +21,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -174,6 +173,8 @@ def read_head(uri: str, rows: int = 5) -> tuple[pa.Schema, list[dict[str, Any]]]
 
 def write_metrics_table(uri: str, per_batch: list[dict[str, Any]]) -> None:
     """A date's metrics.parquet: one row per batch (its metrics.json), for pandas."""
+    import pandas as pd  # here, not at import: loading the definitions (code server, sensors, run workers) needs none
+
     table = pa.Table.from_pandas(pd.DataFrame(per_batch), preserve_index=False)  # the union of their keys
     with storage.open_write(uri) as handle:
         pq.write_table(table, handle, compression="zstd")
