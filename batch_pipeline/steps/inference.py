@@ -223,127 +223,186 @@ def infer_batches(
             works.append(begun)
     ids = [w.batch_id for w in works]
     together = order == "planned" and len(works) > 1 and len(set(ids)) == len(ids)
+    how = _How(identity, checkpoint_answers, checkpoint_seconds, log, shard, deadline, order, cancelled)
     for group in ([works] if together else [[w] for w in works]) if works else []:
-        _answer(group, engines, identity, checkpoint_answers, checkpoint_seconds, log, shard, deadline, order, cancelled)
+        _Answering(group, engines, how).run()
     infos = iter(w.info for w in works)
     return [final if final is not None else next(infos) for final in finals]
 
 
-def _answer(works: list[_Work], engines: Engines | RankedEngines | RemoteEngines, identity: dict[str, Any], checkpoint_answers: int,
-            checkpoint_seconds: float, log: Log, shard: Shard, deadline: float | None, order: str,
-            cancelled: Callable[[], bool] | None = None) -> None:
-    """Answer what is left of `works` in one engine stream; writes each one's record."""
-    total, answered = sum(w.total for w in works), sum(w.answered for w in works)
-    label = works[0].label if len(works) == 1 else f"{len(works)} batches"
-    by_id = {w.batch_id: w for w in works}
-    plan: Plan | None = None
-    # A warm engine takes a stream no longer than its window all at once: then the order is its own
-    # scheduler's, and a plan (a tokenizer load, seconds for a small batch) would change nothing.
-    planned = order == "planned" and total - answered > 1
-    if planned and total - answered <= engines.takes_at_once:
-        log(f"{label}: {total - answered} requests, all in flight at once on the warm engine: not planned")
-        planned = False
-    if planned:
-        plan = _plan([(w.loc, w.positions, w.done, w.left) for w in works], str(identity.get("model_path") or ""),
-                     log, label)
-        remaining: Iterator[Any] = plan.stream(lambda raw, part: request_from_record(json.loads(raw), works[part].batch_id))
-    else:
-        remaining = itertools.chain.from_iterable(w.requests() for w in works)
-    pictures: dict[tuple[str, int], int] = {}  # (batch, line) -> its images, until it is answered
-    remaining = _NotingImages(remaining, pictures)
-    progress = Progress(total, answered, log, label)
-    load_before = engines.load_seconds
-    ranks = engines.data_parallel_size
-    for w in works:
-        w.per_rank = [0] * ranks
-    clock = getattr(engines, "clock", None)  # None with ranks: each rank's engine is in its own process
-    clock_before = dataclasses.replace(clock) if clock is not None else None
-    started, started_at = time.monotonic(), time.time()
-    expired = False
-    with contextlib.ExitStack() as stack:
-        gpu = stack.enter_context(GpuSampler())
+@dataclasses.dataclass(frozen=True)
+class _How:
+    """How an answering goes, the same for every stream of a run (infer_batches' arguments)."""
+
+    identity: dict[str, Any]
+    checkpoint_answers: int
+    checkpoint_seconds: float
+    log: Log
+    shard: Shard
+    deadline: float | None
+    order: str
+    cancelled: Callable[[], bool] | None
+
+
+class _Answering:
+    """What is left of `works` answered in one engine stream, each one's record written: the source
+    (`_source`: planned or in input order), the stream (`run`, each answer taken by `_take`), and the
+    figures shared out among the batches at the end (`_close`)."""
+
+    def __init__(self, works: list[_Work], engines: Engines | RankedEngines | RemoteEngines, how: _How) -> None:
+        self.works, self.engines, self.how = works, engines, how
+        self.total, self.answered = sum(w.total for w in works), sum(w.answered for w in works)
+        self.label = works[0].label if len(works) == 1 else f"{len(works)} batches"
+        self.by_id = {w.batch_id: w for w in works}
+        self.plan: Plan | None = None
+        self.pictures: dict[tuple[str, int], int] = {}  # (batch, line) -> its images, until it is answered
+        self.ranks = engines.data_parallel_size
         for w in works:
-            w.checkpoint = stack.enter_context(Checkpoint(answers_folder(w.loc, w.key), checkpoint_answers, checkpoint_seconds))
-        if plan is not None:
-            stack.enter_context(contextlib.closing(plan))
-        unfinished = len(works)
-        stream = engines.stream(works[0].batch_id, remaining, created=int(time.time()), expected=total - answered)
-        for answer in stream:
-            w = by_id[answer.batch_id] if len(works) > 1 else works[0]
-            if not w.done.add(answer.line):
-                raise RuntimeError(f"{w.label}: line {answer.line} answered twice")
-            assert w.checkpoint is not None
-            w.checkpoint.add(answer)
-            w.per_rank[answer.rank] += 1
-            w.tokens += answer.prompt_tokens - answer.cached_tokens + answer.completion_tokens
-            w.answered += 1
-            answered += 1
-            progress.excluded = engines.load_seconds - load_before
-            shown = pictures.pop((answer.batch_id or w.batch_id, answer.line), 0) if pictures else 0
-            shown = shown if answer.kind == "output" else 0  # a line whose image failed showed none
-            w.images += shown
-            progress.advance(answer.completion_tokens, shown)
-            if w.answered == w.total and len(works) > 1:
-                # Its answers are all in: written and recorded now, so that an interrupt of the
-                # others does not cancel it. Its figures are final once the stream is done.
-                w.checkpoint.flush()
-                unfinished -= 1
-                _record(w, "finished_at", order, plan, ranks, w.checkpoint, engines, gpu, {
-                    "model_load_seconds": 0.0, "inference_seconds": round(time.monotonic() - started, 3),
-                    "answered_with": [o.loc.name for o in works if o is not w]})
-                log(f"{w.label}: all {w.total} requests answered ({unfinished} of {len(works)} batches still answering)")
-            if deadline is not None and answered < total and time.time() >= deadline:
-                expired = True
-                stream.close()  # the engine drops the requests still running
-                break
-            if cancelled is not None and answered < total and cancelled():
-                stream.close()  # as above; the checkpoints keep every answer when the stack unwinds
-                raise CancelRequested(f"{label}: cancelled after {answered} of {total} requests")
-    if expired:
-        log(f"{label}: its deadline passed; {answered} of {total} requests answered, {total - answered} expire")
-    else:
-        for w in works:
-            if w.answered != w.total:
-                raise RuntimeError(f"{w.label}: {w.total} valid requests but {w.answered} answers")
-    load_seconds = engines.load_seconds - load_before
-    idle = clock.idle_share(clock_before) if clock is not None else None
-    if idle is not None:
-        log(f"{label}: the engine stepped {100 * (1 - idle):.1f}% of the answering time (idle {100 * idle:.1f}%: "
-            "waiting on this process to prepare requests and take answers)")
-    image_wait = clock.image_wait_share(clock_before) if clock is not None and progress.images else None
-    if image_wait is not None:
-        log(f"{label}: {progress.images} images; the engine waited on image preparation {100 * image_wait:.1f}% of "
-            "the answering time")
-    inference_seconds = max(time.monotonic() - started - load_seconds, 0.0)
-    finished_at = time.time()
-    weights = _shares([w.tokens for w in works])
-    served = engines.figures  # a warm engine's own figures over this stream (engine/remote.py); else None
-    if served is not None:
-        # A shared engine: each batch's engine time is the answering time x its share of the tokens the
-        # engine computed meanwhile (for every run using it), not the whole wall time.
-        weights = [served.share_of(w.tokens) for w in works]
-        if served.busy_share is not None:
-            log(f"{label}: the warm engine was busy {100 * served.busy_share:.1f}% of the answering time; this "
-                f"run's share of the tokens it computed meanwhile: {100 * sum(weights):.1f}%")
-    for w, share in zip(works, weights):
+            w.per_rank = [0] * self.ranks
+        self.load_before = engines.load_seconds
+        self.clock = getattr(engines, "clock", None)  # None with ranks: each rank's engine is in its own process
+        self.clock_before = dataclasses.replace(self.clock) if self.clock is not None else None
+        self.expired = False
+        self.unfinished = len(works)
+        self.started, self.started_at = 0.0, 0.0
+
+    def _source(self) -> Iterator[Any]:
+        """The requests left, in plan order (ORDER=planned) or input order, each one's images noted."""
+        left = self.total - self.answered
+        planned = self.how.order == "planned" and left > 1
+        # A warm engine takes a stream no longer than its window all at once: then the order is its own
+        # scheduler's (and its priority's prefix rank, engine/remote.py), and a plan (a tokenizer load,
+        # seconds for a small batch) would change nothing.
+        if planned and left <= self.engines.takes_at_once:
+            self.how.log(f"{self.label}: {left} requests, all in flight at once on the warm engine: not planned")
+            planned = False
+        if planned:
+            works = self.works
+            self.plan = _plan([(w.loc, w.positions, w.done, w.left) for w in works],
+                              str(self.how.identity.get("model_path") or ""), self.how.log, self.label)
+            source: Iterator[Any] = self.plan.stream(
+                lambda raw, part: request_from_record(json.loads(raw), works[part].batch_id))
+        else:
+            source = itertools.chain.from_iterable(w.requests() for w in self.works)
+        return _NotingImages(source, self.pictures)
+
+    def run(self) -> None:
+        source = self._source()
+        self.progress = Progress(self.total, self.answered, self.how.log, self.label)  # after the plan, as its rate
+        self.started, self.started_at = time.monotonic(), time.time()
+        with contextlib.ExitStack() as stack:
+            self.gpu = stack.enter_context(GpuSampler())
+            for w in self.works:
+                w.checkpoint = stack.enter_context(
+                    Checkpoint(answers_folder(w.loc, w.key), self.how.checkpoint_answers, self.how.checkpoint_seconds))
+            if self.plan is not None:
+                stack.enter_context(contextlib.closing(self.plan))
+            stream = self.engines.stream(self.works[0].batch_id, source, created=int(time.time()),
+                                         expected=self.total - self.answered)
+            for answer in stream:
+                self._take(answer)
+                if self._stop(stream):
+                    break
+        self._close()
+
+    def _take(self, answer: Any) -> None:
+        """One answer: checkpointed, counted, and its batch recorded finished when it is the last."""
+        w = self.by_id[answer.batch_id] if len(self.works) > 1 else self.works[0]
+        if not w.done.add(answer.line):
+            raise RuntimeError(f"{w.label}: line {answer.line} answered twice")
         assert w.checkpoint is not None
-        _record(w, "expired_at" if expired and w.answered < w.total else "finished_at", order, plan, ranks,
-                w.checkpoint, engines, gpu, {
-                    "model_load_seconds": round(load_seconds * share, 3),
-                    "inference_seconds": round(inference_seconds * share, 3),
-                    # Wall-clock span of the answering (after the model load), for merging shards
-                    # that ran side by side on other servers (shards.busy_seconds).
-                    "inference_started_at": round(started_at + load_seconds, 3),
-                    "inference_finished_at": round(finished_at, 3),
-                    "planning_seconds": round(plan.seconds * share, 3) if plan is not None else 0.0,
-                    **({"engine_idle_share": idle} if idle is not None else {}),
-                    **({"engine_busy_share": served.busy_share, "engine_token_share": round(share, 4),
-                        "engine_url": served.url} if served is not None else {}),
-                    **({"images": w.images} if w.images else {}),
-                    **({"image_wait_share": image_wait} if image_wait is not None else {}),
-                    **({"answered_with": [o.loc.name for o in works if o is not w]} if len(works) > 1 else {}),
-                })
-        _merge_shards(w.loc, w.key, shard, log)
+        w.checkpoint.add(answer)
+        w.per_rank[answer.rank] += 1
+        w.tokens += answer.prompt_tokens - answer.cached_tokens + answer.completion_tokens
+        w.answered += 1
+        self.answered += 1
+        self.progress.excluded = self.engines.load_seconds - self.load_before
+        shown = self.pictures.pop((answer.batch_id or w.batch_id, answer.line), 0) if self.pictures else 0
+        shown = shown if answer.kind == "output" else 0  # a line whose image failed showed none
+        w.images += shown
+        self.progress.advance(answer.completion_tokens, shown)
+        if w.answered == w.total and len(self.works) > 1:
+            # Its answers are all in: written and recorded now, so that an interrupt of the
+            # others does not cancel it. Its figures are final once the stream is done.
+            w.checkpoint.flush()
+            self.unfinished -= 1
+            _record(w, "finished_at", self.how.order, self.plan, self.ranks, w.checkpoint, self.engines, self.gpu, {
+                "model_load_seconds": 0.0, "inference_seconds": round(time.monotonic() - self.started, 3),
+                "answered_with": [o.loc.name for o in self.works if o is not w]})
+            self.how.log(f"{w.label}: all {w.total} requests answered "
+                         f"({self.unfinished} of {len(self.works)} batches still answering)")
+
+    def _stop(self, stream: Any) -> bool:
+        """After an answer: True when the deadline has passed (the stream closed, the rest expire);
+        CancelRequested when the run is cancelled (the checkpoints keep every answer)."""
+        if self.answered >= self.total:
+            return False
+        if self.how.deadline is not None and time.time() >= self.how.deadline:
+            self.expired = True
+            stream.close()  # the engine drops the requests still running
+            return True
+        if self.how.cancelled is not None and self.how.cancelled():
+            stream.close()  # as above; the checkpoints keep every answer when the stack unwinds
+            raise CancelRequested(f"{self.label}: cancelled after {self.answered} of {self.total} requests")
+        return False
+
+    def _close(self) -> None:
+        """Every batch's record: its share (by tokens) of the load, answering and planning time."""
+        log, label = self.how.log, self.label
+        if self.expired:
+            log(f"{label}: its deadline passed; {self.answered} of {self.total} requests answered, "
+                f"{self.total - self.answered} expire")
+        else:
+            for w in self.works:
+                if w.answered != w.total:
+                    raise RuntimeError(f"{w.label}: {w.total} valid requests but {w.answered} answers")
+        load_seconds = self.engines.load_seconds - self.load_before
+        idle, image_wait = self._engine_shares()
+        inference_seconds = max(time.monotonic() - self.started - load_seconds, 0.0)
+        finished_at = time.time()
+        weights = _shares([w.tokens for w in self.works])
+        served = self.engines.figures  # a warm engine's own figures over this stream (engine/remote.py); else None
+        if served is not None:
+            # A shared engine: each batch's engine time is the answering time x its share of the tokens the
+            # engine computed meanwhile (for every run using it), not the whole wall time.
+            weights = [served.share_of(w.tokens) for w in self.works]
+            if served.busy_share is not None:
+                log(f"{label}: the warm engine was busy {100 * served.busy_share:.1f}% of the answering time; this "
+                    f"run's share of the tokens it computed meanwhile: {100 * sum(weights):.1f}%")
+        plan, works = self.plan, self.works
+        for w, share in zip(works, weights):
+            assert w.checkpoint is not None
+            _record(w, "expired_at" if self.expired and w.answered < w.total else "finished_at", self.how.order, plan,
+                    self.ranks, w.checkpoint, self.engines, self.gpu, {
+                        "model_load_seconds": round(load_seconds * share, 3),
+                        "inference_seconds": round(inference_seconds * share, 3),
+                        # Wall-clock span of the answering (after the model load), for merging shards
+                        # that ran side by side on other servers (shards.busy_seconds).
+                        "inference_started_at": round(self.started_at + load_seconds, 3),
+                        "inference_finished_at": round(finished_at, 3),
+                        "planning_seconds": round(plan.seconds * share, 3) if plan is not None else 0.0,
+                        **({"engine_idle_share": idle} if idle is not None else {}),
+                        **({"engine_busy_share": served.busy_share, "engine_token_share": round(share, 4),
+                            "engine_url": served.url} if served is not None else {}),
+                        **({"images": w.images} if w.images else {}),
+                        **({"image_wait_share": image_wait} if image_wait is not None else {}),
+                        **({"answered_with": [o.loc.name for o in works if o is not w]} if len(works) > 1 else {}),
+                    })
+            _merge_shards(w.loc, w.key, self.how.shard, log)
+
+    def _engine_shares(self) -> tuple[float | None, float | None]:
+        """The in-process engine's idle share and its wait on image preparation over this stream
+        (logged; None where there is no engine clock: ranks, a warm engine)."""
+        clock, before = self.clock, self.clock_before
+        idle = clock.idle_share(before) if clock is not None else None
+        if idle is not None:
+            self.how.log(f"{self.label}: the engine stepped {100 * (1 - idle):.1f}% of the answering time (idle "
+                         f"{100 * idle:.1f}%: waiting on this process to prepare requests and take answers)")
+        image_wait = clock.image_wait_share(before) if clock is not None and self.progress.images else None
+        if image_wait is not None:
+            self.how.log(f"{self.label}: {self.progress.images} images; the engine waited on image preparation "
+                         f"{100 * image_wait:.1f}% of the answering time")
+        return idle, image_wait
 
 
 class _NotingImages:
