@@ -65,8 +65,8 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ORDER", "MAX_MODEL
     os.environ.pop(_name, None)  # the pipeline's defaults for the runs and for the warm server alike
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
-from run_bench import say  # noqa: E402
-from warm_stream import short_text  # noqa: E402
+from common import say  # noqa: E402
+from workloads import short_text  # noqa: E402
 
 SYSTEMS = ("in_process", "warm")
 URGENT_PRIORITY = "10"

@@ -38,10 +38,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_bench import (  # noqa: E402
-    DEFAULT_CACHE, DOC_SYSTEM, REPO, _tokenizer, child_env, doc_questions, document_text, engine_settings_env, measure,
-    preflight, say,
-)
+from common import DEFAULT_CACHE, REPO, child_env, engine_settings_env, measure, preflight, say  # noqa: E402
+from workloads import DOC_SYSTEM, doc_questions, document_text, tokenizer  # noqa: E402
 
 DATE = "2026-12-01"
 SYSTEMS = ("input", "planned_each", "planned")
@@ -64,7 +62,7 @@ os._exit(0 if result.success else 1)
 
 def write_date(args: argparse.Namespace, served: str, model_path: str, inbox: Path) -> dict[str, Any]:
     """The documents x questions lines, shuffled, dealt out round-robin over --files files."""
-    tok = _tokenizer(model_path)
+    tok = tokenizer(model_path)
     bodies = []
     for d in range(args.num_docs):
         doc = document_text(tok, random.Random(f"{args.seed}-doc-{d}"), d, args.doc_len)

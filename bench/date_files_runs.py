@@ -63,7 +63,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from date_files import DATE, figures, write_date  # noqa: E402  (the same workload, the same figures)
-from run_bench import DEFAULT_CACHE, REPO, child_env, engine_settings_env, measure, preflight, read_outputs, say  # noqa: E402
+from common import DEFAULT_CACHE, REPO, child_env, engine_settings_env, measure, preflight, read_outputs, say  # noqa: E402
 
 SYSTEMS = ("date_run", "file_runs_inprocess", "file_runs_warm")
 START_SECONDS = 600.0

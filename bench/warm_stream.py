@@ -54,7 +54,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_bench import DEFAULT_CACHE, REPO, child_env, measure, read_outputs, say  # noqa: E402
+from common import DEFAULT_CACHE, REPO, child_env, measure, read_outputs, say  # noqa: E402
+from workloads import short_text  # noqa: E402
 
 from batch_pipeline.base.runtime import runtime_env  # noqa: E402
 from batch_pipeline.engine.server import health  # noqa: E402
@@ -62,25 +63,6 @@ from batch_pipeline.engine.server import health  # noqa: E402
 SYSTEMS = ("in_process", "warm", "server_only")
 MODEL_FOLDER = "SmolLM2-135M-Instruct"
 START_SECONDS = 600.0
-
-SUBJECTS = ("The old lighthouse keeper", "A small bakery", "The city council", "A group of students", "The river",
-            "A stray cat", "The night train", "An early frost", "The village library", "A retired pilot",
-            "The football team", "A street musician")
-EVENTS = ("opened its doors again after a long winter", "found a map hidden behind a loose brick",
-          "voted to plant a hundred trees along the main road", "built a small robot that waters plants",
-          "flooded the lower fields after three days of rain", "followed the postman on his whole round",
-          "arrived two hours late because of snow on the tracks", "ruined most of the apple harvest",
-          "started lending tools as well as books", "flew one last time over the mountains",
-          "won the regional cup with a goal in the final minute", "played the same song every morning at the station")
-DETAILS = ("Neighbours came to help.", "Nobody knows who drew it.", "The work starts next spring.",
-           "It cost less than a bicycle.", "The farmers lost a week of work.", "He gave it a name.",
-           "Passengers were given free tea.", "Prices at the market went up.", "The idea came from a child.",
-           "His grandson was on board.", "The whole town celebrated.", "People began to sing along.")
-
-
-def short_text(rng: random.Random) -> str:
-    return f"{rng.choice(SUBJECTS)} {rng.choice(EVENTS)}. {rng.choice(DETAILS)}"
-
 
 def batch_bodies(round_no: int, batch: int, lines: int, served: str, max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
     """One batch's (custom_id, body): short chat lines, each its own text of this round."""
