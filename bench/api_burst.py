@@ -66,6 +66,7 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ORDER", "MAX_MODEL
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
 from common import say  # noqa: E402
+from warm_server import WarmServer  # noqa: E402
 from workloads import short_text  # noqa: E402
 
 SYSTEMS = ("in_process", "warm")
@@ -91,56 +92,6 @@ def lines_of(tag: str, n: int, served: str, max_tokens: int) -> bytes:
                 "messages": [{"role": "user", "content": f"Summarise in one sentence: {text}"}]}
         out.append(json.dumps({"custom_id": f"{tag}-{j}", "method": "POST", "url": "/v1/chat/completions", "body": body}))
     return ("\n".join(out) + "\n").encode()
-
-
-class WarmServer:
-    """vLLM's OpenAI-compatible server with the flags `batch-pipeline engine start` gives it, own process group."""
-
-    def __init__(self, model_dir: Path, served: str, log_path: Path) -> None:
-        from batch_pipeline.defs.resources import LLMResource
-        from batch_pipeline.engine.server import health, server_command, server_env
-        from batch_pipeline_tests.dagster_server import free_port, wait_for
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = server_command(LLMResource().settings(), str(model_dir), served, "127.0.0.1", self.port)
-        say(f"starting the warm engine on port {self.port} (untimed); log {log_path}")
-        started = time.perf_counter()
-        with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-
-        def healthy() -> bool:
-            if self.process.poll() is not None:
-                raise SystemExit(f"the warm engine exited ({self.process.returncode}); see {log_path}")
-            return health(self.url) == 200
-
-        wait_for("the warm engine healthy", healthy, 600, interval=0.5)
-        self.start_s = round(time.perf_counter() - started, 2)
-        started = time.perf_counter()
-        body = {"model": served, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
-        request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(request, timeout=300).read()
-        self.first_request_s = round(time.perf_counter() - started, 2)
-
-    def cpu_s(self) -> float:
-        import psutil
-
-        try:
-            root = psutil.Process(self.process.pid)
-            return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
-        except psutil.Error:
-            return float("nan")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the group of the server this script started
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
 
 
 class Stack:
@@ -354,8 +305,7 @@ def main() -> int:
     tenants = [f"tenant{i}" for i in range(args.tenants)]
     load_start = loadavg()
     say(f"work folder {work}; load average {load_start}")
-    server = WarmServer(model_dir, served, work / "warm-engine.log")
-    say(f"warm engine healthy after {server.start_s:.1f} s; a first request (untimed) {server.first_request_s:.2f} s")
+    server = WarmServer.engine_start(model_dir, served, work / "warm-engine.log").start()
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     prio: list[dict[str, Any]] = []
     order = list(SYSTEMS)

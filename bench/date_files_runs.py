@@ -49,24 +49,21 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from date_files import DATE, figures, write_date  # noqa: E402  (the same workload, the same figures)
 from common import DEFAULT_CACHE, REPO, child_env, engine_settings_env, measure, preflight, read_outputs, say  # noqa: E402
+from warm_server import WarmServer  # noqa: E402
 
 SYSTEMS = ("date_run", "file_runs_inprocess", "file_runs_warm")
-START_SECONDS = 600.0
 # vLLM 0.32's CPU scheduler defaults for the LLM class (what an in-process run gets; arg_utils.get_batch_defaults).
 LLM_CLASS_SCHEDULER = ["--max-num-seqs", "256", "--max-num-batched-tokens", "4096"]
 
@@ -129,61 +126,6 @@ def pipeline_source(args: argparse.Namespace, work: Path) -> Path:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "batch_pipeline"], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
     return dest
-
-
-class WarmServer:
-    """vLLM's OpenAI-compatible server (engine/server.py's command for these settings), own process group."""
-
-    def __init__(self, command: list[str], env: dict[str, str], url: str, served: str, log_path: Path) -> None:
-        from batch_pipeline.engine.server import health
-
-        self._health = health
-        self.url, self.served, self.log_path = url, served, log_path
-        say(f"starting the warm engine at {url} (untimed); log {log_path}")
-        started = time.perf_counter()
-        with open(log_path, "ab") as log:
-            log.write(("$ " + " ".join(command) + "\n").encode())
-            log.flush()
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        while not self.healthy():
-            if time.perf_counter() - started > START_SECONDS:
-                raise SystemExit(f"the warm engine was not healthy after {START_SECONDS:.0f} s; see {log_path}")
-            time.sleep(0.5)
-        self.start_s = round(time.perf_counter() - started, 2)
-        body = {"model": served, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
-        self.post("/v1/chat/completions", body)  # a first request, untimed
-        say(f"warm engine healthy after {self.start_s} s")
-
-    def healthy(self) -> bool:
-        if self.process.poll() is not None:
-            raise SystemExit(f"the warm engine exited ({self.process.returncode}); see {self.log_path}")
-        return self._health(self.url) == 200
-
-    def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as response:
-            return json.loads(response.read() or b"{}")
-
-    def reset_prefix_cache(self) -> None:
-        """Empty the prefix cache (fails while blocks are held: retried), so a use profits from no earlier one."""
-        deadline = time.perf_counter() + 60
-        while True:
-            if self.post("/reset_prefix_cache").get("success"):
-                return
-            if time.perf_counter() > deadline:
-                raise SystemExit("the warm engine would not reset its prefix cache within 60 s")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the process group of the server this script started
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
 
 
 def check_outputs(system: str, out: Path, names: list[str], lines: dict[str, int], logs: list[str]) -> dict[str, Any]:
@@ -333,21 +275,14 @@ def main(argv: list[str] | None = None) -> int:
         if "file_runs_warm" in systems:
             # The server's command: engine/server.py's, from these engine settings (the bench process's view of them).
             os.environ.update({k: env[k] for k in ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES", "ENABLE_PREFIX_CACHING") if k in env})
-            from batch_pipeline.defs.resources import LLMResource
-            from batch_pipeline.engine.server import server_command
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            command = server_command(LLMResource().settings(), pre["model_path"], pre["served_model_name"], "127.0.0.1", port)
-            if args.server_scheduler == "match":
-                command += LLM_CLASS_SCHEDULER
             server_env = dict(env, VLLM_SERVER_DEV_MODE="1")  # for POST /reset_prefix_cache
             server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default, as `engine start`
+            server = WarmServer.engine_start(pre["model_path"], pre["served_model_name"], work / "server.log",
+                                             LLM_CLASS_SCHEDULER if args.server_scheduler == "match" else None, server_env)
             with bench_lock(lock):  # its start loads the machine too
-                server = WarmServer(command, server_env, f"http://127.0.0.1:{port}", pre["served_model_name"],
-                                    work / "server.log")
+                server.start()
             ctx["server"] = server
-            say("server flags: " + " ".join(command[3:]))
+            say("server flags: " + " ".join(server.command[3:]))
         order = list(systems)
         with bench_lock(lock):
             load_start = loadavg()

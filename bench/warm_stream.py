@@ -42,27 +42,22 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CACHE, REPO, child_env, measure, read_outputs, say  # noqa: E402
+from common import DEFAULT_CACHE, child_env, measure, read_outputs, say  # noqa: E402
+from warm_server import WarmServer, free_port  # noqa: E402
 from workloads import short_text  # noqa: E402
 
 from batch_pipeline.base.runtime import runtime_env  # noqa: E402
-from batch_pipeline.engine.server import health  # noqa: E402
 
 SYSTEMS = ("in_process", "warm", "server_only")
 MODEL_FOLDER = "SmolLM2-135M-Instruct"
-START_SECONDS = 600.0
 
 def batch_bodies(round_no: int, batch: int, lines: int, served: str, max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
     """One batch's (custom_id, body): short chat lines, each its own text of this round."""
@@ -80,64 +75,21 @@ def write_batch(path: Path, bodies: list[tuple[str, dict[str, Any]]]) -> None:
                             for cid, b in bodies))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """vLLM's OpenAI-compatible server on the bundled model, with the pipeline's CPU engine settings,
-    in its own process group."""
-
-    def __init__(self, python: str, model_dir: Path, served: str, cache: Path, log_path: Path, tmpdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.command = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
-                        "--served-model-name", served, "--host", "127.0.0.1", "--port", str(self.port),
-                        "--dtype", "float32", "--enforce-eager", "--seed", "0", "--kv-cache-memory-bytes", str(2**30),
-                        "--max-model-len", "-1", "--enable-prefix-caching", "--scheduling-policy", "priority",
-                        "--enable-prompt-tokens-details"]
-        env = dict(os.environ)
-        env.pop("DAGSTER_HOME", None)
-        env.update(runtime_env(cache))
-        env["BATCH_PIPELINE_CACHE"] = str(cache)
-        env["TMPDIR"] = str(tmpdir)
-        tmpdir.mkdir(parents=True, exist_ok=True)
-        say(f"starting the warm engine on port {self.port} (untimed)")
-        started = time.perf_counter()
-        with open(log_path, "ab") as log:
-            log.write(("$ " + " ".join(self.command) + "\n").encode())
-            log.flush()
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                            start_new_session=True)
-        while not self.healthy():
-            if time.perf_counter() - started > START_SECONDS:
-                self.stop()
-                raise SystemExit(f"the server was not healthy after {START_SECONDS:.0f} s; see {log_path}")
-            time.sleep(0.25)
-        self.start_s = round(time.perf_counter() - started, 2)
-
-    def healthy(self) -> bool:
-        if self.process.poll() is not None:
-            raise SystemExit(f"the server exited ({self.process.returncode}); see {self.log_path}")
-        return health(self.url) == 200
-
-    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as response:
-            return json.loads(response.read())
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the process group of the server we started
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+def start_server(python: str, model_dir: Path, served: str, cache: Path, log_path: Path, tmpdir: Path) -> WarmServer:
+    """vLLM's OpenAI-compatible server on the bundled model, with the pipeline's CPU engine settings as flags."""
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+               "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--enforce-eager", "--seed", "0", "--kv-cache-memory-bytes", str(2**30),
+               "--max-model-len", "-1", "--enable-prefix-caching", "--scheduling-policy", "priority",
+               "--enable-prompt-tokens-details"]
+    env = dict(os.environ)
+    env.pop("DAGSTER_HOME", None)
+    env.update(runtime_env(cache))
+    env["BATCH_PIPELINE_CACHE"] = str(cache)
+    env["TMPDIR"] = str(tmpdir)
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    return WarmServer(command, port, served, log_path, env).start()
 
 
 def run_cli(cli: str, infile: Path, out: Path, env: dict[str, str], timeout: float, lines: int) -> dict[str, Any]:
@@ -166,7 +118,7 @@ def run_cli(cli: str, infile: Path, out: Path, env: dict[str, str], timeout: flo
             "loadavg_1m_before": m["loadavg_1m_before"]}
 
 
-def run_server_batch(server: Server, bodies: list[tuple[str, dict[str, Any]]], pool: cf.ThreadPoolExecutor) -> dict[str, Any]:
+def run_server_batch(server: WarmServer, bodies: list[tuple[str, dict[str, Any]]], pool: cf.ThreadPoolExecutor) -> dict[str, Any]:
     """One batch's requests at once, straight to the server; seconds until the last answer."""
     started = time.perf_counter()
     answers = list(pool.map(lambda cb: server.chat(cb[1]), bodies))
@@ -239,14 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     round_totals: list[dict[str, Any]] = []
     try:
         if {"warm", "server_only"} & set(systems):
-            server = Server(args.python, model_dir, served, args.cache, work / "server.log", work / "tmp-server")
-            started = time.perf_counter()
-            server.chat({"model": served, "max_tokens": 4, "temperature": 0,
-                         "messages": [{"role": "user", "content": "Say hello."}]})
-            server_info = {"start_to_healthy_s": server.start_s, "first_request_s": round(time.perf_counter() - started, 2),
-                           "command": server.command, "url": server.url}
-            say(f"server healthy after {server.start_s:.1f} s; a first request (untimed) took "
-                f"{server_info['first_request_s']:.2f} s")
+            server = start_server(args.python, model_dir, served, args.cache, work / "server.log", work / "tmp-server")
+            server_info = server.info()
         warm_env = dict(env, ENGINE_URL=server.url) if server else env
         order = list(systems)
         with cf.ThreadPoolExecutor(args.threads) as pool:
