@@ -46,7 +46,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -67,7 +66,7 @@ os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
 from common import say  # noqa: E402
 from warm_server import WarmServer  # noqa: E402
-from workloads import short_text  # noqa: E402
+from workloads import batch_text, summary_bodies  # noqa: E402
 
 SYSTEMS = ("in_process", "warm")
 URGENT_PRIORITY = "10"
@@ -85,13 +84,8 @@ def key(tenant: str) -> str:
 
 
 def lines_of(tag: str, n: int, served: str, max_tokens: int) -> bytes:
-    out = []
-    for j in range(n):
-        text = short_text(random.Random(f"api-burst-{tag}-{j}"))
-        body = {"model": served, "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": f"Summarise in one sentence: {text}"}]}
-        out.append(json.dumps({"custom_id": f"{tag}-{j}", "method": "POST", "url": "/v1/chat/completions", "body": body}))
-    return ("\n".join(out) + "\n").encode()
+    """A batch file of `n` short chat lines, custom_ids `<tag>-<j>`."""
+    return batch_text(summary_bodies(f"api-burst-{tag}", tag, n, served, max_tokens)).encode()
 
 
 class Stack:

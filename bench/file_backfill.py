@@ -51,7 +51,6 @@ import fcntl
 import json
 import math
 import os
-import random
 import signal
 import statistics
 import sys
@@ -71,7 +70,7 @@ os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
 from common import say  # noqa: E402
 from warm_server import WarmServer  # noqa: E402
-from workloads import short_text  # noqa: E402
+from workloads import summary_bodies, write_batch  # noqa: E402
 
 JOB = "batch_file_job"
 STEP = "batch_files"
@@ -111,16 +110,6 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
     return best
 
 
-def file_bodies(round_no: int, index: int, lines: int, served: str, max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for j in range(lines):
-        rng = random.Random(f"file-backfill-{round_no}-{index}-{j}")
-        out.append((f"r{round_no}-f{index:03d}-{j}", {
-            "model": served, "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": f"Summarise in one sentence: {short_text(rng)}"}]}))
-    return out
-
-
 def write_files(inbox: Path, date: str, round_no: int, args: argparse.Namespace, served: str) -> dict[str, list]:
     """{name: [(custom_id, body), ...]}; each written to <inbox>/<date>/<name>.jsonl."""
     folder = inbox / date
@@ -128,10 +117,8 @@ def write_files(inbox: Path, date: str, round_no: int, args: argparse.Namespace,
     files = {}
     for i in range(args.files):
         name = f"f-{i:03d}"
-        bodies = file_bodies(round_no, i, args.lines, served, args.max_tokens)
-        (folder / f"{name}.jsonl").write_text("".join(
-            json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
-            for cid, body in bodies))
+        bodies = summary_bodies(f"file-backfill-{round_no}-{i}", f"r{round_no}-f{i:03d}", args.lines, served, args.max_tokens)
+        write_batch(folder / f"{name}.jsonl", bodies)
         files[name] = bodies
     return files
 

@@ -40,7 +40,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -52,28 +51,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_CACHE, child_env, measure, read_outputs, say  # noqa: E402
 from warm_server import WarmServer, free_port  # noqa: E402
-from workloads import short_text  # noqa: E402
+from workloads import summary_bodies, write_batch  # noqa: E402
 
 from batch_pipeline.base.runtime import runtime_env  # noqa: E402
 
 SYSTEMS = ("in_process", "warm", "server_only")
 MODEL_FOLDER = "SmolLM2-135M-Instruct"
-
-def batch_bodies(round_no: int, batch: int, lines: int, served: str, max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
-    """One batch's (custom_id, body): short chat lines, each its own text of this round."""
-    out = []
-    for j in range(lines):
-        rng = random.Random(f"warm-stream-{round_no}-{batch}-{j}")
-        out.append((f"r{round_no}-b{batch:02d}-{j}", {
-            "model": served, "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": f"Summarise in one sentence: {short_text(rng)}"}]}))
-    return out
-
-
-def write_batch(path: Path, bodies: list[tuple[str, dict[str, Any]]]) -> None:
-    path.write_text("".join(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": b}) + "\n"
-                            for cid, b in bodies))
-
 
 def start_server(python: str, model_dir: Path, served: str, cache: Path, log_path: Path, tmpdir: Path) -> WarmServer:
     """vLLM's OpenAI-compatible server on the bundled model, with the pipeline's CPU engine settings as flags."""
@@ -179,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     files: dict[tuple[int, int], tuple[Path, list[tuple[str, dict[str, Any]]]]] = {}
     for r in range(1, args.rounds + 1):
         for b in range(args.batches):
-            bodies = batch_bodies(r, b, args.lines, served, args.max_tokens)
+            bodies = summary_bodies(f"warm-stream-{r}-{b}", f"r{r}-b{b:02d}", args.lines, served, args.max_tokens)
             path = work / "in" / f"r{r}-b{b:02d}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             write_batch(path, bodies)
