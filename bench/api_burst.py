@@ -64,7 +64,7 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ORDER", "MAX_MODEL
     os.environ.pop(_name, None)  # the pipeline's defaults for the runs and for the warm server alike
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
-from common import say  # noqa: E402
+from common import loadavg, say  # noqa: E402
 from warm_server import WarmServer  # noqa: E402
 from workloads import batch_text, summary_bodies  # noqa: E402
 
@@ -73,10 +73,6 @@ URGENT_PRIORITY = "10"
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 RUN_QUERY = """query($f: RunsFilter) { runsOrError(filter: $f) { ... on Runs { results { runId status creationTime
   startTime endTime stepStats { stepKey startTime endTime } } } } }"""
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def key(tenant: str) -> str:

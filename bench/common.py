@@ -13,6 +13,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -41,6 +42,15 @@ def pct(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100)."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def medians(runs: list[dict[str, Any]], systems: list[str], keys: tuple[str, ...], digits: int = 2) -> dict[str, dict[str, float]]:
+    """{system: {key: the median of the runs' values, rounded}} over the runs of each system."""
+    out = {}
+    for system in systems:
+        mine = [r for r in runs if r["system"] == system]
+        out[system] = {key: round(statistics.median(r[key] for r in mine), digits) for key in keys}
+    return out
 
 
 def rotating_rounds(systems: list[str], rounds: int) -> Iterator[tuple[int, str]]:

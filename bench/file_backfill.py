@@ -47,9 +47,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime as dt
-import fcntl
 import json
-import math
 import os
 import signal
 import statistics
@@ -68,7 +66,7 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ORDER", "MAX_MODEL
     os.environ.pop(_name, None)  # the pipeline's defaults for the runs and for the warm server alike
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
-from common import say  # noqa: E402
+from common import bench_lock, loadavg, pct, say  # noqa: E402
 from warm_server import WarmServer  # noqa: E402
 from workloads import summary_bodies, write_batch  # noqa: E402
 
@@ -80,16 +78,6 @@ PARTITION_SETS = """query($r: RepositorySelector!, $job: String!) { partitionSet
   pipelineName: $job) { __typename ... on PartitionSets { results { name pipelineName } } ... on PythonError { message } } }"""
 LAUNCH = """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) { __typename
   ... on LaunchBackfillSuccess { backfillId } ... on Error { message } } }"""
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def stats(values: list[float]) -> dict[str, float]:
@@ -423,11 +411,8 @@ def main() -> int:
     served = model_dir.name
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-file-backfill-"))
     work.mkdir(parents=True, exist_ok=True)
-    say(f"work folder {work}; waiting for the lock {args.lock}")
-    with open(args.lock, "a") as lock:
-        t = time.perf_counter()
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        say(f"lock held (waited {time.perf_counter() - t:.1f} s)")
+    say(f"work folder {work}")
+    with bench_lock(args.lock):
         load_start = loadavg()
         engine = WarmServer.engine_start(model_dir, served, work / "warm-engine.log")
         rounds: list[dict[str, Any]] = []
