@@ -33,6 +33,13 @@ def say(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """Write the figures to `path` (its folder made), indented, and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"JSON: {path}")
+
+
 def loadavg() -> str:
     """The 1, 5 and 15 minute load averages, as /proc/loadavg has them."""
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])

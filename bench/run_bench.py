@@ -62,7 +62,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     DEFAULT_CACHE, REPO, add_engine_options, apply_engine_settings, child_env, measure, pipeline_source, preflight,
-    read_outputs, say,
+    read_outputs, say, write_json,
 )
 from workloads import make_workload  # noqa: E402
 
@@ -681,9 +681,7 @@ def main(argv: list[str] | None = None) -> int:
     result = bench(args)
     print_results(result)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"JSON: {args.json}")
+        write_json(args.json, result)
     failed = any(r.get("exit_code") for r in all_runs(result))
     return 1 if failed else 0
 

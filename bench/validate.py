@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import pipeline_source, say  # noqa: E402
+from common import pipeline_source, say, write_json  # noqa: E402
 from workloads import chat_question  # noqa: E402
 
 
@@ -202,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     result = validate_bench(args)
     print_validate_table(result)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"JSON: {args.json}")
+        write_json(args.json, result)
     return 0
 
 
