@@ -5,8 +5,8 @@ A script, not a test. From the repository root:
 
     .venv/bin/python bench/validate.py --lines 100000 --json /tmp/bench-validate.json
 
-Generates a file of --lines (100 000, about 24 MiB) greedy chat requests (run_bench.py's chat questions)
-and times, in this process, --rounds (3) alternating rounds of:
+Generates a file of --lines (100 000, about 24 MiB) greedy chat requests (workloads.py's chat questions,
+as in run_bench.py's chat workload) and times, in this process, --rounds (3) alternating rounds of:
 
     json.loads           read the file and json.loads every line: the floor;
     validate_stream      the pipeline's validator (batch_pipeline.steps.validation.validate_stream) with
