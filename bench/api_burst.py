@@ -46,7 +46,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -65,8 +64,9 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ORDER", "MAX_MODEL
     os.environ.pop(_name, None)  # the pipeline's defaults for the runs and for the warm server alike
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
-from run_bench import say  # noqa: E402
-from warm_stream import short_text  # noqa: E402
+from common import loadavg, say  # noqa: E402
+from warm_server import WarmServer  # noqa: E402
+from workloads import batch_text, summary_bodies  # noqa: E402
 
 SYSTEMS = ("in_process", "warm")
 URGENT_PRIORITY = "10"
@@ -75,72 +75,13 @@ RUN_QUERY = """query($f: RunsFilter) { runsOrError(filter: $f) { ... on Runs { r
   startTime endTime stepStats { stepKey startTime endTime } } } } }"""
 
 
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def key(tenant: str) -> str:
     return f"{tenant}-key-0123456789"
 
 
 def lines_of(tag: str, n: int, served: str, max_tokens: int) -> bytes:
-    out = []
-    for j in range(n):
-        text = short_text(random.Random(f"api-burst-{tag}-{j}"))
-        body = {"model": served, "max_tokens": max_tokens, "temperature": 0,
-                "messages": [{"role": "user", "content": f"Summarise in one sentence: {text}"}]}
-        out.append(json.dumps({"custom_id": f"{tag}-{j}", "method": "POST", "url": "/v1/chat/completions", "body": body}))
-    return ("\n".join(out) + "\n").encode()
-
-
-class WarmServer:
-    """vLLM's OpenAI-compatible server with the flags `batch-pipeline engine start` gives it, own process group."""
-
-    def __init__(self, model_dir: Path, served: str, log_path: Path) -> None:
-        from batch_pipeline.defs.resources import LLMResource
-        from batch_pipeline.engine.server import health, server_command, server_env
-        from batch_pipeline_tests.dagster_server import free_port, wait_for
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = server_command(LLMResource().settings(), str(model_dir), served, "127.0.0.1", self.port)
-        say(f"starting the warm engine on port {self.port} (untimed); log {log_path}")
-        started = time.perf_counter()
-        with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-
-        def healthy() -> bool:
-            if self.process.poll() is not None:
-                raise SystemExit(f"the warm engine exited ({self.process.returncode}); see {log_path}")
-            return health(self.url) == 200
-
-        wait_for("the warm engine healthy", healthy, 600, interval=0.5)
-        self.start_s = round(time.perf_counter() - started, 2)
-        started = time.perf_counter()
-        body = {"model": served, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
-        request = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        urllib.request.urlopen(request, timeout=300).read()
-        self.first_request_s = round(time.perf_counter() - started, 2)
-
-    def cpu_s(self) -> float:
-        import psutil
-
-        try:
-            root = psutil.Process(self.process.pid)
-            return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
-        except psutil.Error:
-            return float("nan")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the group of the server this script started
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+    """A batch file of `n` short chat lines, custom_ids `<tag>-<j>`."""
+    return batch_text(summary_bodies(f"api-burst-{tag}", tag, n, served, max_tokens)).encode()
 
 
 class Stack:
@@ -354,8 +295,7 @@ def main() -> int:
     tenants = [f"tenant{i}" for i in range(args.tenants)]
     load_start = loadavg()
     say(f"work folder {work}; load average {load_start}")
-    server = WarmServer(model_dir, served, work / "warm-engine.log")
-    say(f"warm engine healthy after {server.start_s:.1f} s; a first request (untimed) {server.first_request_s:.2f} s")
+    server = WarmServer.engine_start(model_dir, served, work / "warm-engine.log").start()
     results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
     prio: list[dict[str, Any]] = []
     order = list(SYSTEMS)

@@ -56,23 +56,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(1, str(REPO / "bench"))
+from common import loadavg, pct, say  # noqa: E402
 
 KEYS = {"history": "history-key-0123456789", "creator": "creator-key-0123456789"}
 OPS = ("create", "retrieve", "list", "list_after", "content")
-
-
-def say(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0-100) of a non-empty list."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def wait_http(url: str, timeout: float, process: subprocess.Popen, log: Path) -> None:
@@ -144,8 +132,8 @@ async def one_level(base: str, level: int, op: str, samples: int, past: list[str
     n = per_client * level
     return {"level": level, "op": op, "requests": n, "ok": len(latencies), "errors": sum(errors.values()),
             "error_kinds": errors, "wall_s": wall, "per_s": n / wall,
-            "p50_ms": 1000 * percentile(latencies, 50) if latencies else None,
-            "p99_ms": 1000 * percentile(latencies, 99) if latencies else None,
+            "p50_ms": 1000 * pct(latencies, 50) if latencies else None,
+            "p99_ms": 1000 * pct(latencies, 99) if latencies else None,
             "mean_ms": 1000 * statistics.fmean(latencies) if latencies else None,
             "load_before": load_before, "load_after": loadavg()}
 

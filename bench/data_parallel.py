@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_bench import DEFAULT_CACHE, REPO, prepare_chat_workload, say  # noqa: E402
+from common import DEFAULT_CACHE, REPO, say  # noqa: E402
+from workloads import prepare_chat_workload  # noqa: E402
 
 
 def run_once(cli: str, workload: Path, out: Path, env: dict[str, str], ranks: int, log: Path) -> dict[str, Any]:

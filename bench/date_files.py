@@ -28,102 +28,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_bench import (  # noqa: E402
-    DEFAULT_CACHE, DOC_SYSTEM, REPO, _tokenizer, child_env, doc_questions, document_text, engine_settings_env, measure,
-    preflight, say,
+from common import (  # noqa: E402
+    DEFAULT_CACHE, add_engine_options, apply_engine_settings, child_env, export_revision, medians, preflight, rotating_rounds,
+    say,
 )
+from dates import DATE, DATE_RUN_CHILD, add_date_options, date_figures, run_date, write_date  # noqa: E402
 
-DATE = "2026-12-01"
 SYSTEMS = ("input", "planned_each", "planned")
 ORDER = {"input": "input", "planned_each": "planned", "planned": "planned"}
-
-# What each run executes: the date's four assets in-process, then an immediate exit (as the CLI does).
-CHILD = r"""
-import os, sys
-import dagster as dg
-from batch_pipeline.defs.assets import BATCH_ASSETS
-from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-inbox, out, date = sys.argv[1:4]
-result = dg.materialize(BATCH_ASSETS, partition_key=date, instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
-                        resources={"batch": BatchSelection(), "llm": LLMResource(),
-                                   "storage": StorageResource(input_path=inbox, output_path=out)})
-sys.stdout.flush(); sys.stderr.flush()
-os._exit(0 if result.success else 1)
-"""
-
-
-def write_date(args: argparse.Namespace, served: str, model_path: str, inbox: Path) -> dict[str, Any]:
-    """The documents x questions lines, shuffled, dealt out round-robin over --files files."""
-    tok = _tokenizer(model_path)
-    bodies = []
-    for d in range(args.num_docs):
-        doc = document_text(tok, random.Random(f"{args.seed}-doc-{d}"), d, args.doc_len)
-        for q in doc_questions(random.Random(f"{args.seed}-questions-{d}"), args.questions_per_doc):
-            bodies.append({"model": served, "max_tokens": args.output_len, "temperature": 0,
-                           "messages": [{"role": "system", "content": DOC_SYSTEM},
-                                        {"role": "user", "content": f"Document:\n{doc}\n\nQuestion: {q}"}]})
-    random.Random(args.seed).shuffle(bodies)
-    folder = inbox / DATE
-    folder.mkdir(parents=True, exist_ok=True)
-    for f in range(args.files):
-        lines = [json.dumps({"custom_id": f"f{f}-{i:05d}", "method": "POST", "url": "/v1/chat/completions", "body": b})
-                 for i, b in enumerate(bodies[f::args.files])]
-        (folder / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n")
-    return {"files": args.files, "lines": len(bodies), "num_docs": args.num_docs,
-            "questions_per_doc": args.questions_per_doc, "output_len": args.output_len}
-
-
-def baseline_source(rev: str, work: Path) -> Path:
-    """The batch_pipeline package of `rev`, exported read-only (put first on the child's PYTHONPATH)."""
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{rev}^{{commit}}"],
-                            capture_output=True, text=True).stdout.strip()
-    if not commit:
-        raise SystemExit(f"--baseline-rev {rev!r}: not a commit of {REPO}")
-    dest = work / f"pipeline-src-{commit[:12]}"
-    if not (dest / "batch_pipeline").is_dir():
-        dest.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "batch_pipeline"], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    say(f"planned_each runs {rev} = {commit[:12]}, exported to {dest}")
-    return dest
-
-
-def figures(out: Path) -> dict[str, Any]:
-    """Summed over the date's files: lines answered, inference seconds, prompt and cached tokens."""
-    folders = sorted(p.parent for p in (out / DATE).glob("*/batch.json"))
-    batches = [json.loads((f / "batch.json").read_text()) for f in folders]
-    metrics = [json.loads((f / "metrics.json").read_text()) for f in folders]
-    prompt = sum(b["usage"]["input_tokens"] for b in batches)
-    cached = sum(b["usage"]["input_tokens_details"]["cached_tokens"] for b in batches)
-    return {
-        "files": len(folders),
-        "completed": sum(b["request_counts"]["completed"] for b in batches),
-        "inference_s": round(sum(m["inference_seconds"] for m in metrics), 2),
-        "model_load_s": round(sum(m["model_load_seconds"] for m in metrics), 2),
-        "planning_s": round(sum(m.get("planning_seconds", 0.0) for m in metrics), 2),
-        "hit_rate": round(cached / prompt, 4) if prompt else 0.0,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--files", type=int, default=4)
-    p.add_argument("--num-docs", type=int, default=16)
-    p.add_argument("--questions-per-doc", type=int, default=8)
-    p.add_argument("--doc-len", type=int, default=400, help="document length in tokens (default 400)")
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2)
+    add_date_options(p)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--baseline-rev", default="5eafffc", help="the code planned_each runs (default 5eafffc)")
     p.add_argument("--python", default=sys.executable)
@@ -131,54 +55,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--json", type=Path, default=None, help="write every run and the summary here")
-    for name in ("max_model_len", "kv_cache_mib", "prefix_caching"):
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+    add_engine_options(p)
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-date-files-"))
     env = child_env(args.cache, work / "tmp")
-    for name, value in engine_settings_env(args, env).items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
+    apply_engine_settings(args, env)
     say("engine settings: " + ", ".join(f"{k}={env.get(k, '(default)')}" for k in
                                         ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES", "ENABLE_PREFIX_CACHING")))
     pre = preflight(args.python, env)
     workload = write_date(args, pre["served_model_name"], pre["model_path"], work / "in")
     say(f"{workload['lines']} lines ({args.num_docs} documents x {args.questions_per_doc} questions, shuffled) "
         f"in {args.files} files of {work / 'in' / DATE}")
-    baseline = baseline_source(args.baseline_rev, work) if "planned_each" in systems else None
-    (work / "child.py").write_text(CHILD)
+    baseline = None
+    if "planned_each" in systems:
+        commit, baseline = export_revision(args.baseline_rev, work, "--baseline-rev")
+        say(f"planned_each runs {args.baseline_rev} = {commit[:12]}, exported to {baseline}")
+    (work / "child.py").write_text(DATE_RUN_CHILD)
     runs: list[dict[str, Any]] = []
-    order = list(systems)
-    for round_no in range(1, args.rounds + 1):
-        if round_no > 1:
-            order = order[1:] + order[:1]
-        for system in order:
-            out = work / f"r{round_no}-{system}"
-            shutil.rmtree(out, ignore_errors=True)
-            out.mkdir(parents=True)
-            run_env = dict(env, ORDER=ORDER[system])
-            if system == "planned_each":
-                run_env["PYTHONPATH"] = os.pathsep.join(x for x in (str(baseline), env.get("PYTHONPATH", "")) if x)
-            say(f"round {round_no}/{args.rounds}: {system} ...")
-            m = measure([args.python, str(work / "child.py"), str(work / "in"), str(out / "out"), DATE],
-                        run_env, out / "log.txt", args.timeout)
-            if m["exit_code"] != 0:
-                raise SystemExit(f"{system}: exit code {m['exit_code']}; see {m['log']}")
-            record = {"round": round_no, "system": system, "wall_s": m["wall_s"], **figures(out / "out"),
-                      "loadavg_1m_before": m["loadavg_1m_before"]}
-            if record["completed"] != workload["lines"]:
-                raise SystemExit(f"{system}: {record['completed']} of {workload['lines']} lines completed; see {m['log']}")
-            runs.append(record)
-            say(f"  {system}: {record['wall_s']:.1f}s wall, inference {record['inference_s']:.1f}s, "
-                f"hit rate {record['hit_rate']:.1%}, load avg before {record['loadavg_1m_before']}")
-    summary = {}
-    for system in systems:
-        mine = [r for r in runs if r["system"] == system]
-        summary[system] = {key: round(statistics.median(r[key] for r in mine), 2)
-                           for key in ("wall_s", "inference_s", "planning_s", "hit_rate")}
+    for round_no, system in rotating_rounds(systems, args.rounds):
+        out = work / f"r{round_no}-{system}"
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        run_env = dict(env, ORDER=ORDER[system])
+        if system == "planned_each":
+            run_env["PYTHONPATH"] = os.pathsep.join(x for x in (str(baseline), env.get("PYTHONPATH", "")) if x)
+        say(f"round {round_no}/{args.rounds}: {system} ...")
+        m = run_date(args.python, work / "child.py", work / "in", out / "out", run_env, out / "log.txt", args.timeout)
+        if m["exit_code"] != 0:
+            raise SystemExit(f"{system}: exit code {m['exit_code']}; see {m['log']}")
+        record = {"round": round_no, "system": system, "wall_s": m["wall_s"], **date_figures(out / "out"),
+                  "loadavg_1m_before": m["loadavg_1m_before"]}
+        if record["completed"] != workload["lines"]:
+            raise SystemExit(f"{system}: {record['completed']} of {workload['lines']} lines completed; see {m['log']}")
+        runs.append(record)
+        say(f"  {system}: {record['wall_s']:.1f}s wall, inference {record['inference_s']:.1f}s, "
+            f"hit rate {record['hit_rate']:.1%}, load avg before {record['loadavg_1m_before']}")
+    summary = medians(runs, systems, ("wall_s", "inference_s", "planning_s", "hit_rate"))
     print(f"\n{workload['lines']} lines in {args.files} files, {args.rounds} alternating rounds (medians):")
     print(f"{'system':<14}{'wall s':>9}{'inference s':>13}{'planning s':>12}{'hit rate':>10}{'wall vs planned':>17}")
     reference = summary.get("planned", {}).get("wall_s")

@@ -44,47 +44,27 @@ the working tree while this runs do not reach it; `worktree` for the tree itself
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from date_files import DATE, figures, write_date  # noqa: E402  (the same workload, the same figures)
-from run_bench import DEFAULT_CACHE, REPO, child_env, engine_settings_env, measure, preflight, read_outputs, say  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_CACHE, REPO, add_engine_options, apply_engine_settings, bench_lock, child_env, export_revision, loadavg, measure,
+    medians, preflight, read_outputs, rotating_rounds, say,
+)
+from dates import DATE, DATE_RUN_CHILD, add_date_options, date_figures, run_date, write_date  # noqa: E402
+from warm_server import WarmServer  # noqa: E402
 
 SYSTEMS = ("date_run", "file_runs_inprocess", "file_runs_warm")
-START_SECONDS = 600.0
 # vLLM 0.32's CPU scheduler defaults for the LLM class (what an in-process run gets; arg_utils.get_batch_defaults).
 LLM_CLASS_SCHEDULER = ["--max-num-seqs", "256", "--max-num-batched-tokens", "4096"]
-
-# The date run: the date's four assets in-process (date_files.py's CHILD), then an immediate exit.
-DATE_CHILD = r"""
-import os, sys
-import dagster as dg
-import batch_pipeline
-from batch_pipeline.defs.assets import BATCH_ASSETS
-from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-print("batch_pipeline from", os.path.dirname(batch_pipeline.__file__), flush=True)
-inbox, out, date = sys.argv[1:4]
-result = dg.materialize(BATCH_ASSETS, partition_key=date, instance=dg.DagsterInstance.ephemeral(), raise_on_error=False,
-                        resources={"batch": BatchSelection(), "llm": LLMResource(),
-                                   "storage": StorageResource(input_path=inbox, output_path=out)})
-sys.stdout.flush(); sys.stderr.flush()
-os._exit(0 if result.success else 1)
-"""
 
 # A file run: batch_files for <date>/<name> (what batch_file_job runs), on an ephemeral instance.
 FILE_CHILD = r"""
@@ -106,10 +86,6 @@ os._exit(0 if result.success else 1)
 """
 
 
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
 def pipeline_source(args: argparse.Namespace, work: Path) -> Path:
     """The folder holding the batch_pipeline package every run imports."""
     if args.pipeline_src:
@@ -119,75 +95,11 @@ def pipeline_source(args: argparse.Namespace, work: Path) -> Path:
         return src
     if args.pipeline_rev == "worktree":
         return REPO
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", f"{args.pipeline_rev}^{{commit}}"],
-                            capture_output=True, text=True).stdout.strip()
-    if not commit:
-        raise SystemExit(f"--pipeline-rev {args.pipeline_rev!r}: not a commit of {REPO}")
-    dest = work / f"pipeline-src-{commit[:12]}"
-    if not (dest / "batch_pipeline").is_dir():
-        dest.mkdir(parents=True)
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "batch_pipeline"], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    return dest
-
-
-class WarmServer:
-    """vLLM's OpenAI-compatible server (engine/server.py's command for these settings), own process group."""
-
-    def __init__(self, command: list[str], env: dict[str, str], url: str, served: str, log_path: Path) -> None:
-        from batch_pipeline.engine.server import health
-
-        self._health = health
-        self.url, self.served, self.log_path = url, served, log_path
-        say(f"starting the warm engine at {url} (untimed); log {log_path}")
-        started = time.perf_counter()
-        with open(log_path, "ab") as log:
-            log.write(("$ " + " ".join(command) + "\n").encode())
-            log.flush()
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-        while not self.healthy():
-            if time.perf_counter() - started > START_SECONDS:
-                raise SystemExit(f"the warm engine was not healthy after {START_SECONDS:.0f} s; see {log_path}")
-            time.sleep(0.5)
-        self.start_s = round(time.perf_counter() - started, 2)
-        body = {"model": served, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
-        self.post("/v1/chat/completions", body)  # a first request, untimed
-        say(f"warm engine healthy after {self.start_s} s")
-
-    def healthy(self) -> bool:
-        if self.process.poll() is not None:
-            raise SystemExit(f"the warm engine exited ({self.process.returncode}); see {self.log_path}")
-        return self._health(self.url) == 200
-
-    def post(self, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=300) as response:
-            return json.loads(response.read() or b"{}")
-
-    def reset_prefix_cache(self) -> None:
-        """Empty the prefix cache (fails while blocks are held: retried), so a use profits from no earlier one."""
-        deadline = time.perf_counter() + 60
-        while True:
-            if self.post("/reset_prefix_cache").get("success"):
-                return
-            if time.perf_counter() > deadline:
-                raise SystemExit("the warm engine would not reset its prefix cache within 60 s")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the process group of the server this script started
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+    return export_revision(args.pipeline_rev, work)[1]
 
 
 def check_outputs(system: str, out: Path, names: list[str], lines: dict[str, int], logs: list[str]) -> dict[str, Any]:
-    """Every file answered in full (output.jsonl and batch.json); the date's figures (date_files.figures)."""
+    """Every file answered in full (output.jsonl and batch.json); the date's figures (dates.date_figures)."""
     texts: dict[str, str] = {}
     for name in names:
         folder = out / DATE / name
@@ -200,7 +112,7 @@ def check_outputs(system: str, out: Path, names: list[str], lines: dict[str, int
             raise SystemExit(f"{system}: {name} answered {result['ok']} of {lines[name]} lines "
                              f"(batch.json completed {completed}); see {', '.join(logs)}")
         texts.update(result["texts"])
-    fig = figures(out)
+    fig = date_figures(out)
     if fig["files"] != len(names):
         raise SystemExit(f"{system}: {fig['files']} batch.json for {len(names)} files under {out / DATE}")
     return {**fig, "texts": texts}
@@ -214,7 +126,7 @@ def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any
     load_before = loadavg()
     if system == "date_run":
         started = time.perf_counter()
-        m = measure([python, str(ctx["date_child"]), str(inbox), str(out), DATE], env, run_dir / "log.txt", timeout)
+        m = run_date(python, ctx["date_child"], inbox, out, env, run_dir / "log.txt", timeout)
         wall, measured = time.perf_counter() - started, [m]
     elif system == "file_runs_inprocess":
         started, measured = time.perf_counter(), []
@@ -251,30 +163,9 @@ def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any
             "loadavg_before": load_before, **check_outputs(system, out, names, ctx["lines"], logs)}
 
 
-@contextlib.contextmanager
-def bench_lock(path: Path | None):
-    if path is None:
-        yield
-        return
-    with open(path, "a") as f:
-        say(f"waiting for the lock {path}")
-        fcntl.flock(f, fcntl.LOCK_EX)
-        say(f"holding {path}")
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--files", type=int, default=4)
-    p.add_argument("--num-docs", type=int, default=16)
-    p.add_argument("--questions-per-doc", type=int, default=8)
-    p.add_argument("--doc-len", type=int, default=400, help="document length in tokens (default 400)")
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2)
+    add_date_options(p)
     p.add_argument("--systems", default=",".join(SYSTEMS))
     p.add_argument("--server-scheduler", choices=("match", "default"), default="match",
                    help="match: the server gets the in-process LLM class's max_num_seqs / max_num_batched_tokens "
@@ -287,8 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800, help="per run (default 1800 s)")
     p.add_argument("--lock", type=Path, default=Path("/tmp/bench.lock"), help="flock held while timing ('' for none)")
     p.add_argument("--json", type=Path, default=None, help="write every run and the summary here")
-    for name in ("max_model_len", "kv_cache_mib", "prefix_caching"):
-        p.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+    add_engine_options(p)
     args = p.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
@@ -302,11 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ENGINE_ARGS", "BATCH_SIZE", "MAX_NUM_BATCHED_TOKENS",
                  "ENGINE_WINDOW", "MODEL_PATH", "SERVED_MODEL_NAME", "SHARDS"):
         env.pop(name, None)
-    for name, value in engine_settings_env(args, env).items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
+    apply_engine_settings(args, env)
     env["ORDER"] = "planned"
     src = pipeline_source(args, work)
     env["PYTHONPATH"] = os.pathsep.join(x for x in (str(src), env.get("PYTHONPATH", "")) if x)
@@ -318,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = {n: sum(1 for raw in (work / "in" / DATE / f"{n}.jsonl").read_text().splitlines() if raw.strip()) for n in names}
     say(f"{workload['lines']} lines ({args.num_docs} documents x {args.questions_per_doc} questions, shuffled) in "
         f"{len(names)} files of {work / 'in' / DATE}")
-    (work / "date_child.py").write_text(DATE_CHILD)
+    (work / "date_child.py").write_text(DATE_RUN_CHILD)
     (work / "file_child.py").write_text(FILE_CHILD)
     ctx: dict[str, Any] = {"inbox": work / "in", "python": args.python, "timeout": args.timeout, "names": names,
                            "lines": lines, "env": env, "date_child": work / "date_child.py",
@@ -333,33 +219,22 @@ def main(argv: list[str] | None = None) -> int:
         if "file_runs_warm" in systems:
             # The server's command: engine/server.py's, from these engine settings (the bench process's view of them).
             os.environ.update({k: env[k] for k in ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES", "ENABLE_PREFIX_CACHING") if k in env})
-            from batch_pipeline.defs.resources import LLMResource
-            from batch_pipeline.engine.server import server_command
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            command = server_command(LLMResource().settings(), pre["model_path"], pre["served_model_name"], "127.0.0.1", port)
-            if args.server_scheduler == "match":
-                command += LLM_CLASS_SCHEDULER
             server_env = dict(env, VLLM_SERVER_DEV_MODE="1")  # for POST /reset_prefix_cache
             server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default, as `engine start`
+            server = WarmServer.engine_start(pre["model_path"], pre["served_model_name"], work / "server.log",
+                                             LLM_CLASS_SCHEDULER if args.server_scheduler == "match" else None, server_env)
             with bench_lock(lock):  # its start loads the machine too
-                server = WarmServer(command, server_env, f"http://127.0.0.1:{port}", pre["served_model_name"],
-                                    work / "server.log")
+                server.start()
             ctx["server"] = server
-            say("server flags: " + " ".join(command[3:]))
-        order = list(systems)
+            say("server flags: " + " ".join(server.command[3:]))
         with bench_lock(lock):
             load_start = loadavg()
-            for round_no in range(1, args.rounds + 1):
-                if round_no > 1:
-                    order = order[1:] + order[:1]
-                for system in order:
-                    say(f"round {round_no}/{args.rounds}: {system} ... (load {loadavg()})")
-                    record = {"round": round_no, **run_system(system, ctx, work / f"r{round_no}-{system}")}
-                    runs.append(record)
-                    say(f"  {system}: {record['wall_s']:.1f} s wall (runs {record['runs_wall_s']}), inference "
-                        f"{record['inference_s']:.1f} s, hit rate {record['hit_rate']:.1%}, {record['completed']} lines")
+            for round_no, system in rotating_rounds(systems, args.rounds):
+                say(f"round {round_no}/{args.rounds}: {system} ... (load {loadavg()})")
+                record = {"round": round_no, **run_system(system, ctx, work / f"r{round_no}-{system}")}
+                runs.append(record)
+                say(f"  {system}: {record['wall_s']:.1f} s wall (runs {record['runs_wall_s']}), inference "
+                    f"{record['inference_s']:.1f} s, hit rate {record['hit_rate']:.1%}, {record['completed']} lines")
     finally:
         if server is not None:
             server.stop()
@@ -371,11 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = runs[0]["texts"]
     for r in runs:
         r["same_texts"] = sum(1 for k, v in r.pop("texts").items() if reference.get(k) == v)
-    summary: dict[str, dict[str, Any]] = {}
-    for system in systems:
-        mine = [r for r in runs if r["system"] == system]
-        summary[system] = {key: round(statistics.median(r[key] for r in mine), 3)
-                           for key in ("wall_s", "inference_s", "model_load_s", "planning_s", "hit_rate")}
+    summary = medians(runs, systems, ("wall_s", "inference_s", "model_load_s", "planning_s", "hit_rate"), digits=3)
     total = workload["lines"]
     print(f"\n{total} lines ({args.num_docs} documents x {args.questions_per_doc} questions) in {len(names)} files of one "
           f"date, {args.rounds} rotating rounds; pipeline {src}; server scheduler {args.server_scheduler}; load average "

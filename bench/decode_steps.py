@@ -25,7 +25,6 @@ batch of 1 (1.00x flat would be a GPU's shape; B x would be fully proportional).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,38 +33,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def say(message: str) -> None:
-    print(f"[decode {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def finish(path: Path | None, payload: dict[str, Any]) -> None:
-    """Write the figures to `path` (if given) and end the process: the engine's threads need no
-    orderly teardown in a throwaway process."""
-    if path:
-        path.write_text(json.dumps(payload, indent=2))
-        say(f"wrote {path}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def build() -> Any:
-    from batch_pipeline.defs.resources import LLMResource
-    from batch_pipeline.config import models
-    from batch_pipeline.engine import vllm_adapter
-    from batch_pipeline.engine.engine_args import engine_kwargs
-
-    resource = LLMResource()
-    settings = resource.settings()
-    path, served = resource.generation_model()
-    if path is None:
-        path = str(models.prepare_bundled_model(log=say))
-    kwargs = engine_kwargs(settings, path, served, "generate")
-    say(f"engine: {path} max_num_seqs={kwargs.get('max_num_seqs')} "
-        f"max_num_batched_tokens={kwargs.get('max_num_batched_tokens')}")
-    return vllm_adapter.build_llm(kwargs)
+sys.path.insert(0, str(REPO / "bench"))
+from common import build_llm, finish, say  # noqa: E402
 
 
 def one(llm: Any, batch: int, steps: int, round_: int) -> dict[str, Any]:
@@ -107,7 +76,7 @@ def main() -> None:
     sizes = [int(b) for b in args.batches.split(",") if b.strip()]
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # step() in this process, as the pipeline's default
     say(f"load average before: {os.getloadavg()[0]:.2f}")
-    llm = build()
+    llm = build_llm()
     one(llm, 2, 4, -1)  # warm-up, untimed
     runs = []
     for r in range(args.rounds):

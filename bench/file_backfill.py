@@ -47,14 +47,10 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime as dt
-import fcntl
 import json
-import math
 import os
-import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,8 +66,9 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ORDER", "MAX_MODEL
     os.environ.pop(_name, None)  # the pipeline's defaults for the runs and for the warm server alike
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
-from run_bench import say  # noqa: E402
-from warm_stream import short_text  # noqa: E402
+from common import bench_lock, loadavg, pct, say  # noqa: E402
+from warm_server import WarmServer  # noqa: E402
+from workloads import summary_bodies, write_batch  # noqa: E402
 
 JOB = "batch_file_job"
 STEP = "batch_files"
@@ -81,16 +78,6 @@ PARTITION_SETS = """query($r: RepositorySelector!, $job: String!) { partitionSet
   pipelineName: $job) { __typename ... on PartitionSets { results { name pipelineName } } ... on PythonError { message } } }"""
 LAUNCH = """mutation($p: LaunchBackfillParams!) { launchPartitionBackfill(backfillParams: $p) { __typename
   ... on LaunchBackfillSuccess { backfillId } ... on Error { message } } }"""
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-
-
-def pct(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in 0..100)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def stats(values: list[float]) -> dict[str, float]:
@@ -111,76 +98,6 @@ def max_overlap(intervals: list[tuple[float, float]]) -> int:
     return best
 
 
-def file_bodies(round_no: int, index: int, lines: int, served: str, max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
-    out = []
-    for j in range(lines):
-        rng = random.Random(f"file-backfill-{round_no}-{index}-{j}")
-        out.append((f"r{round_no}-f{index:03d}-{j}", {
-            "model": served, "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": f"Summarise in one sentence: {short_text(rng)}"}]}))
-    return out
-
-
-class WarmEngine:
-    """vLLM's OpenAI-compatible server with the flags `batch-pipeline engine start` gives it, own process group."""
-
-    def __init__(self, model_dir: Path, served: str, log_path: Path) -> None:
-        from batch_pipeline.defs.resources import LLMResource
-        from batch_pipeline.engine.server import server_command, server_env
-        from batch_pipeline_tests.dagster_server import free_port
-
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.served = served
-        self.log_path = log_path
-        self.command = server_command(LLMResource().settings(), str(model_dir), served, "127.0.0.1", self.port)
-        self.env = server_env()
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        import httpx
-
-        from batch_pipeline.engine.server import health
-        from batch_pipeline_tests.dagster_server import wait_for
-
-        say(f"starting the warm engine on port {self.port} (untimed); log {self.log_path}")
-        started = time.perf_counter()
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                            stdin=subprocess.DEVNULL, start_new_session=True)
-
-        def healthy() -> bool:
-            if self.process.poll() is not None:
-                raise SystemExit(f"the warm engine exited ({self.process.returncode}); see {self.log_path}")
-            return health(self.url) == 200
-
-        wait_for("the warm engine healthy", healthy, 600, interval=0.5)
-        self.start_s = round(time.perf_counter() - started, 2)
-        started = time.perf_counter()
-        body = {"model": self.served, "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
-        httpx.post(f"{self.url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
-        self.first_request_s = round(time.perf_counter() - started, 2)
-
-    def cpu_s(self) -> float:
-        import psutil
-
-        try:
-            root = psutil.Process(self.process.pid)
-            return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
-        except (psutil.Error, AttributeError):
-            return float("nan")
-
-    def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)  # the group of the server this script started
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
-
-
 def write_files(inbox: Path, date: str, round_no: int, args: argparse.Namespace, served: str) -> dict[str, list]:
     """{name: [(custom_id, body), ...]}; each written to <inbox>/<date>/<name>.jsonl."""
     folder = inbox / date
@@ -188,10 +105,8 @@ def write_files(inbox: Path, date: str, round_no: int, args: argparse.Namespace,
     files = {}
     for i in range(args.files):
         name = f"f-{i:03d}"
-        bodies = file_bodies(round_no, i, args.lines, served, args.max_tokens)
-        (folder / f"{name}.jsonl").write_text("".join(
-            json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": body}) + "\n"
-            for cid, body in bodies))
+        bodies = summary_bodies(f"file-backfill-{round_no}-{i}", f"r{round_no}-f{i:03d}", args.lines, served, args.max_tokens)
+        write_batch(folder / f"{name}.jsonl", bodies)
         files[name] = bodies
     return files
 
@@ -421,7 +336,7 @@ def show(k: str, s: dict[str, float], label: str) -> None:
         print(f"  {label:<58}{'n/a':>9}")
 
 
-def report(args: argparse.Namespace, engine: WarmEngine, rounds: list[dict[str, Any]], load_start: str, load_end: str,
+def report(args: argparse.Namespace, engine: WarmServer, rounds: list[dict[str, Any]], load_start: str, load_end: str,
            date: str) -> dict[str, Any]:
     print(f"\nFile backfill on a warm engine: {args.files} files x {args.lines} chat lines (max_tokens {args.max_tokens}) "
           f"of {date}, one backfill of {JOB}, {len(rounds)} round(s); cpu count {os.cpu_count()}; "
@@ -496,17 +411,13 @@ def main() -> int:
     served = model_dir.name
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="bench-file-backfill-"))
     work.mkdir(parents=True, exist_ok=True)
-    say(f"work folder {work}; waiting for the lock {args.lock}")
-    with open(args.lock, "a") as lock:
-        t = time.perf_counter()
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        say(f"lock held (waited {time.perf_counter() - t:.1f} s)")
+    say(f"work folder {work}")
+    with bench_lock(args.lock):
         load_start = loadavg()
-        engine = WarmEngine(model_dir, served, work / "warm-engine.log")
+        engine = WarmServer.engine_start(model_dir, served, work / "warm-engine.log")
         rounds: list[dict[str, Any]] = []
         try:
             engine.start()
-            say(f"warm engine healthy after {engine.start_s:.1f} s; a first request (untimed) {engine.first_request_s:.2f} s")
             for r in range(1, args.rounds + 1):
                 rnd = Round(work / f"r{r}", model_dir, served, engine.url, date)
                 rnd.lines = args.lines

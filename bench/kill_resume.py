@@ -36,7 +36,8 @@ from collections.abc import Iterable
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_bench import REPO, DEFAULT_CACHE, prepare_chat_workload, say  # noqa: E402
+from common import DEFAULT_CACHE, REPO, say  # noqa: E402
+from workloads import prepare_chat_workload  # noqa: E402
 
 LOADED_MARK = "loaded in"  # "generate model <name> loaded in 12.3s" (engine/engines.py)
 

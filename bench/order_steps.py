@@ -38,7 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from decode_steps import build, finish, say  # noqa: E402  the same engine as bench/decode_steps.py
+from common import build_llm, finish, say  # noqa: E402  the same engine as bench/decode_steps.py
 
 
 def planned(lines: list[dict[str, Any]], model_path: str) -> tuple[list[dict[str, Any]], float]:
@@ -90,7 +90,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # step() in this process, as the pipeline's default
     say(f"{len(lines)} lines, max_tokens {min(x['body']['max_tokens'] for x in lines)}-"
         f"{max(x['body']['max_tokens'] for x in lines)}; load average before: {os.getloadavg()[0]:.2f}")
-    llm = build()
+    llm = build_llm()
     model_path = llm.llm_engine.model_config.model
     orders = {"file order": lines}
     orders["planned"], plan_seconds = planned(lines, model_path)

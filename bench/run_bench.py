@@ -7,7 +7,6 @@ A script, not a test. Run it with the project's venv from the repository root:
     .venv/bin/python bench/run_bench.py --workloads docs-questions,mixed-lengths,shared-prefix,chat \\
         --repeats 2 --json /tmp/bench-order.json                          # issue #24: the order of a batch
     .venv/bin/python bench/run_bench.py --workload random --num-requests 128 --input-len 256 --output-len 64
-    .venv/bin/python bench/run_bench.py --validate-only --validate-lines 100000 --json /tmp/bench-validate.json
 
 What it does (see bench/README.md for the caveats):
 
@@ -35,10 +34,8 @@ What it does (see bench/README.md for the caveats):
    whole process tree, which matters when vLLM forks an engine-core process).
 5. Prints the ratios to llm_chat and, per workload, the targets of issue #24 with the measured ratio.
 
-`--validate-only` instead times, in this process and alternating, `json.loads` of every line of a
-generated file (>= 100k lines) against the pipeline's validator
-(`batch_pipeline.steps.validation.validate_stream` with callbacks that discard), plus what the pipeline
-does around it (writing the valid requests; re-parsing them before inference).
+The workloads are written by bench/workloads.py; the environment, the preflight and the timing of a
+subprocess are bench/common.py's. What validation costs is bench/validate.py.
 
 Every subprocess gets the same environment: HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLINE=1,
 VLLM_NO_USAGE_STATS=1, DO_NOT_TRACK=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, TOKENIZERS_PARALLELISM=false,
@@ -54,22 +51,21 @@ import datetime as dt
 import json
 import os
 import platform
-import random
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-from batch_pipeline.base.runtime import runtime_env  # the same cache/offline variables as the pipeline
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    DEFAULT_CACHE, REPO, add_engine_options, apply_engine_settings, child_env, measure, pipeline_source, preflight,
+    read_outputs, say, write_json,
+)
+from workloads import make_workload  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CACHE = REPO / ".cache"
 SYSTEMS = ("llm_chat", "run_batch", "pipeline_input", "pipeline_planned")
 # Optional extra systems: `pipeline` (no ORDER set: the pipeline's own default), and llm_chat /
 # pipeline with vLLM's multiprocess engine core (VLLM_ENABLE_V1_MULTIPROCESSING=1, as run_batch always
@@ -95,311 +91,6 @@ TARGETS = {
     "shared-prefix": ("pipeline_input", None),
     "chat": ("pipeline_input", None),
 }
-# The engine settings every system gets unless the option or the exported variable says otherwise
-# (issue #24's measurement: MAX_MODEL_LEN 2048, a 256 MiB KV cache, prefix caching on).
-ENGINE_DEFAULTS = {"max_model_len": 2048, "kv_cache_mib": 256, "prefix_caching": "on"}
-
-
-def say(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# =============================================================================================
-# Environment
-# =============================================================================================
-
-
-def child_env(cache: Path, tmpdir: Path) -> dict[str, str]:
-    """One environment for every subprocess: batch_pipeline's runtime_env, the in-process engine core."""
-    env = dict(os.environ)
-    env.pop("DAGSTER_HOME", None)  # the pipeline then uses an ephemeral instance, no SQLite writes
-    tmpdir.mkdir(parents=True, exist_ok=True)
-    env.update(runtime_env(cache))
-    env.update(
-        {
-            "BATCH_PIPELINE_CACHE": str(cache),
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-            "TMPDIR": str(tmpdir),
-            "PYTHONWARNINGS": env.get("PYTHONWARNINGS", ""),
-        }
-    )
-    if not env["PYTHONWARNINGS"]:
-        env.pop("PYTHONWARNINGS")
-    return env
-
-
-# =============================================================================================
-# Preflight: resolve model and engine arguments exactly as the pipeline does (untimed)
-# =============================================================================================
-
-PREFLIGHT = r"""
-import json, sys
-from pathlib import Path
-from batch_pipeline.defs.resources import LLMResource
-from batch_pipeline.config import models
-from batch_pipeline.engine.engine_args import engine_kwargs
-from batch_pipeline.base.runtime import is_cpu
-from batch_pipeline.engine.vllm_adapter import vllm_version
-
-res = LLMResource()                      # what `batch-pipeline run` uses: env vars, then defaults
-settings = res.settings()
-path, served = res.generation_model()
-if path is None:
-    path = str(models.prepare_bundled_model(log=lambda m: print(m, file=sys.stderr)))
-kwargs = engine_kwargs(settings, path, served, "generate")
-
-# vLLM picks scheduler defaults by "usage context": the LLM class (pipeline, raw LLM.chat) and the
-# batch runner (OPENAI_BATCH_RUNNER, not in vLLM's table, so the generic 128 seqs / 2048 tokens) differ.
-from vllm.engine.arg_utils import EngineArgs
-from vllm.usage.usage_lib import UsageContext
-world = int(kwargs.get("tensor_parallel_size", 1))
-tokens, seqs = EngineArgs.get_batch_defaults(world)
-llm_defaults = {
-    "max_num_seqs": kwargs.get("max_num_seqs") or seqs.get(UsageContext.LLM_CLASS),
-    "max_num_batched_tokens": kwargs.get("max_num_batched_tokens") or tokens.get(UsageContext.LLM_CLASS),
-}
-print("BENCH_PREFLIGHT " + json.dumps({
-    "model_path": path, "served_model_name": served, "engine_kwargs": kwargs, "cpu": is_cpu(),
-    "checkpoint_answers": settings.checkpoint_answers, "checkpoint_seconds": settings.checkpoint_seconds, "llm_class_scheduler": llm_defaults, "engine": vllm_version(),
-}))
-"""
-
-
-def preflight(python: str, env: dict[str, str]) -> dict[str, Any]:
-    say("preflight: resolving the model and the pipeline's engine arguments (untimed)")
-    proc = subprocess.run([python, "-c", PREFLIGHT], env=env, cwd=REPO, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("BENCH_PREFLIGHT "):
-            return json.loads(line.split(" ", 1)[1])
-    sys.stderr.write(proc.stdout + proc.stderr)
-    raise SystemExit("preflight failed")
-
-
-# =============================================================================================
-# Workloads
-# =============================================================================================
-
-COUNTRIES = (
-    "France Germany Italy Spain Portugal Japan Brazil Canada Kenya Egypt Norway Chile Peru India "
-    "Vietnam Mexico Greece Poland Turkey Australia Argentina Sweden Ireland Morocco Nepal Cuba"
-).split()
-CONCEPTS = (
-    "photosynthesis|gravity|inflation|recursion|entropy|democracy|a black hole|the water cycle|"
-    "machine learning|compound interest|plate tectonics|a vaccine|the immune system|supply and demand|"
-    "electricity|a rainbow|evolution|an eclipse|a blockchain|the internet|a volcano|the moon's phases"
-).split("|")
-ANIMALS = "cats dogs owls dolphins bees elephants penguins octopuses wolves horses frogs eagles".split()
-THINGS = "the sea|autumn|a city at night|coffee|mountains|the first snow|a train journey|friendship|rain".split("|")
-TASKS = (
-    "boil an egg|learn a new language|fall asleep faster|write a good email|save money|start running|"
-    "grow tomatoes|prepare for an interview|keep a plant alive|organize my desk|make bread"
-).split("|")
-PHRASES = "good morning|thank you very much|where is the station|I like books|see you tomorrow|the weather is nice".split("|")
-TEMPLATES = (
-    "What is the capital of {country}?",
-    "Explain {concept} in one sentence.",
-    "Name three facts about {animal}.",
-    "What is {a} plus {b}?",
-    "Write a short poem about {thing}.",
-    "How do I {task}?",
-    "Translate '{phrase}' into French.",
-    "Give me one tip to {task}.",
-    "Why do {animal} matter for the environment?",
-    "Describe {country} in two sentences.",
-    "What is the difference between {concept} and {concept2}?",
-    "Tell a child what {concept} is.",
-)
-
-
-def chat_question(rng: random.Random) -> str:
-    return rng.choice(TEMPLATES).format(
-        country=rng.choice(COUNTRIES),
-        concept=rng.choice(CONCEPTS),
-        concept2=rng.choice(CONCEPTS),
-        animal=rng.choice(ANIMALS),
-        thing=rng.choice(THINGS),
-        task=rng.choice(TASKS),
-        phrase=rng.choice(PHRASES),
-        a=rng.randint(2, 999),
-        b=rng.randint(2, 999),
-    )
-
-
-def _tokenizer(model_path: str) -> Any:
-    import tokenizers
-
-    return tokenizers.Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
-
-
-def random_prompt(tok: Any, rng: random.Random, length: int, special: set[int], vocab: int) -> str:
-    """Random tokens, decoded, re-encoded and cut to `length` tokens (as vLLM's benchmark RandomDataset)."""
-    ids = [rng.randrange(vocab) for _ in range(length + 8)]
-    ids = [i for i in ids if i not in special]
-    text = tok.decode(ids, skip_special_tokens=True)
-    again = tok.encode(text, add_special_tokens=False).ids[:length]
-    return tok.decode(again, skip_special_tokens=True)
-
-
-def handbook_prefix(tok: Any, length: int) -> str:
-    """A long, deterministic system prompt of about `length` tokens."""
-    rng = random.Random(1234)
-    parts = ["You are the support assistant of the Northwind Travel Company. Follow the handbook below."]
-    n = 1
-    while len(tok.encode(" ".join(parts), add_special_tokens=False).ids) < length:
-        parts.append(
-            f"Rule {n}: when a customer asks about {rng.choice(TASKS)} while visiting {rng.choice(COUNTRIES)}, "
-            f"explain {rng.choice(CONCEPTS)} politely, mention {rng.choice(THINGS)}, and never promise refunds."
-        )
-        n += 1
-    ids = tok.encode(" ".join(parts), add_special_tokens=False).ids[:length]
-    return tok.decode(ids, skip_special_tokens=True)
-
-
-DOC_SYSTEM = (
-    "You are a careful analyst of the Northwind archive. Answer the user's question about the document "
-    "they give you in one short sentence, using only that document."
-)
-DOC_DEPARTMENTS = "logistics|finance|research|customer care|safety|training|procurement|legal|marketing".split("|")
-DOC_PEOPLE = "Ana Ortiz|Ben Clarke|Chen Wei|Dara Nwosu|Eli Haddad|Fatima Rossi|Gus Berg|Hana Sato|Ivo Novak".split("|")
-DOC_QUESTIONS = (
-    "What is the main topic of this document?",
-    "Summarize the document in one sentence.",
-    "Which country does the document mention first?",
-    "Who is the first person named in the document?",
-    "What does the document say about {concept}?",
-    "Does the document mention {animal}? Answer yes or no.",
-    "Which department appears most often in the document?",
-    "What happened in {year} according to the document?",
-    "List two numbers the document reports.",
-    "What is the tone of this report?",
-    "Which task does the document say became more expensive?",
-    "Give the title of the document.",
-    "Does the document recommend {task}? Answer briefly.",
-    "What would a reader remember about {country} from this document?",
-)
-
-
-def document_text(tok: Any, rng: random.Random, doc_no: int, length: int) -> str:
-    """A synthetic report of about `length` tokens; its first words differ from every other document's."""
-    parts = [f"Report {doc_no + 1}: {rng.choice(CONCEPTS)} in {rng.choice(COUNTRIES)} ({rng.randint(1990, 2025)})."]
-    while len(tok.encode(" ".join(parts), add_special_tokens=False).ids) < length:
-        kind = rng.randrange(4)
-        if kind == 0:
-            parts.append(
-                f"In {rng.randint(1990, 2025)}, the {rng.choice(DOC_DEPARTMENTS)} office in {rng.choice(COUNTRIES)} "
-                f"recorded {rng.randint(3, 9000)} cases linked to {rng.choice(CONCEPTS)}, "
-                f"{rng.choice(('more', 'fewer', 'about as many'))} than the year before."
-            )
-        elif kind == 1:
-            parts.append(
-                f"{rng.choice(DOC_PEOPLE)} of the {rng.choice(DOC_DEPARTMENTS)} team argued that {rng.choice(CONCEPTS)} "
-                f"explains why {rng.choice(ANIMALS)} avoid {rng.choice(THINGS)}."
-            )
-        elif kind == 2:
-            parts.append(
-                f"The budget to {rng.choice(TASKS)} rose to {rng.randint(2, 950)} thousand euros, while the staff "
-                f"of the {rng.choice(DOC_DEPARTMENTS)} office fell by {rng.randint(1, 40)} percent."
-            )
-        else:
-            parts.append(
-                f"Visitors from {rng.choice(COUNTRIES)} described {rng.choice(THINGS)} as the reason they return, "
-                f"and {rng.randint(2, 98)} percent of them asked how to {rng.choice(TASKS)}."
-            )
-    ids = tok.encode(" ".join(parts), add_special_tokens=False).ids[:length]
-    return tok.decode(ids, skip_special_tokens=True)
-
-
-def doc_questions(rng: random.Random, count: int) -> list[str]:
-    """`count` different questions about one document (templates without repeats while they last)."""
-    out: list[str] = []
-    while len(out) < count:
-        for template in rng.sample(DOC_QUESTIONS, len(DOC_QUESTIONS)):
-            q = template.format(concept=rng.choice(CONCEPTS), animal=rng.choice(ANIMALS), year=rng.randint(1990, 2025),
-                                task=rng.choice(TASKS), country=rng.choice(COUNTRIES))
-            if q not in out:
-                out.append(q)
-            if len(out) == count:
-                break
-    return out
-
-
-def make_workload(args: argparse.Namespace, served: str, model_path: str, out: Path) -> dict[str, Any]:
-    """Write the workload file `out`; return what describes it (lines, bytes, sizes)."""
-    kind = args.workload
-    rng = random.Random(args.seed)
-    bodies: list[dict[str, Any]] = []
-    tok = special = None
-    prefix = ""
-    info: dict[str, Any] = {}
-    if kind in ("random", "shared-prefix", "docs-questions"):
-        tok = _tokenizer(model_path)
-        special = set(tok.get_added_tokens_decoder())
-    if kind == "shared-prefix":
-        prefix = handbook_prefix(tok, args.prefix_len)
-        info["prefix_tokens"] = len(tok.encode(prefix, add_special_tokens=False).ids)
-    if kind == "docs-questions":
-        # N documents x Q questions; a line = the system prompt + one document + one question. The
-        # lines are shuffled (--seed): the lines sharing a document are spread over the file.
-        num_docs, per_doc = args.num_docs, args.questions_per_doc
-        for d in range(num_docs):
-            doc = document_text(tok, random.Random(f"{args.seed}-doc-{d}"), d, args.doc_len)
-            for q in doc_questions(random.Random(f"{args.seed}-questions-{d}"), per_doc):
-                bodies.append({
-                    "model": served, "max_tokens": args.output_len, "temperature": 0,
-                    "messages": [{"role": "system", "content": DOC_SYSTEM},
-                                 {"role": "user", "content": f"Document:\n{doc}\n\nQuestion: {q}"}],
-                })
-        rng.shuffle(bodies)
-        info.update(num_docs=num_docs, questions_per_doc=per_doc,
-                    doc_tokens=len(tok.encode(document_text(tok, random.Random(f"{args.seed}-doc-0"), 0, args.doc_len),
-                                              add_special_tokens=False).ids))
-    elif kind == "mixed-lengths":
-        # Distinct prompts; max_tokens uniform in [min, max] with ignore_eos, so every line makes
-        # exactly its max_tokens; as in a real batch file, the lengths come in random order.
-        low, high = min(args.min_output_len, args.output_len), args.output_len
-        seen: set[str] = set()
-        while len(bodies) < args.num_requests:
-            question = chat_question(rng)
-            if question in seen:
-                continue
-            seen.add(question)
-            bodies.append({"model": served, "max_tokens": rng.randint(low, high), "temperature": 0,
-                           "ignore_eos": True, "messages": [{"role": "user", "content": question}]})
-        info.update(min_output_len=low, max_output_len=high,
-                    max_tokens_sum=sum(b["max_tokens"] for b in bodies))
-    else:
-        for _ in range(args.num_requests):
-            body: dict[str, Any] = {"model": served, "max_tokens": args.output_len, "temperature": 0}
-            if kind == "chat":
-                body["messages"] = [{"role": "user", "content": chat_question(rng)}]
-            elif kind == "random":
-                body["messages"] = [
-                    {"role": "user", "content": random_prompt(tok, rng, args.input_len, special, tok.get_vocab_size())}
-                ]
-                body["ignore_eos"] = True  # a vLLM extension; every system passes it to SamplingParams
-            else:
-                body["messages"] = [{"role": "system", "content": prefix}, {"role": "user", "content": chat_question(rng)}]
-            bodies.append(body)
-    lines = [
-        json.dumps({"custom_id": f"req-{i:06d}", "method": "POST", "url": "/v1/chat/completions", "body": body},
-                   ensure_ascii=False)
-        for i, body in enumerate(bodies)
-    ]
-    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return {"file": str(out), "lines": len(lines), "bytes": out.stat().st_size, **info}
-
-
-def prepare_chat_workload(args: argparse.Namespace, work: Path) -> tuple[dict[str, str], dict[str, Any], Path, str]:
-    """For the scripts that run `batch-pipeline run` alone (kill_resume.py, data_parallel.py): the
-    child environment, the preflight, a greedy chat workload of args.num_requests x args.output_len
-    in `work`, and the CLI's path."""
-    env = child_env(args.cache, work / "tmp")
-    pre = preflight(args.python, env)
-    wl = argparse.Namespace(workload="chat", num_requests=args.num_requests, output_len=args.output_len,
-                            seed=args.seed, input_len=None, prefix_len=None)
-    workload = work / "workload.jsonl"
-    make_workload(wl, pre["served_model_name"], pre["model_path"], workload)
-    return env, pre, workload, str(Path(args.python).parent / "batch-pipeline")
 
 
 # =============================================================================================
@@ -533,133 +224,6 @@ def system_env(system: str, env: dict[str, str]) -> dict[str, str]:
     return run_env
 
 
-# =============================================================================================
-# Measuring one subprocess
-# =============================================================================================
-
-
-class TreeRss(threading.Thread):
-    """Samples the summed RSS of a process and all its descendants (via /proc) every `interval` s."""
-
-    def __init__(self, pid: int, interval: float = 0.5):
-        super().__init__(daemon=True)
-        self.pid, self.interval = pid, interval
-        self.peak_bytes = 0
-        self.max_procs = 0
-        self._halt = threading.Event()
-        self._page = os.sysconf("SC_PAGE_SIZE")
-
-    def _tree(self) -> list[int]:
-        pids, todo = [], [self.pid]
-        while todo:
-            pid = todo.pop()
-            pids.append(pid)
-            try:
-                for task in os.listdir(f"/proc/{pid}/task"):
-                    with open(f"/proc/{pid}/task/{task}/children") as f:
-                        todo.extend(int(x) for x in f.read().split())
-            except OSError:
-                continue
-        return pids
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            total, procs = 0, 0
-            for pid in self._tree():
-                try:
-                    with open(f"/proc/{pid}/statm") as f:
-                        total += int(f.read().split()[1]) * self._page
-                        procs += 1
-                except OSError:
-                    continue
-            self.peak_bytes = max(self.peak_bytes, total)
-            self.max_procs = max(self.max_procs, procs)
-            self._halt.wait(self.interval)
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join(timeout=2)
-
-
-def measure(cmd: list[str], env: dict[str, str], log_path: Path, timeout: float) -> dict[str, Any]:
-    """Wall time from spawn to exit, exit code, CPU time and peak memory of one subprocess."""
-    with open(log_path, "wb") as log:
-        log.write(("$ " + " ".join(cmd) + "\n").encode())
-        log.flush()
-        load_before = os.getloadavg()
-        started = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        sampler = TreeRss(proc.pid)
-        sampler.start()
-        timed_out = threading.Event()
-
-        def kill() -> None:
-            timed_out.set()
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the process group of the child we started
-            except ProcessLookupError:
-                pass
-
-        timer = threading.Timer(timeout, kill)
-        timer.start()
-        try:
-            # os.wait4 gives this child's own rusage (ru_maxrss = its peak RSS, including children it reaped).
-            _, status, usage = os.wait4(proc.pid, 0)
-        except BaseException:  # Ctrl-C / SIGTERM: take the child's process group down with us
-            timer.cancel()
-            kill()
-            os.wait4(proc.pid, 0)
-            sampler.stop()
-            raise
-        wall = time.perf_counter() - started
-        timer.cancel()
-        sampler.stop()
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    return {
-        "wall_s": round(wall, 3),
-        "exit_code": proc.returncode,
-        "timed_out": timed_out.is_set(),
-        "cpu_user_s": round(usage.ru_utime, 2),
-        "cpu_sys_s": round(usage.ru_stime, 2),
-        "maxrss_mb": round(usage.ru_maxrss / 1024, 1),  # KiB on Linux
-        "tree_peak_rss_mb": round(sampler.peak_bytes / 2**20, 1),
-        "max_processes": sampler.max_procs,
-        "loadavg_1m_before": round(load_before[0], 2),
-        "log": str(log_path),
-    }
-
-
-def read_outputs(path: Path) -> dict[str, Any]:
-    """Successful lines, errors, usage.completion_tokens / prompt_tokens and the prompt tokens found in
-    the prefix cache (usage.prompt_tokens_details.cached_tokens; None when no line has it) from an output file."""
-    ok = errors = completion = prompt = cached = 0
-    with_details = 0
-    texts: dict[str, str] = {}
-    if path.exists():
-        with open(path, encoding="utf-8") as f:
-            for raw in f:
-                if not raw.strip():
-                    continue
-                line = json.loads(raw)
-                resp = line.get("response") or {}
-                body = resp.get("body") or {}
-                if resp.get("status_code") == 200 and "usage" in body:
-                    ok += 1
-                    usage = body["usage"]
-                    completion += int(usage.get("completion_tokens") or 0)
-                    prompt += int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details")
-                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
-                        with_details += 1
-                        cached += int(details["cached_tokens"])
-                    choices = body.get("choices") or [{}]
-                    texts[line.get("custom_id")] = ((choices[0].get("message") or {}).get("content")) or ""
-                else:
-                    errors += 1
-    return {"ok": ok, "error_lines": errors, "completion_tokens": completion, "prompt_tokens": prompt,
-            "cached_tokens": cached if with_details else None, "texts": texts}
-
-
 def hit_rate(system: str, run_dir: Path, outputs: dict[str, Any]) -> tuple[float | None, str]:
     """Prefix-cache hit rate of one run, cached prompt tokens / prompt tokens, and where it came from.
 
@@ -703,44 +267,15 @@ def inner_timings(system: str, run_dir: Path) -> dict[str, Any]:
 # =============================================================================================
 
 
-ENGINE_ENV_NAMES = {"max_model_len": "MAX_MODEL_LEN", "kv_cache_mib": "KV_CACHE_MEMORY_BYTES",
-                    "prefix_caching": "ENABLE_PREFIX_CACHING"}
-
-
-def engine_settings_env(args: argparse.Namespace, env: dict[str, str]) -> dict[str, str | None]:
-    """The engine settings every system gets, as the pipeline's variables (None: unset, the pipeline's
-    default). An option given wins; else a variable already exported; else ENGINE_DEFAULTS."""
-    out: dict[str, str | None] = {}
-    for key, name in ENGINE_ENV_NAMES.items():
-        value = getattr(args, key)
-        if value is None:
-            if env.get(name):
-                out[name] = env[name]
-                continue
-            value = ENGINE_DEFAULTS[key]
-        if key == "prefix_caching":
-            out[name] = {"on": "true", "off": "false"}.get(value)  # "default": vLLM decides
-        elif key == "kv_cache_mib":
-            out[name] = str(int(value) * 2**20) if value else None
-        else:
-            out[name] = str(int(value)) if value else None
-    return out
-
-
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Every workload of --workloads (or --workload), each with its alternating rounds."""
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="batch_pipeline_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     env = child_env(args.cache, work / "tmp")
-    settings = engine_settings_env(args, env)
-    for name, value in settings.items():
-        if value is None:
-            env.pop(name, None)
-        else:
-            env[name] = value
+    settings = apply_engine_settings(args, env)
     say("engine settings (all systems): " + ", ".join(f"{k}={v if v is not None else '(pipeline default)'}"
                                                       for k, v in settings.items()))
-    source = pipeline_source(args, work, env)
+    source = pipeline_source(args.pipeline_rev, work, env)
     pre = preflight(args.python, env)
     scheduler = pre["llm_class_scheduler"] if args.run_batch_scheduler == "match" else None
     say("engine kwargs (all systems): " + json.dumps(pre["engine_kwargs"]))
@@ -854,33 +389,6 @@ def bench_workload(
         "agreement": agreement,
         "targets": check_targets(args.workload, summary, args.noise),
     }
-
-
-def pipeline_source(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
-    """Which batch_pipeline code the pipeline runs: the working tree (installed editable) or a git revision.
-
-    With --pipeline-rev the revision is exported read-only (`git archive`) into the work folder and put
-    first on PYTHONPATH of every subprocess (the editable install's finder comes after PYTHONPATH).
-    """
-
-    def git(*cmd: str) -> str:
-        done = subprocess.run(["git", "-C", str(REPO), *cmd], capture_output=True, text=True)
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    if not args.pipeline_rev:
-        dirty = git("status", "--porcelain", "--", "batch_pipeline")
-        return {"tree": "working tree", "head": git("rev-parse", "--short", "HEAD"), "dirty_files": dirty.splitlines()}
-    commit = git("rev-parse", "--verify", f"{args.pipeline_rev}^{{commit}}")
-    if not commit:
-        raise SystemExit(f"--pipeline-rev {args.pipeline_rev!r}: not a commit of {REPO}")
-    dest = work / f"pipeline-src-{commit[:12]}"
-    if not (dest / "batch_pipeline").is_dir():
-        dest.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "batch_pipeline"], capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(dest), env.get("PYTHONPATH", "")) if p)
-    say(f"pipeline code: {args.pipeline_rev} = {commit[:12]}, exported to {dest}")
-    return {"tree": args.pipeline_rev, "commit": commit, "path": str(dest)}
 
 
 def summarize(runs: list[dict[str, Any]], systems: list[str], total: int) -> dict[str, Any]:
@@ -1052,149 +560,6 @@ def all_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # =============================================================================================
-# --validate-only
-# =============================================================================================
-
-
-def validate_bench(args: argparse.Namespace) -> dict[str, Any]:
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="batch_pipeline_bench_"))
-    work.mkdir(parents=True, exist_ok=True)
-    source = pipeline_source(args, work, {})
-    if "path" in source:
-        sys.path.insert(0, source["path"])  # before batch_pipeline is first imported
-    from batch_pipeline.contract import contract
-    from batch_pipeline.steps import validation
-    from batch_pipeline.steps.validation import ValidationSettings, validate_stream
-
-    say(f"validator from {Path(validation.__file__).parent.parent}")
-    # What validate_batch writes per valid request and how infer_batch reads it back differs between
-    # versions of the code: a BatchRequest dumped as JSON, or a ValidLine's own record() bytes.
-    to_request = getattr(validation, "request_from_record", None) or contract.BatchRequest.model_validate
-
-    def record_bytes(req: Any) -> bytes:
-        if hasattr(req, "record"):
-            return req.record()
-        return (json.dumps(req.model_dump(), ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-    served = args.served_model_name
-    path = work / "validate.jsonl"
-    rng = random.Random(args.seed)
-    with open(path, "w", encoding="utf-8") as f:
-        for i in range(args.validate_lines):
-            body = {
-                "model": served,
-                "messages": [{"role": "user", "content": chat_question(rng)}],
-                "max_tokens": args.output_len,
-                "temperature": 0,
-            }
-            f.write(json.dumps({"custom_id": f"req-{i:07d}", "method": "POST", "url": contract.CHAT_URL, "body": body}) + "\n")
-    size = path.stat().st_size
-    say(f"validate-only: {args.validate_lines} lines, {size / 2**20:.1f} MiB -> {path}")
-    settings = ValidationSettings(served_model_name=served)
-    requests_file = work / "requests.jsonl"
-
-    def discard(_x: Any) -> None:
-        return None
-
-    def json_loads() -> int:
-        n = 0
-        with open(path, "rb") as f:
-            for raw in f:
-                if raw.strip():
-                    json.loads(raw)
-                    n += 1
-        return n
-
-    def validator() -> int:
-        with open(path, "rb") as f:
-            summary = validate_stream(f, settings, discard, discard)
-        assert summary.invalid == 0, summary.errors_by_code
-        return summary.valid
-
-    def validator_and_write() -> int:
-        # what validate_batch does: every valid request re-serialized to _work/requests.jsonl
-        with open(path, "rb") as f, open(requests_file, "wb") as out:
-
-            def on_valid(req: Any) -> None:
-                out.write(record_bytes(req))
-
-            summary = validate_stream(f, settings, on_valid, discard)
-        return summary.valid
-
-    def reparse_for_inference() -> int:
-        # what infer_batch + GenerationEngine.prepare do before the engine sees a request:
-        # json.loads, BatchRequest.model_validate, then parsed_body() (the body model again).
-        n = 0
-        with open(requests_file, "rb") as f:
-            for raw in f:
-                if raw.strip():
-                    req = to_request(json.loads(raw))
-                    req.parsed_body()
-                    n += 1
-        return n
-
-    variants = [
-        ("json.loads", json_loads),
-        ("validate_stream", validator),
-        ("validate+write", validator_and_write),
-        ("reparse (inference)", reparse_for_inference),
-    ]
-    times: dict[str, list[float]] = {name: [] for name, _ in variants}
-    for round_no in range(1, args.validate_rounds + 1):
-        for name, fn in variants:
-            t0 = time.perf_counter()
-            n = fn()
-            elapsed = time.perf_counter() - t0
-            assert n == args.validate_lines, (name, n)
-            times[name].append(round(elapsed, 4))
-            say(f"round {round_no}/{args.validate_rounds}: {name} {elapsed:.2f}s")
-    base = statistics.median(times["json.loads"])
-    summary = {
-        name: {
-            "s_median": round(statistics.median(v), 4),
-            "s_min": min(v),
-            "s_all": v,
-            "lines_per_s": round(args.validate_lines / statistics.median(v)),
-            "us_per_line": round(1e6 * statistics.median(v) / args.validate_lines, 2),
-            "ratio_to_json_loads": round(statistics.median(v) / base, 2),
-        }
-        for name, v in times.items()
-    }
-    if not args.keep:
-        requests_file.unlink(missing_ok=True)
-        path.unlink(missing_ok=True)
-    return {
-        "meta": {
-            "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "mode": "validate-only",
-            "pipeline_source": source,
-            "validator_module": validation.__file__,
-            "lines": args.validate_lines,
-            "bytes": size,
-            "rounds": args.validate_rounds,
-            "python": sys.version.split()[0],
-            "cpus": os.cpu_count(),
-            "loadavg": os.getloadavg(),
-        },
-        "summary": summary,
-    }
-
-
-def print_validate_table(result: dict[str, Any]) -> None:
-    meta, s = result["meta"], result["summary"]
-    print()
-    print(f"validation: {meta['lines']} lines ({meta['bytes'] / 2**20:.1f} MiB), {meta['rounds']} alternating rounds, in-process")
-    header = f"{'variant':<20} {'s median':>9} {'s min':>8} {'lines/s':>9} {'us/line':>8} {'vs json.loads':>13}"
-    print(header)
-    print("-" * len(header))
-    for name, r in s.items():
-        print(
-            f"{name:<20} {r['s_median']:>9.2f} {r['s_min']:>8.2f} {r['lines_per_s']:>9} {r['us_per_line']:>8.1f} "
-            f"{r['ratio_to_json_loads']:>12.2f}x"
-        )
-    print(f"validator / json.loads: {s['validate_stream']['ratio_to_json_loads']:.2f}x")
-
-
-# =============================================================================================
 # Command line
 # =============================================================================================
 
@@ -1249,21 +614,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"comma-separated, run in this order: {','.join(SYSTEMS)} (default) and optionally "
         f"{','.join(EXTRA_SYSTEMS)} (the pipeline with ORDER unset; llm_chat / pipeline with vLLM's multiprocess engine core)",
     )
-    p.add_argument(
-        "--max-model-len", type=int,
-        help=f"MAX_MODEL_LEN of every system (default: the exported variable, else {ENGINE_DEFAULTS['max_model_len']}; "
-        "0: the pipeline's default)",
-    )
-    p.add_argument(
-        "--kv-cache-mib", type=int,
-        help=f"KV cache of every system in MiB (default: the exported KV_CACHE_MEMORY_BYTES, else "
-        f"{ENGINE_DEFAULTS['kv_cache_mib']}; 0: the pipeline's default)",
-    )
-    p.add_argument(
-        "--prefix-caching", choices=("on", "off", "default"),
-        help="vLLM's prefix caching in every system (default: the exported ENABLE_PREFIX_CACHING, else on; "
-        "default: vLLM decides)",
-    )
+    add_engine_options(p)
     p.add_argument(
         "--noise", type=float, default=0.05,
         help="tolerance of the 'no slower than ORDER=input' targets (default 0.05: planned may take up to 5%% longer)",
@@ -1292,14 +643,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-batch-log-stats", action="store_true", help="let run_batch log engine stats (the LLM class does not)")
     p.add_argument("--json", type=Path, help="write every run and the summary to this JSON file")
     p.add_argument("--work-dir", help="where workloads, outputs and logs go (default: a new folder under $TMPDIR)")
-    p.add_argument("--keep", action="store_true", help="keep the pipeline's _work folders and the validate-only files")
+    p.add_argument("--keep", action="store_true", help="keep the pipeline's _work folders")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
     p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"), help="interpreter of the subprocesses")
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("BATCH_PIPELINE_CACHE") or DEFAULT_CACHE))
-    p.add_argument("--validate-only", action="store_true", help="time json.loads vs the validator instead")
-    p.add_argument("--validate-lines", type=int, default=100_000)
-    p.add_argument("--validate-rounds", type=int, default=3)
-    p.add_argument("--served-model-name", default="SmolLM2-135M-Instruct", help="validate-only: body.model")
     args = p.parse_args(argv)
     if args.workloads:
         args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -1310,13 +657,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--workloads: a workload is named twice")
     else:
         args.workload_list = [args.workload]
-    # the first workload's sizes as args.num_requests etc. (what --validate-only and older callers read)
+    # the first workload's sizes as args.num_requests etc. (what older callers read)
     first = workload_args(args, args.workload_list[0])
     for key in ("workload", "num_requests", "input_len", "output_len", "prefix_len"):
         setattr(args, key, getattr(first, key))
     args.cache = args.cache.resolve()
-    if args.validate_only and args.validate_lines < 1:
-        p.error("--validate-lines must be positive")
     for key in ("num_docs", "questions_per_doc", "doc_len", "min_output_len", "repeats"):
         if getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')} must be positive")
@@ -1333,16 +678,10 @@ def _sigterm(_signum: int, _frame: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _sigterm)  # so a killed harness also kills the run in progress
     args = parse_args(argv)
-    if args.validate_only:
-        result = validate_bench(args)
-        print_validate_table(result)
-    else:
-        result = bench(args)
-        print_results(result)
+    result = bench(args)
+    print_results(result)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"JSON: {args.json}")
+        write_json(args.json, result)
     failed = any(r.get("exit_code") for r in all_runs(result))
     return 1 if failed else 0
 

@@ -40,122 +40,39 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import random
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run_bench import DEFAULT_CACHE, REPO, child_env, measure, read_outputs, say  # noqa: E402
+from common import DEFAULT_CACHE, child_env, measure, read_outputs, say  # noqa: E402
+from warm_server import WarmServer, free_port  # noqa: E402
+from workloads import summary_bodies, write_batch  # noqa: E402
 
 from batch_pipeline.base.runtime import runtime_env  # noqa: E402
-from batch_pipeline.engine.server import health  # noqa: E402
 
 SYSTEMS = ("in_process", "warm", "server_only")
 MODEL_FOLDER = "SmolLM2-135M-Instruct"
-START_SECONDS = 600.0
 
-SUBJECTS = ("The old lighthouse keeper", "A small bakery", "The city council", "A group of students", "The river",
-            "A stray cat", "The night train", "An early frost", "The village library", "A retired pilot",
-            "The football team", "A street musician")
-EVENTS = ("opened its doors again after a long winter", "found a map hidden behind a loose brick",
-          "voted to plant a hundred trees along the main road", "built a small robot that waters plants",
-          "flooded the lower fields after three days of rain", "followed the postman on his whole round",
-          "arrived two hours late because of snow on the tracks", "ruined most of the apple harvest",
-          "started lending tools as well as books", "flew one last time over the mountains",
-          "won the regional cup with a goal in the final minute", "played the same song every morning at the station")
-DETAILS = ("Neighbours came to help.", "Nobody knows who drew it.", "The work starts next spring.",
-           "It cost less than a bicycle.", "The farmers lost a week of work.", "He gave it a name.",
-           "Passengers were given free tea.", "Prices at the market went up.", "The idea came from a child.",
-           "His grandson was on board.", "The whole town celebrated.", "People began to sing along.")
-
-
-def short_text(rng: random.Random) -> str:
-    return f"{rng.choice(SUBJECTS)} {rng.choice(EVENTS)}. {rng.choice(DETAILS)}"
-
-
-def batch_bodies(round_no: int, batch: int, lines: int, served: str, max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
-    """One batch's (custom_id, body): short chat lines, each its own text of this round."""
-    out = []
-    for j in range(lines):
-        rng = random.Random(f"warm-stream-{round_no}-{batch}-{j}")
-        out.append((f"r{round_no}-b{batch:02d}-{j}", {
-            "model": served, "max_tokens": max_tokens, "temperature": 0,
-            "messages": [{"role": "user", "content": f"Summarise in one sentence: {short_text(rng)}"}]}))
-    return out
-
-
-def write_batch(path: Path, bodies: list[tuple[str, dict[str, Any]]]) -> None:
-    path.write_text("".join(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions", "body": b}) + "\n"
-                            for cid, b in bodies))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """vLLM's OpenAI-compatible server on the bundled model, with the pipeline's CPU engine settings,
-    in its own process group."""
-
-    def __init__(self, python: str, model_dir: Path, served: str, cache: Path, log_path: Path, tmpdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.command = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
-                        "--served-model-name", served, "--host", "127.0.0.1", "--port", str(self.port),
-                        "--dtype", "float32", "--enforce-eager", "--seed", "0", "--kv-cache-memory-bytes", str(2**30),
-                        "--max-model-len", "-1", "--enable-prefix-caching", "--scheduling-policy", "priority",
-                        "--enable-prompt-tokens-details"]
-        env = dict(os.environ)
-        env.pop("DAGSTER_HOME", None)
-        env.update(runtime_env(cache))
-        env["BATCH_PIPELINE_CACHE"] = str(cache)
-        env["TMPDIR"] = str(tmpdir)
-        tmpdir.mkdir(parents=True, exist_ok=True)
-        say(f"starting the warm engine on port {self.port} (untimed)")
-        started = time.perf_counter()
-        with open(log_path, "ab") as log:
-            log.write(("$ " + " ".join(self.command) + "\n").encode())
-            log.flush()
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                            start_new_session=True)
-        while not self.healthy():
-            if time.perf_counter() - started > START_SECONDS:
-                self.stop()
-                raise SystemExit(f"the server was not healthy after {START_SECONDS:.0f} s; see {log_path}")
-            time.sleep(0.25)
-        self.start_s = round(time.perf_counter() - started, 2)
-
-    def healthy(self) -> bool:
-        if self.process.poll() is not None:
-            raise SystemExit(f"the server exited ({self.process.returncode}); see {self.log_path}")
-        return health(self.url) == 200
-
-    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(f"{self.url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=600) as response:
-            return json.loads(response.read())
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)  # the process group of the server we started
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+def start_server(python: str, model_dir: Path, served: str, cache: Path, log_path: Path, tmpdir: Path) -> WarmServer:
+    """vLLM's OpenAI-compatible server on the bundled model, with the pipeline's CPU engine settings as flags."""
+    port = free_port()
+    command = [python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(model_dir),
+               "--served-model-name", served, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--enforce-eager", "--seed", "0", "--kv-cache-memory-bytes", str(2**30),
+               "--max-model-len", "-1", "--enable-prefix-caching", "--scheduling-policy", "priority",
+               "--enable-prompt-tokens-details"]
+    env = dict(os.environ)
+    env.pop("DAGSTER_HOME", None)
+    env.update(runtime_env(cache))
+    env["BATCH_PIPELINE_CACHE"] = str(cache)
+    env["TMPDIR"] = str(tmpdir)
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    return WarmServer(command, port, served, log_path, env).start()
 
 
 def run_cli(cli: str, infile: Path, out: Path, env: dict[str, str], timeout: float, lines: int) -> dict[str, Any]:
@@ -184,7 +101,7 @@ def run_cli(cli: str, infile: Path, out: Path, env: dict[str, str], timeout: flo
             "loadavg_1m_before": m["loadavg_1m_before"]}
 
 
-def run_server_batch(server: Server, bodies: list[tuple[str, dict[str, Any]]], pool: cf.ThreadPoolExecutor) -> dict[str, Any]:
+def run_server_batch(server: WarmServer, bodies: list[tuple[str, dict[str, Any]]], pool: cf.ThreadPoolExecutor) -> dict[str, Any]:
     """One batch's requests at once, straight to the server; seconds until the last answer."""
     started = time.perf_counter()
     answers = list(pool.map(lambda cb: server.chat(cb[1]), bodies))
@@ -245,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     files: dict[tuple[int, int], tuple[Path, list[tuple[str, dict[str, Any]]]]] = {}
     for r in range(1, args.rounds + 1):
         for b in range(args.batches):
-            bodies = batch_bodies(r, b, args.lines, served, args.max_tokens)
+            bodies = summary_bodies(f"warm-stream-{r}-{b}", f"r{r}-b{b:02d}", args.lines, served, args.max_tokens)
             path = work / "in" / f"r{r}-b{b:02d}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             write_batch(path, bodies)
@@ -257,14 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     round_totals: list[dict[str, Any]] = []
     try:
         if {"warm", "server_only"} & set(systems):
-            server = Server(args.python, model_dir, served, args.cache, work / "server.log", work / "tmp-server")
-            started = time.perf_counter()
-            server.chat({"model": served, "max_tokens": 4, "temperature": 0,
-                         "messages": [{"role": "user", "content": "Say hello."}]})
-            server_info = {"start_to_healthy_s": server.start_s, "first_request_s": round(time.perf_counter() - started, 2),
-                           "command": server.command, "url": server.url}
-            say(f"server healthy after {server.start_s:.1f} s; a first request (untimed) took "
-                f"{server_info['first_request_s']:.2f} s")
+            server = start_server(args.python, model_dir, served, args.cache, work / "server.log", work / "tmp-server")
+            server_info = server.info()
         warm_env = dict(env, ENGINE_URL=server.url) if server else env
         order = list(systems)
         with cf.ThreadPoolExecutor(args.threads) as pool:

@@ -1,0 +1,135 @@
+"""A warm vLLM OpenAI-compatible server for the benchmarks: started once in its own process group, its
+start (launch to /health, then a first request) timed apart, stopped at the end.
+
+Not a benchmark: warm_stream.py, api_burst.py, file_backfill.py and date_files_runs.py import it.
+
+    server = WarmServer.engine_start(model_dir, served, work / "warm-engine.log").start()
+    try:
+        ...  # ENGINE_URL=server.url; server.chat(body); server.cpu_s()
+    finally:
+        server.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from common import REPO, say
+
+START_SECONDS = 600.0
+HELLO = {"max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WarmServer:
+    """vLLM's OpenAI-compatible server run by `command` on 127.0.0.1:`port`, in its own process group."""
+
+    def __init__(self, command: list[str], port: int, served: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
+        self.command, self.port, self.served, self.log_path = command, port, served, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = env
+        self.process: subprocess.Popen | None = None
+        self.start_s: float | None = None
+        self.first_request_s: float | None = None
+
+    @classmethod
+    def engine_start(cls, model_dir: Path | str, served: str, log_path: Path, extra_flags: list[str] | None = None,
+                     env: dict[str, str] | None = None) -> WarmServer:
+        """The server `batch-pipeline engine start` runs (engine/server.py's command, the pipeline's engine
+        settings from this environment), on a free port; `env` default: engine/server.py's server_env()."""
+        from batch_pipeline.defs.resources import LLMResource
+        from batch_pipeline.engine.server import server_command, server_env
+
+        port = free_port()
+        command = server_command(LLMResource().settings(), str(model_dir), served, "127.0.0.1", port)
+        return cls(command + list(extra_flags or []), port, served, log_path, server_env() if env is None else env)
+
+    def start(self, timeout: float = START_SECONDS) -> WarmServer:
+        """Launch, wait for /health (failing after `timeout` s, the server stopped), then one first request."""
+        say(f"starting the warm engine on port {self.port} (untimed); log {self.log_path}")
+        started = time.perf_counter()
+        with open(self.log_path, "ab") as log:
+            log.write(("$ " + " ".join(self.command) + "\n").encode())
+            log.flush()
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=REPO,
+                                            stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            while not self.healthy():
+                if time.perf_counter() - started > timeout:
+                    raise SystemExit(f"the warm engine was not healthy after {timeout:.0f} s; see {self.log_path}")
+                time.sleep(0.5)
+            self.start_s = round(time.perf_counter() - started, 2)
+            started = time.perf_counter()
+            self.chat({"model": self.served, **HELLO})
+            self.first_request_s = round(time.perf_counter() - started, 2)
+        except BaseException:
+            self.stop()
+            raise
+        say(f"warm engine healthy after {self.start_s:.1f} s; a first request (untimed) {self.first_request_s:.2f} s")
+        return self
+
+    def healthy(self) -> bool:
+        from batch_pipeline.engine.server import health
+
+        if self.process.poll() is not None:
+            raise SystemExit(f"the warm engine exited ({self.process.returncode}); see {self.log_path}")
+        return health(self.url) == 200
+
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 600) -> dict[str, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body or {}).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            return json.loads(response.read() or b"{}")
+
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One /v1/chat/completions request; the answer's JSON."""
+        return self.post("/v1/chat/completions", body)
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache (needs VLLM_SERVER_DEV_MODE=1; fails while blocks are held: retried), so a
+        use profits from no earlier one."""
+        deadline = time.perf_counter() + 60
+        while True:
+            if self.post("/reset_prefix_cache").get("success"):
+                return
+            if time.perf_counter() > deadline:
+                raise SystemExit("the warm engine would not reset its prefix cache within 60 s")
+            time.sleep(0.5)
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) of the server and its children so far."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.process.pid)
+            return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+        except (psutil.Error, AttributeError):
+            return float("nan")
+
+    def info(self) -> dict[str, Any]:
+        return {"start_to_healthy_s": self.start_s, "first_request_s": self.first_request_s, "command": self.command,
+                "url": self.url}
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)  # the process group of the server this script started
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
