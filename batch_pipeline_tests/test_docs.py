@@ -9,7 +9,8 @@ the settings functions called with an empty environment), never a copy kept in t
 relative link and `#anchor` in README.md, docs/*.md, deploy/README.md and bench/README.md resolves to
 a file, and a heading in it, inside the repository. README.md stays a front door (at most 200 lines,
 `make` targets that exist); docs/DEVELOPMENT.md's module table lists every module, and the layers
-README.md draws are the ones the imports keep (each package imports only those below it); docs/OPERATIONS.md
+README.md draws are the ones the imports keep (each name imports only those on the lines below it,
+never one beside it on its own line); docs/OPERATIONS.md
 lists every doctor check. deploy/'s manifests are checked by test_deploy.py, not here.
 
 Touches nothing outside tmp_path: reads files and imports modules. No engine, no storage, no Dagster
@@ -420,7 +421,7 @@ def test_module_map_lists_every_module():
 def _layers(path: Path) -> list[list[str]]:
     """The layers of the package as a doc's picture draws them, top first: each line's names."""
     text = path.read_text()
-    start = text.index("```\ndefinitions.py,")
+    start = text.index("```\ncli.py ")
     picture = text[start + 4:text.index("```", start + 4)]
     return [re.findall(r"([a-z_]+(?:\.py|/))[, ]", line.split("  ")[0] + " ") for line in picture.splitlines()]
 
@@ -453,8 +454,10 @@ def test_imports_point_down_the_layers_the_readme_draws():
             if parts[0] == "batch_pipeline" and len(parts) > 1 and parts[1] in rank:
                 if rank[parts[1]] < rank[part]:
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {name} (a layer above it)")
-            if rank[part] > 0 and parts[0] == "dagster":
-                wrong.append(f"{path.relative_to(PACKAGE)} imports Dagster below the entry points")
+                elif rank[parts[1]] == rank[part] and parts[1] != part:
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {name} (sideways: the same layer)")
+            if rank[part] > rank["defs"] and parts[0] == "dagster":
+                wrong.append(f"{path.relative_to(PACKAGE)} imports Dagster below defs/")
             if rank[part] > rank["engine"] and parts[0] == "vllm":
                 wrong.append(f"{path.relative_to(PACKAGE)} imports vLLM below engine/")
     assert not wrong, "\n".join(wrong)
