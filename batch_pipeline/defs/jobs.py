@@ -6,7 +6,12 @@ from typing import Any
 
 import dagster as dg
 
-from batch_pipeline.config.settings import ConfigError, engine_settings_from_env, storage_settings_from_env
+from batch_pipeline.config.settings import (
+    ConfigError,
+    dagster_home_from_env,
+    engine_settings_from_env,
+    storage_settings_from_env,
+)
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.io.model_aliases import resolved_pins
@@ -82,7 +87,7 @@ def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "",
 
 def _instance() -> Any:
     """DAGSTER_HOME's instance (Dagster's own variable), else a throwaway one."""
-    home = os.environ.get("DAGSTER_HOME")
+    home = dagster_home_from_env()
     if home:
         os.makedirs(home, exist_ok=True)  # a new home is fine: Dagster's defaults (SQLite) apply
         return dg.DagsterInstance.get()
