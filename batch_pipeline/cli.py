@@ -76,49 +76,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_INVALID_LINES if summary.invalid or file_error else EXIT_OK
 
 
-def _instance() -> Any:
-    import dagster as dg
-
-    home = os.environ.get("DAGSTER_HOME")
-    if home:
-        os.makedirs(home, exist_ok=True)  # a new home is fine: Dagster's defaults (SQLite) apply
-        return dg.DagsterInstance.get()
-    return dg.DagsterInstance.ephemeral()
-
-
-def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[str, Any] | None = None,
-              instance: Any = None, log_level: str = "INFO", shard: str = "", image_column: str = "") -> Any:
-    """Run `batch_job` for one input file in-process; returns Dagster's result. The run is listed in
-    the instance's Runs as `batch_job`, tagged with its source, input and batch name. `image_column`:
-    a Parquet/CSV input's column of images (the run config's batch.image_column)."""
-    import dagster as dg
-
-    from batch_pipeline.defs.assets import BATCH_ASSETS
-    from batch_pipeline.defs.jobs import batch_job, batch_run_config
-    from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-    from batch_pipeline.io.locations import batch_name
-
-    run_config = {
-        **batch_run_config(input_uri, output_dir, shard=shard),
-        "loggers": {"console": {"config": {"log_level": log_level}}},
-    }
-    if image_column:
-        run_config["resources"]["batch"]["config"]["image_column"] = image_column
-    resources = {"batch": BatchSelection(), **(resources or {"llm": LLMResource(), "storage": StorageResource()})}
-    job = dg.Definitions(assets=BATCH_ASSETS, jobs=[batch_job], resources=resources).resolve_job_def("batch_job")
-    tags = {"batch_pipeline/source": "cli", "batch_pipeline/input_uri": input_uri,
-            "batch_pipeline/batch_name": batch_name(input_uri), "batch_pipeline/output_uri": output_dir}
-    if shard:
-        tags["batch_pipeline/shard"] = shard
-    return job.execute_in_process(
-        run_config=run_config,
-        partition_key=partition,
-        instance=instance if instance is not None else _instance(),
-        raise_on_error=False,
-        tags=tags,
-    )
-
-
 def _wrote_results(result: Any) -> bool:
     """Whether this run's batch_outputs step wrote a batch's result files (a shard run does only when
     it finds every shard of the batch done)."""
@@ -169,6 +126,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         _err(f"--image-column is for Parquet/CSV inputs; a JSONL line gives its images in its own body ({input_uri})")
         return EXIT_FAILED
     require_hardware(LLMResource().settings())  # before any work: e.g. a GPU preset on a CPU machine
+    from batch_pipeline.defs.jobs import run_batch
+
     result = run_batch(input_uri, output_dir, args.date, shard=args.shard, image_column=image_column)
     if not shard.whole and result.success and not _wrote_results(result):
         # Another shard writes the results: still answering, or finishing right now.

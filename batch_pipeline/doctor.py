@@ -31,7 +31,9 @@ from batch_pipeline.engine.placement import describe_plan
 from batch_pipeline.config.models import WEIGHT_SUFFIXES
 from batch_pipeline.config.settings import (
     EngineSettings,
+    dagster_home_from_env,
     engine_settings_from_env,
+    s3_settings_from_env,
     sensor_settings_from_env,
     shards_from_env,
     storage_settings_from_env,
@@ -83,6 +85,7 @@ def check_settings() -> CheckResult:
     try:
         s = engine_settings_from_env()
         st = storage_settings_from_env()
+        s3_settings_from_env()
     except ValueError as e:  # ConfigError names the variable
         return _fail("settings", str(e))
     return _pass(
@@ -362,7 +365,7 @@ def check_storage_output() -> CheckResult:
     try:
         if storage.read_bytes(probe) != payload:
             return _fail("storage output", f"{probe} reads back different bytes")
-        sse = os.environ.get("S3_SSE", "").strip()
+        sse = s3_settings_from_env().sse
         if storage.is_s3(probe) and sse:
             bucket, key = storage.split_s3(probe)
             got = storage.s3_client().head_object(Bucket=bucket, Key=key).get("ServerSideEncryption")
@@ -404,7 +407,7 @@ def _instance_error(exc: BaseException) -> str:
 
 def check_dagster_instance() -> CheckResult:
     """DAGSTER_HOME's instance loads and its run storage answers a query."""
-    home = os.environ.get("DAGSTER_HOME", "").strip()
+    home = dagster_home_from_env()
     if not home:
         return _warn("dagster instance", "DAGSTER_HOME is not set: the CLI records runs in a throwaway instance")
     if not (Path(home) / "dagster.yaml").is_file():

@@ -186,7 +186,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def golden_report(model: ModelVersions, candidate: str, current: str, golden: str, work_dir: str | None = None) -> dict:
     """Answer the golden file's generation lines with both versions in one run (one model after the
     other) and compare them line by line."""
-    from batch_pipeline.cli import run_batch
+    from batch_pipeline.defs.jobs import run_batch
 
     lines = _golden_lines(golden)
     work = Path(work_dir or tempfile.mkdtemp(prefix="model-verify-"))

@@ -406,7 +406,7 @@ def test_limit_settings_are_checked_naming_the_variable(tmp_path):
     assert load_limits(tenants, {}) == (None, {})
     assert load_limits(tenants, {"BATCH_API_MAX_IN_FLIGHT": "4", "BATCH_API_TENANT_LIMITS": "team-a:2, team-b:none"}) \
         == (4, {"team-a": 2, "team-b": None})
-    for env, message in [({"BATCH_API_MAX_IN_FLIGHT": "0"}, "BATCH_API_MAX_IN_FLIGHT='0': a whole number of 1 or more"),
+    for env, message in [({"BATCH_API_MAX_IN_FLIGHT": "0"}, "BATCH_API_MAX_IN_FLIGHT='0' is out of range (at least 1)"),
                          ({"BATCH_API_TENANT_LIMITS": "team-a"}, "BATCH_API_TENANT_LIMITS: 'team-a' is not tenant:limit"),
                          ({"BATCH_API_TENANT_LIMITS": "team-x:2"}, "BATCH_API_TENANT_LIMITS: tenant 'team-x' has no API key"),
                          ({"BATCH_API_TENANT_LIMITS": "team-a:many"}, "BATCH_API_TENANT_LIMITS (team-a)='many'")]:

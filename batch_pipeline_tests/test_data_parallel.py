@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.cli import run_batch
+from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.engine import placement
 from batch_pipeline.doctor import run_checks

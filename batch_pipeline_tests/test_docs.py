@@ -1,15 +1,19 @@
 """The documentation against the code: settings and their defaults, links, the module map, doctor.
 
 Covers: docs/CONFIGURATION.md names every environment variable the package reads (ENGINE_ENV and its
-old names, the settings functions, and every name read through `os.environ`, `env.get`,
-`int_in_range`, `number_in_range` (base/env.py), `_seconds_env` or `EnvVar` anywhere under batch_pipeline/) and no other, apart from a
-short list that the libraries underneath read, kept in a table of its own; every default stated there
+old names, the settings functions, and every name read through base/env.py's readers (`read_text`,
+`read_choice`, `read_checked`, `int_in_range`, `number_in_range`), `os.environ` or `EnvVar` anywhere
+under batch_pipeline/) and no other, apart from a short list that the libraries underneath read, kept
+in a table of its own; base/env.py is the one way in (no other module reads `os.environ` but the
+few listed in DIRECT_ENVIRON, each saying why it is not a setting read) and each variable is read in
+one module; every default stated there
 is the code's (EngineSettings' field defaults, the engine arguments filled in on CPU, constants, and
 the settings functions called with an empty environment), never a copy kept in this file. Every
 relative link and `#anchor` in README.md, docs/*.md, deploy/README.md and bench/README.md resolves to
 a file, and a heading in it, inside the repository. README.md stays a front door (at most 200 lines,
 `make` targets that exist); docs/DEVELOPMENT.md's module table lists every module, and the layers
-README.md draws are the ones the imports keep (each package imports only those below it); docs/OPERATIONS.md
+README.md draws are the ones the imports keep (each name imports only those on the lines below it,
+never one beside it on its own line); docs/OPERATIONS.md
 lists every doctor check. deploy/'s manifests are checked by test_deploy.py, not here.
 
 Touches nothing outside tmp_path: reads files and imports modules. No engine, no storage, no Dagster
@@ -47,14 +51,27 @@ LIBRARY_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_WAIT_POLICY",
 }
 NAME = r'"([A-Z][A-Z0-9_]+)"'
-# How the package reads a variable by a literal name; a write (`os.environ["X"] = ...`) is not a read.
+# How the package reads a variable by a literal name: base/env.py's readers (the one way in), and
+# os.environ where DIRECT_ENVIRON allows it; a write (`os.environ["X"] = ...`) is not a read.
 READS = [
-    re.compile(r"(?:os\.environ|\benv)\.get\(\s*" + NAME),
-    re.compile(r"(?:os\.environ|\benv)\[\s*" + NAME + r"\s*\](?!\s*=[^=])"),
-    re.compile(r"(?:int|number)_in_range\(\s*(?:env|os\.environ),\s*" + NAME),
-    re.compile(r"_seconds_env\(\s*" + NAME),
+    re.compile(r"\b(?:read_text|read_choice|read_checked|int_in_range|number_in_range)\(\s*[\w.]+,\s*" + NAME),
+    re.compile(r"os\.environ\.get\(\s*" + NAME),
+    re.compile(r"os\.environ\[\s*" + NAME + r"\s*\](?!\s*=[^=])"),
     re.compile(r"EnvVar\(\s*" + NAME),
 ]
+# The modules that touch os.environ other than through base/env.py, and why none of them reads a
+# setting of its own there.
+DIRECT_ENVIRON = {
+    "base/runtime.py": "sets vLLM's and Hugging Face's defaults for this process (setdefault), reads none",
+    "cli.py": "quiets vLLM's log lines for `batch-pipeline run` (setdefault)",
+    "registry.py": "the same for `batch-pipeline model verify`",
+    "engine/ranks.py": "sets a rank process's own environment (its devices) before vLLM loads",
+    "engine/server.py": "hands the whole environment to vLLM's server process",
+    "doctor.py": "lends DAGSTER_PG_PASSWORD (Helm's name) as DAGSTER_POSTGRES_PASSWORD while it loads "
+                 "Dagster's instance, then takes it back",
+    "defs/resources.py": "lays the launchpad's ENGINE_PRESET over the environment, and compares the launchpad's "
+                         "engine URLs with the environment's (ENGINE_API_KEY is only sent to the latter)",
+}
 
 
 # ----------------------------------------------------------------------------------- markdown
@@ -162,20 +179,29 @@ class RecordingEnv(dict):
         return super().__contains__(key)
 
 
-def code_variables() -> set[str]:
-    """Every environment variable the package reads: by literal name anywhere in its source, plus
-    what the settings functions ask an environment for (names kept in tables, such as ENGINE_ENV)."""
-    names = set(ENGINE_ENV) | set(ENGINE_ENV_ALIASES)
+def variable_readers() -> dict[str, set[str]]:
+    """{variable: the modules that read it}: by literal name anywhere in the package's source, plus
+    what config/settings.py's functions ask an environment for (names kept in tables, ENGINE_ENV)."""
+    readers: dict[str, set[str]] = {}
     for path in PACKAGE.rglob("*.py"):
         source = path.read_text()
         for pattern in READS:
-            names.update(pattern.findall(source))
+            for name in pattern.findall(source):
+                readers.setdefault(name, set()).add(str(path.relative_to(PACKAGE)))
+    asked = set(ENGINE_ENV) | set(ENGINE_ENV_ALIASES)
     for name, function in vars(settings_module).items():
         if name.endswith("_from_env") and callable(function):
             env = RecordingEnv()
             function(env)
-            names.update(env.asked)
-    return names
+            asked.update(env.asked)
+    for name in asked:
+        readers.setdefault(name, set()).add("config/settings.py")
+    return readers
+
+
+def code_variables() -> set[str]:
+    """Every environment variable the package reads."""
+    return set(variable_readers())
 
 
 def config_rows() -> list[Row]:
@@ -184,11 +210,40 @@ def config_rows() -> list[Row]:
 
 def test_the_scan_finds_variables_read_in_each_way():
     found = code_variables()
-    # One of each way of reading: env.get in a settings function, os.environ.get, a name kept in a
-    # tuple (MAX_LINE_BYTES), _seconds_env, int_in_range, ENGINE_ENV, an old name.
-    assert {"STORAGE_INPUT_PATH", "DAGSTER_WEBSERVER_URL", "MAX_LINE_BYTES", "AWS_READ_TIMEOUT",
-            "SENSOR_MAX_RUNS_PER_TICK", "ORDER", "SHARD_SIZE", "ENGINE_PRESET"} <= found
+    # One of each way of reading: read_text, read_choice, read_checked, int_in_range, number_in_range,
+    # os.environ.get (DIRECT_ENVIRON), a name asked for by a settings function only (the run
+    # priorities), ENGINE_ENV, an old name.
+    assert {"STORAGE_INPUT_PATH", "DAGSTER_WEBSERVER_URL", "S3_SSE", "NIGHTLY_CRON", "MAX_LINE_BYTES",
+            "AWS_READ_TIMEOUT", "DAGSTER_PG_PASSWORD", "SCHEDULE_RUN_PRIORITY", "ORDER", "SHARD_SIZE",
+            "ENGINE_PRESET"} <= found
     assert "VLLM_LOGGING_LEVEL" not in found  # only set by the CLI (setdefault), never read
+
+
+def _touches_environ(tree: ast.AST) -> bool:
+    """Whether a module uses os.environ or os.getenv (by `os.` or imported from os)."""
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and isinstance(node.value, ast.Name)
+                and node.value.id == "os"):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "os" and {a.name for a in node.names} & {"environ", "getenv"}:
+            return True
+    return False
+
+
+def test_settings_come_in_one_way_each_variable_read_in_one_module():
+    touching = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+                      if _touches_environ(ast.parse(p.read_text())))
+    unexplained = [name for name in touching if name not in DIRECT_ENVIRON and name != "base/env.py"]
+    assert not unexplained, (f"{unexplained} read os.environ: read a setting through base/env.py's readers "
+                             "(or say in DIRECT_ENVIRON why it is not a setting read)")
+    twice = {name: sorted(modules) for name, modules in variable_readers().items() if len(modules) > 1}
+    assert not twice, f"read in more than one module (give each variable one settings function): {twice}"
+
+
+def test_the_one_way_in_catches_a_module_reading_the_environment_itself():
+    assert _touches_environ(ast.parse('import os\nx = os.environ.get("X")'))
+    assert _touches_environ(ast.parse('from os import getenv\nx = getenv("X")'))
+    assert not _touches_environ(ast.parse('from batch_pipeline.base.env import read_text\nx = read_text(None, "X")'))
 
 
 def test_configuration_names_every_variable_the_code_reads_and_no_other():
@@ -260,7 +315,6 @@ def code_defaults(monkeypatch, tmp_path) -> dict[str, Any]:
     from batch_pipeline.defs import assets, partitions, schedules
     from batch_pipeline.engine import engine_args
     from batch_pipeline.config import models
-    from batch_pipeline.io import storage
     from batch_pipeline.steps.validation import ValidationSettings
     from batch_pipeline.service import app
 
@@ -276,12 +330,11 @@ def code_defaults(monkeypatch, tmp_path) -> dict[str, Any]:
     sensor = settings_module.sensor_settings_from_env({})
     where = settings_module.storage_settings_from_env({})
     limits = ValidationSettings(served_model_name="model")
-    for name in ("AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE", "AWS_CONNECT_TIMEOUT", "AWS_READ_TIMEOUT",
-                 "BATCH_PIPELINE_CACHE", "DAGSTER_WEBSERVER_URL", "BATCH_API_MAX_FILE_BYTES", "BATCH_API_MAX_FILE_REQUESTS",
+    for name in ("BATCH_PIPELINE_CACHE", "DAGSTER_WEBSERVER_URL", "BATCH_API_MAX_FILE_BYTES", "BATCH_API_MAX_FILE_REQUESTS",
                  "BATCH_API_MAX_IN_FLIGHT", "BATCH_API_TENANT_LIMITS", "BATCH_API_MIN_EXPIRY_SECONDS",
                  "BATCH_API_COMPLETION_WINDOWS", "BATCH_API_KEYS_FILE"):
         monkeypatch.delenv(name, raising=False)
-    client = storage._client_config()
+    s3 = settings_module.s3_settings_from_env({})
     monkeypatch.setenv("HOME", str(tmp_path))  # cache_root() creates its folder: here, not in ~
     monkeypatch.setenv("BATCH_API_KEYS", "docs-test:" + "k" * 16)
     monkeypatch.setenv("STORAGE_OUTPUT_PATH", str(tmp_path / "output"))
@@ -289,15 +342,15 @@ def code_defaults(monkeypatch, tmp_path) -> dict[str, Any]:
     defaults.update({
         "STORAGE_INPUT_PATH": Path(where.input_path),
         "STORAGE_OUTPUT_PATH": Path(where.output_path),
-        "AWS_MAX_ATTEMPTS": storage._max_attempts(),
-        "AWS_RETRY_MODE": client.retries["mode"],
-        "AWS_CONNECT_TIMEOUT": client.connect_timeout,
-        "AWS_READ_TIMEOUT": client.read_timeout,
+        "AWS_MAX_ATTEMPTS": s3.max_attempts,
+        "AWS_RETRY_MODE": s3.retry_mode,
+        "AWS_CONNECT_TIMEOUT": s3.connect_timeout,
+        "AWS_READ_TIMEOUT": s3.read_timeout,
         "MAX_LINE_BYTES": limits.max_line_bytes,
         "MAX_CUSTOM_ID_LENGTH": limits.max_custom_id_length,
         "MAX_FAILED_LINE_RATE": assets.DEFAULT_MAX_FAILED_RATE,
         "PARTITIONS_START": partitions.DEFAULT_PARTITIONS_START,
-        "NIGHTLY_CRON": schedules.NIGHTLY_CRON,
+        "NIGHTLY_CRON": schedules.nightly_cron_from_env({}),
         "SHARDS": settings_module.shards_from_env({}),
         "SENSOR_INTERVAL_SECONDS": settings_module.sensor_interval_from_env({}),
         "SENSOR_WINDOW_DAYS": sensor.window_days,
@@ -420,7 +473,7 @@ def test_module_map_lists_every_module():
 def _layers(path: Path) -> list[list[str]]:
     """The layers of the package as a doc's picture draws them, top first: each line's names."""
     text = path.read_text()
-    start = text.index("```\ndefinitions.py,")
+    start = text.index("```\ncli.py ")
     picture = text[start + 4:text.index("```", start + 4)]
     return [re.findall(r"([a-z_]+(?:\.py|/))[, ]", line.split("  ")[0] + " ") for line in picture.splitlines()]
 
@@ -453,8 +506,10 @@ def test_imports_point_down_the_layers_the_readme_draws():
             if parts[0] == "batch_pipeline" and len(parts) > 1 and parts[1] in rank:
                 if rank[parts[1]] < rank[part]:
                     wrong.append(f"{path.relative_to(PACKAGE)} imports {name} (a layer above it)")
-            if rank[part] > 0 and parts[0] == "dagster":
-                wrong.append(f"{path.relative_to(PACKAGE)} imports Dagster below the entry points")
+                elif rank[parts[1]] == rank[part] and parts[1] != part:
+                    wrong.append(f"{path.relative_to(PACKAGE)} imports {name} (sideways: the same layer)")
+            if rank[part] > rank["defs"] and parts[0] == "dagster":
+                wrong.append(f"{path.relative_to(PACKAGE)} imports Dagster below defs/")
             if rank[part] > rank["engine"] and parts[0] == "vllm":
                 wrong.append(f"{path.relative_to(PACKAGE)} imports vLLM below engine/")
     assert not wrong, "\n".join(wrong)

@@ -15,7 +15,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.cli import run_batch
+from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
 from batch_pipeline_tests.cli_runs import read_results
 

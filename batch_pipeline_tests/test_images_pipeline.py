@@ -26,7 +26,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from batch_pipeline.cli import run_batch
+from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.config import models
 from batch_pipeline.contract import contract
 from batch_pipeline.defs.resources import LLMResource, StorageResource

@@ -27,7 +27,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from batch_pipeline.cli import run_batch
+from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.defs.assets import RETRY_DELAY_SECONDS
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline_tests.asset_runs import materialize

@@ -253,7 +253,7 @@ def test_priority_settings_are_checked_naming_the_variable(tmp_path):
     assert load_priority_caps(tenants, {"BATCH_API_MAX_PRIORITY": "3",
                                         "BATCH_API_TENANT_MAX_PRIORITY": "team-a:10, team-b:0"}) == (3, {"team-a": 10,
                                                                                                        "team-b": 0})
-    for env, message in [({"BATCH_API_MAX_PRIORITY": "-1"}, "BATCH_API_MAX_PRIORITY='-1': a whole number from 0 to"),
+    for env, message in [({"BATCH_API_MAX_PRIORITY": "-1"}, "BATCH_API_MAX_PRIORITY='-1' is out of range (0 to 1000"),
                          ({"BATCH_API_MAX_PRIORITY": "2000000"}, "BATCH_API_MAX_PRIORITY='2000000'"),
                          ({"BATCH_API_TENANT_MAX_PRIORITY": "team-a"}, "BATCH_API_TENANT_MAX_PRIORITY: 'team-a' is not tenant:cap"),
                          ({"BATCH_API_TENANT_MAX_PRIORITY": "team-x:1"},

@@ -1,5 +1,9 @@
 """Configuration by environment variable (config/settings.py) and the resources that expose it.
 
+Also each setting's own error, in base/env.py's one wording (a variable and the value given), for the
+settings read outside config/settings.py too (NIGHTLY_CRON, ALERT_WEBHOOK_URL, the Batch API's), and
+an engine setting as its field: the same error from the environment and from the launchpad.
+
 Pure unit tests: no engine is built, no storage is touched.
 """
 
@@ -13,10 +17,15 @@ from batch_pipeline.engine.engine_args import engine_kwargs
 from batch_pipeline.config.settings import (
     ConfigError,
     EngineSettings,
+    S3Settings,
     engine_settings_from_env,
+    s3_settings_from_env,
+    shards_from_env,
     storage_settings_from_env,
     validation_limits_from_env,
 )
+from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_cron_from_env
+from batch_pipeline.service.settings import file_limits, min_expiry_seconds
 
 
 def test_deployment_guide_names_map_to_engine_settings():
@@ -259,3 +268,85 @@ def test_every_reader_fails_the_same_way():
         image_settings_from_env({"IMAGE_FETCH_TIMEOUT": "0"})
     with pytest.raises(ConfigError, match="MAX_IMAGE_BYTES='many' is not a valid integer"):
         image_settings_from_env({"MAX_IMAGE_BYTES": "many"})
+
+
+# ------------------------------------------------------------------ one way in, one wording
+
+
+@pytest.mark.parametrize("read,env,message", [
+    (nightly_cron_from_env, {"NIGHTLY_CRON": "every night"}, "NIGHTLY_CRON='every night' is not a valid cron expression (five fields"),
+    (nightly_cron_from_env, {"NIGHTLY_CRON": "0 2 * * * *"}, "NIGHTLY_CRON='0 2 * * * *' is not a valid cron expression"),  # seconds: not Dagster's
+    (nightly_cron_from_env, {"NIGHTLY_CRON": "0 0 30 2 *"}, "NIGHTLY_CRON='0 0 30 2 *' is not a valid cron expression"),  # no 30 February
+    (s3_settings_from_env, {"AWS_RETRY_MODE": "fast"}, "AWS_RETRY_MODE='fast' is not one of standard, adaptive, legacy"),
+    (s3_settings_from_env, {"AWS_MAX_ATTEMPTS": "0"}, "AWS_MAX_ATTEMPTS='0' is out of range (1 to 100)"),
+    (s3_settings_from_env, {"AWS_READ_TIMEOUT": "0"}, "AWS_READ_TIMEOUT='0' is out of range (above 0 to 86400 seconds)"),
+    (s3_settings_from_env, {"S3_SSE": "aes256"}, "S3_SSE='aes256' is not one of AES256, aws:kms, aws:kms:dsse"),
+    (validation_limits_from_env, {"MAX_LINE_BYTES": "0"}, "MAX_LINE_BYTES='0' is out of range (at least 1)"),
+    (shards_from_env, {"SHARDS": "2000"}, "SHARDS='2000' is out of range (1 to 1024)"),
+    (file_limits, {"BATCH_API_MAX_FILE_BYTES": "big"}, "BATCH_API_MAX_FILE_BYTES='big' is not a valid integer"),
+    (min_expiry_seconds, {"BATCH_API_MIN_EXPIRY_SECONDS": "99999999"}, "BATCH_API_MIN_EXPIRY_SECONDS='99999999' is out of range (1 to 2592000"),
+])
+def test_each_setting_fails_in_the_one_wording_naming_variable_and_value(read, env, message):
+    with pytest.raises(ConfigError) as err:
+        read(env)
+    assert str(err.value).startswith(message)
+
+
+def test_settings_read_well_formed_values_and_keep_their_defaults():
+    assert nightly_cron_from_env({}) == NIGHTLY_CRON == "0 2 * * *"
+    assert nightly_cron_from_env({"NIGHTLY_CRON": " 30 4 * * 1-5 "}) == "30 4 * * 1-5"
+    assert s3_settings_from_env({}) == S3Settings(8, "standard", 10.0, 60.0, "", "")
+    s3 = s3_settings_from_env({"AWS_RETRY_MODE": "Legacy", "S3_SSE": "aws:kms", "S3_SSE_KMS_KEY_ID": "alias/b"})
+    assert (s3.retry_mode, s3.sse_args()) == ("legacy", {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": "alias/b"})
+
+
+def test_a_bad_nightly_cron_fails_the_definitions_naming_it(monkeypatch):
+    from batch_pipeline.defs.schedules import schedules
+
+    monkeypatch.setenv("NIGHTLY_CRON", "at two")
+    with pytest.raises(ConfigError, match="NIGHTLY_CRON='at two' is not a valid cron"):
+        schedules()
+
+
+def test_a_webhook_url_is_refused_without_repeating_it():
+    from batch_pipeline.defs.alerts import webhook_url_from_env
+
+    assert webhook_url_from_env({}) is None
+    assert webhook_url_from_env({"ALERT_WEBHOOK_URL": "https://hooks.example/x"}) == "https://hooks.example/x"
+    with pytest.raises(ConfigError) as err:
+        webhook_url_from_env({"ALERT_WEBHOOK_URL": "hooks.example/token-123"})
+    assert str(err.value) == "ALERT_WEBHOOK_URL is not an http:// or https:// URL with a host"  # no token in logs
+
+
+@pytest.mark.parametrize("variable,field,bad", [("BATCH_SIZE", "batch_size", 0),
+                                                ("GPU_MEMORY_UTILIZATION", "gpu_memory_utilization", 1.5),
+                                                ("ENGINE_WAIT_SECONDS", "engine_wait_seconds", -1.0)])
+def test_an_engine_setting_out_of_range_reads_the_same_from_the_environment_and_the_launchpad(variable, field, bad):
+    with pytest.raises(ConfigError) as from_env:
+        engine_settings_from_env({variable: str(bad)})
+    with pytest.raises(ConfigError) as from_launchpad:
+        EngineSettings(**{field: bad})
+    assert str(from_env.value) == str(from_launchpad.value)
+    assert str(from_env.value).startswith(f"{variable}={bad!r} is out of range (")
+
+
+def test_an_engine_setting_is_its_field():
+    # Its variable, range, secrecy, old name and MODELS_FILE role are the field's (`setting`), so
+    # ENGINE_ENV and the tables derived from it cannot drift from the fields.
+    from dataclasses import fields
+
+    from batch_pipeline.config import settings
+
+    named = {f.name for f in fields(EngineSettings) if "env" in f.metadata}
+    assert named == {f.name for f in fields(EngineSettings)} - {"preset"}  # ENGINE_PRESET is read apart
+    assert settings.ENGINE_ENV["BATCH_SIZE"] == "batch_size" and settings.ENGINE_ENV_ALIASES == {"SHARD_SIZE": "CHECKPOINT_ANSWERS"}
+    assert settings.SECRET_ENGINE_ENV == {"ENGINE_API_KEY"}
+    assert "secret-key" not in repr(EngineSettings(engine_api_key="secret-key"))
+
+
+def test_the_doctor_parses_the_s3_settings_before_any_run(monkeypatch):
+    from batch_pipeline import doctor
+
+    monkeypatch.setenv("AWS_RETRY_MODE", "fast")
+    result = doctor.check_settings()
+    assert result.status == "FAIL" and "AWS_RETRY_MODE='fast'" in result.detail

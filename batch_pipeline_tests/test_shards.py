@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline.cli import run_batch
+from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.io import shards

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from batch_pipeline.config.settings import S3Settings
 from batch_pipeline.io import storage
 from batch_pipeline_tests.s3_server import MotoS3
 
@@ -318,7 +319,7 @@ def test_client_is_shared_and_reset_follows_env(s3_env: dict[str, str], monkeypa
     assert len({id(client) for client in seen}) == 1
     client = seen[0]
     assert client.meta.endpoint_url == s3_env["AWS_ENDPOINT_URL"]  # type: ignore[attr-defined]
-    assert client.meta.config.retries["total_max_attempts"] == storage.DEFAULT_MAX_ATTEMPTS  # type: ignore[attr-defined]
+    assert client.meta.config.retries["total_max_attempts"] == S3Settings().max_attempts  # type: ignore[attr-defined]
 
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "3")
     assert storage.s3_client() is client  # cached until reset

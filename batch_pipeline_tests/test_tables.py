@@ -214,7 +214,7 @@ def test_a_table_on_s3_is_found_by_the_sensor_and_answered(tiny_llm, s3_bucket, 
 
 @pytest.mark.smollm2
 def test_real_answers_from_tables_through_the_cli(smollm2_llm, tmp_path):
-    from batch_pipeline.cli import run_batch
+    from batch_pipeline.defs.jobs import run_batch
 
     questions = pd.DataFrame({
         "custom_id": ["fr", "de"],

@@ -27,6 +27,8 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from batch_pipeline.base.env import read_text
+
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
 MARKER_NAME = ".batch_pipeline.json"
@@ -62,8 +64,8 @@ Log = Callable[[str], None]
 
 def cache_root() -> Path:
     """$BATCH_PIPELINE_CACHE, else ~/.cache/batch_pipeline; created if missing."""
-    env = os.environ.get("BATCH_PIPELINE_CACHE")
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "batch_pipeline"
+    given = read_text(None, "BATCH_PIPELINE_CACHE")
+    root = Path(given).expanduser() if given else Path.home() / ".cache" / "batch_pipeline"
     root.mkdir(parents=True, exist_ok=True)
     return root
 

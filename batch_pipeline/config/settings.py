@@ -7,12 +7,21 @@ resources expose the same fields in the launchpad; a value set there wins over t
 from __future__ import annotations
 
 import functools
-import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from batch_pipeline.base.env import coerce, int_in_range, number_in_range
+from batch_pipeline.base.env import (
+    check_range,
+    coerce,
+    environ,
+    int_in_range,
+    number_in_range,
+    read_checked,
+    read_choice,
+    read_text,
+)
 from batch_pipeline.base.errors import ConfigError
 from batch_pipeline.config.model_versions import (
     VERSION_SEP,
@@ -25,139 +34,104 @@ from batch_pipeline.config.model_versions import (
 from batch_pipeline.config.presets import preset
 from batch_pipeline.config.priority import PRIORITY_BOUND
 
-# Environment variable -> EngineSettings field.
-ENGINE_ENV = {
-    "MODEL_PATH": "model_path",
-    "SERVED_MODEL_NAME": "served_model_name",
-    "TENSOR_PARALLEL_SIZE": "tensor_parallel_size",
-    "DATA_PARALLEL_SIZE": "data_parallel_size",
-    "MAX_MODEL_LEN": "max_model_len",
-    "BATCH_SIZE": "batch_size",
-    "DTYPE": "dtype",
-    "GPU_MEMORY_UTILIZATION": "gpu_memory_utilization",
-    "MAX_NUM_BATCHED_TOKENS": "max_num_batched_tokens",
-    "ENABLE_PREFIX_CACHING": "enable_prefix_caching",
-    "SEED": "seed",
-    "KV_CACHE_MEMORY_BYTES": "kv_cache_memory_bytes",
-    "ENFORCE_EAGER": "enforce_eager",
-    "ENGINE_ARGS": "extra_engine_args",
-    "EMBEDDING_MODEL_PATH": "embedding_model_path",
-    "EMBEDDING_SERVED_MODEL_NAME": "embedding_served_model_name",
-    "REASONING_PARSER": "reasoning_parser",
-    "TOOL_CALL_PARSER": "tool_call_parser",
-    "SCORE_MODEL_PATH": "score_model_path",
-    "SCORE_SERVED_MODEL_NAME": "score_served_model_name",
-    "LORA_MODULES": "lora_modules",
-    "MODELS_FILE": "models_file",
-    "MODEL_VERSIONS": "model_versions",
-    "MAX_LORA_RANK": "max_lora_rank",
-    "CHECKPOINT_ANSWERS": "checkpoint_answers",
-    "CHECKPOINT_SECONDS": "checkpoint_seconds",
-    "ORDER": "order",
-    "ENGINE_URL": "engine_url",
-    "ENGINE_API_KEY": "engine_api_key",
-    "ENGINE_WINDOW": "engine_window",
-    "ENGINE_WAIT_SECONDS": "engine_wait_seconds",
-    "EMBEDDING_ENGINE_URL": "embedding_engine_url",
-    "SCORE_ENGINE_URL": "score_engine_url",
-}
-# Secrets among them: read from the environment only, never a launchpad field (a run's config is kept
-# in its record and shown in the UI).
-SECRET_ENGINE_ENV = {"ENGINE_API_KEY"}
 # ORDER's values (steps/ordering.py plans the "planned" one).
 ORDERS = ("input", "planned")
 DEFAULT_ORDER = "planned"
-# Older names still read (the new name wins when both are set).
-ENGINE_ENV_ALIASES = {"SHARD_SIZE": "CHECKPOINT_ANSWERS"}
 
 
-RANGES = {
-    "TENSOR_PARALLEL_SIZE": " (at least 1)",
-    "DATA_PARALLEL_SIZE": " (at least 1)",
-    "MAX_MODEL_LEN": " (at least 16)",
-    "BATCH_SIZE": " (at least 1)",
-    "GPU_MEMORY_UTILIZATION": " (above 0, at most 1)",
-    "MAX_NUM_BATCHED_TOKENS": " (at least 1)",
-    "CHECKPOINT_ANSWERS": " (at least 1)",
-    "CHECKPOINT_SECONDS": " (0.5 to 3600 seconds)",
-    "ENGINE_WINDOW": " (at least 1)",
-    "ENGINE_WAIT_SECONDS": " (0 to 86400 seconds)",
-}
+def setting(var: str, default: Any = None, *, factory: Callable[[], Any] | None = None, low: float | None = None,
+            high: float | None = None, note: str = "", above_low: bool = False, choices: tuple[str, ...] = (),
+            secret: bool = False, old: str = "", per_model: bool = False, inherited: bool = True) -> Any:
+    """An EngineSettings field and everything about its variable, in one place: its name (`var`),
+    its range (`low`..`high`, checked for a value from the environment and from the launchpad
+    alike, worded by base/env.py) or `choices`, `secret` (environment only, never shown), an older
+    name still read (`old`), whether a MODELS_FILE entry may set it (`per_model`) and whether an
+    entry takes it over from the default model (`inherited`). ENGINE_ENV and the tables below are
+    read from these, so a new engine setting is its field here and its row in CONFIGURATION.md."""
+    metadata = {"env": var, "range": (low, high, note, above_low) if low is not None else None, "choices": choices,
+                "secret": secret, "old": old, "per_model": per_model, "inherited": inherited}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata, repr=not secret)
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     """Everything needed to build the engines; empty/None means "the default for this machine"."""
 
-    model_path: str = ""  # empty: the bundled SmolLM2-135M-Instruct checkpoint
-    served_model_name: str = ""  # empty: the model folder's name
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1  # engine ranks, each on its own TENSOR_PARALLEL_SIZE GPUs (placement.py)
-    max_model_len: int | None = None
-    batch_size: int | None = None  # vLLM's max_num_seqs
-    dtype: str = "auto"  # auto: float32 on CPU (bfloat16 ran ~10x slower there), the model's dtype on GPU
-    gpu_memory_utilization: float = 0.90
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool | None = None
-    seed: int = 0
-    kv_cache_memory_bytes: int | None = None  # CPU default set in engine.py
-    enforce_eager: bool | None = None  # None: eager on CPU (compiled mode took ~50 s to start here)
-    extra_engine_args: dict[str, Any] = field(default_factory=dict)
-    embedding_model_path: str = ""  # empty: the bundled all-MiniLM-L6-v2
-    embedding_served_model_name: str = ""
-    reasoning_parser: str = ""  # vLLM's reasoning parser name (deepseek_r1, qwen3, ...); empty: none
-    tool_call_parser: str = ""  # vLLM's tool parser name (hermes, llama3_json, ...) for tool_choice auto; empty: none
-    score_model_path: str = ""  # /v1/score and /v1/rerank: a cross-encoder; empty: the embedding model
-    score_served_model_name: str = ""
+    # empty: the bundled SmolLM2-135M-Instruct checkpoint
+    model_path: str = setting("MODEL_PATH", "", inherited=False)
+    # empty: the model folder's name
+    served_model_name: str = setting("SERVED_MODEL_NAME", "", inherited=False)
+    tensor_parallel_size: int = setting("TENSOR_PARALLEL_SIZE", 1, low=1, per_model=True)
+    # engine ranks, each on its own TENSOR_PARALLEL_SIZE GPUs (placement.py)
+    data_parallel_size: int = setting("DATA_PARALLEL_SIZE", 1, low=1)
+    max_model_len: int | None = setting("MAX_MODEL_LEN", None, low=16, per_model=True)
+    batch_size: int | None = setting("BATCH_SIZE", None, low=1, per_model=True)  # vLLM's max_num_seqs
+    # auto: float32 on CPU (bfloat16 ran ~10x slower there), the model's dtype on GPU
+    dtype: str = setting("DTYPE", "auto", per_model=True)
+    gpu_memory_utilization: float = setting("GPU_MEMORY_UTILIZATION", 0.90, low=0, above_low=True, high=1,
+                                            per_model=True)
+    max_num_batched_tokens: int | None = setting("MAX_NUM_BATCHED_TOKENS", None, low=1, per_model=True)
+    enable_prefix_caching: bool | None = setting("ENABLE_PREFIX_CACHING", None, per_model=True)
+    seed: int = setting("SEED", 0, per_model=True)
+    kv_cache_memory_bytes: int | None = setting("KV_CACHE_MEMORY_BYTES", None, per_model=True)  # CPU default: engine_args.py
+    # None: eager on CPU (compiled mode took ~50 s to start here)
+    enforce_eager: bool | None = setting("ENFORCE_EAGER", None, per_model=True)
+    extra_engine_args: dict[str, Any] = setting("ENGINE_ARGS", factory=dict, per_model=True)
+    embedding_model_path: str = setting("EMBEDDING_MODEL_PATH", "")  # empty: the bundled all-MiniLM-L6-v2
+    embedding_served_model_name: str = setting("EMBEDDING_SERVED_MODEL_NAME", "")
+    # vLLM's reasoning parser name (deepseek_r1, qwen3, ...); empty: none
+    reasoning_parser: str = setting("REASONING_PARSER", "", per_model=True, inherited=False)
+    # vLLM's tool parser name (hermes, llama3_json, ...) for tool_choice auto; empty: none
+    tool_call_parser: str = setting("TOOL_CALL_PARSER", "", per_model=True, inherited=False)
+    # /v1/score and /v1/rerank: a cross-encoder; empty: the embedding model
+    score_model_path: str = setting("SCORE_MODEL_PATH", "")
+    score_served_model_name: str = setting("SCORE_SERVED_MODEL_NAME", "")
     # LoRA adapters served on the generation model: "name=path name2=path2" (commas work too); a
     # line selects one by naming it in body.model.
-    lora_modules: str = ""
-    max_lora_rank: int | None = None  # None: the largest rank among the adapters
+    lora_modules: str = setting("LORA_MODULES", "", per_model=True, inherited=False)
+    # None: the largest rank among the adapters
+    max_lora_rank: int | None = setting("MAX_LORA_RANK", None, per_model=True, inherited=False)
     # More generation models (YAML: served name -> folder, preset, engine settings): each line runs
     # on the model its body.model names (engine/engines.py loads one at a time).
-    models_file: str = ""
+    models_file: str = setting("MODELS_FILE", "", inherited=False)
     # The versions of MODELS_FILE's versioned models this run answers with, "name=version ..."; a
     # model not named here takes its current alias (config/model_versions.py).
-    model_versions: str = ""
+    model_versions: str = setting("MODEL_VERSIONS", "", inherited=False)
     # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
     # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
-    checkpoint_answers: int = 256
-    checkpoint_seconds: float = 5.0
+    checkpoint_answers: int = setting("CHECKPOINT_ANSWERS", 256, low=1, old="SHARD_SIZE")
+    checkpoint_seconds: float = setting("CHECKPOINT_SECONDS", 5.0, low=0.5, high=3600, note=" seconds")
     # The order requests are fed to the engine: "planned" (shared prompt prefixes together, long
     # decodes first: steps/ordering.py) or "input" (file order). Only the speed depends on it.
-    order: str = DEFAULT_ORDER
-    preset: str = ""  # ENGINE_PRESET that filled in the defaults, if any
+    order: str = setting("ORDER", DEFAULT_ORDER, choices=ORDERS)
+    preset: str = field(default="", metadata={"inherited": False})  # ENGINE_PRESET that filled in the defaults, if any
     # A warm engine: vLLM's OpenAI-compatible server at this URL answers the default model's requests
     # (engine/remote.py); empty: the engine runs in the run's own process. The key (if the server
-    # wants one) is sent as a bearer token and never shown (repr=False).
-    engine_url: str = ""
-    engine_api_key: str = field(default="", repr=False)
-    engine_window: int | None = None  # requests in flight at once on the server; None: engine/remote.py's default
-    engine_wait_seconds: float = 300.0  # how long a run waits for a server that went away before failing
+    # wants one) is sent as a bearer token and never shown. The default model's warm engine serves it
+    # alone: a MODELS_FILE entry has a `url` of its own or none.
+    engine_url: str = setting("ENGINE_URL", "", per_model=True, inherited=False)
+    engine_api_key: str = setting("ENGINE_API_KEY", "", secret=True, inherited=False)
+    # requests in flight at once on the server; None: engine/remote.py's default
+    engine_window: int | None = setting("ENGINE_WINDOW", None, low=1)
+    # how long a run waits for a server that went away before failing
+    engine_wait_seconds: float = setting("ENGINE_WAIT_SECONDS", 300.0, low=0, high=86400, note=" seconds")
     # Warm engines of the pooling models (a server started with --runner pooling): the embedding model's
     # (embeddings, and score/rerank when no SCORE_MODEL_PATH) and the scoring model's; empty: in-process.
-    embedding_engine_url: str = ""
-    score_engine_url: str = ""
+    embedding_engine_url: str = setting("EMBEDDING_ENGINE_URL", "", inherited=False)
+    score_engine_url: str = setting("SCORE_ENGINE_URL", "", inherited=False)
 
     def __post_init__(self) -> None:
-        checks = {
-            "TENSOR_PARALLEL_SIZE": self.tensor_parallel_size >= 1,
-            "DATA_PARALLEL_SIZE": self.data_parallel_size >= 1,
-            "MAX_MODEL_LEN": self.max_model_len is None or self.max_model_len >= 16,
-            "BATCH_SIZE": self.batch_size is None or self.batch_size >= 1,
-            "GPU_MEMORY_UTILIZATION": 0 < self.gpu_memory_utilization <= 1,
-            "MAX_NUM_BATCHED_TOKENS": self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-            "CHECKPOINT_ANSWERS": self.checkpoint_answers >= 1,
-            "CHECKPOINT_SECONDS": 0.5 <= self.checkpoint_seconds <= 3600,
-            "ENGINE_WINDOW": self.engine_window is None or self.engine_window >= 1,
-            "ENGINE_WAIT_SECONDS": 0 <= self.engine_wait_seconds <= 86400,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                value = getattr(self, ENGINE_ENV[name])
-                raise ConfigError(f"{name}={value!r} is out of range{RANGES.get(name, '')}")
-        if self.order not in ORDERS:
-            raise ConfigError(f"ORDER={self.order!r} is not one of {', '.join(ORDERS)}")
+        for f in fields(self):
+            var, value = f.metadata.get("env"), getattr(self, f.name)
+            if var is None or value is None:
+                continue
+            if f.metadata["range"] is not None:
+                low, high, note, above_low = f.metadata["range"]
+                check_range(var, value, low, high, note, above_low)
+            if f.metadata["choices"] and value not in f.metadata["choices"]:
+                raise ConfigError(f"{var}={value!r} is not one of {', '.join(f.metadata['choices'])}")
         if self.engine_url and not self.engine_url.startswith(("http://", "https://")):
             raise ConfigError(f"ENGINE_URL={self.engine_url!r} is not an http:// or https:// URL "
                               "(vLLM's OpenAI-compatible server, e.g. http://127.0.0.1:8000)")
@@ -305,16 +279,16 @@ class _ModelsFile(NamedTuple):
     checksums: dict[str, dict[str, str]]  # served name -> {weight file: sha256}, where listed
 
 
+# Each setting's variable, read from its field (`setting`).
+ENGINE_ENV = {f.metadata["env"]: f.name for f in fields(EngineSettings) if "env" in f.metadata}
+# Secrets among them: read from the environment only, never a launchpad field (a run's config is kept
+# in its record and shown in the UI).
+SECRET_ENGINE_ENV = {f.metadata["env"] for f in fields(EngineSettings) if f.metadata.get("secret")}
+# Older names still read (the new name wins when both are set).
+ENGINE_ENV_ALIASES = {f.metadata["old"]: f.metadata["env"] for f in fields(EngineSettings) if f.metadata.get("old")}
 # What a MODELS_FILE entry may set, and what it does not take over from the default model.
-_NOT_INHERITED = {"model_path", "served_model_name", "lora_modules", "max_lora_rank", "reasoning_parser", "models_file",
-                  "model_versions",
-                  "preset", "tool_call_parser",
-                  # The default model's warm engine serves it alone: an entry has a `url` of its own or none.
-                  "engine_url", "engine_api_key", "embedding_engine_url", "score_engine_url"}
-_ENTRY_FIELDS = {"tensor_parallel_size", "max_model_len", "batch_size", "dtype", "gpu_memory_utilization",
-                 "max_num_batched_tokens", "enable_prefix_caching", "seed", "kv_cache_memory_bytes", "enforce_eager",
-                 "extra_engine_args", "reasoning_parser", "lora_modules", "max_lora_rank", "tool_call_parser",
-                 "engine_url"}
+_NOT_INHERITED = {f.name for f in fields(EngineSettings) if not f.metadata.get("inherited", True)}
+_ENTRY_FIELDS = {f.name for f in fields(EngineSettings) if f.metadata.get("per_model")}
 
 
 def _read_models_file(path: str) -> dict[str, Any]:
@@ -338,19 +312,20 @@ def _read_models_file(path: str) -> dict[str, Any]:
 
 def engine_settings_from_env(env: dict[str, str] | None = None, **overrides: Any) -> EngineSettings:
     """Read ENGINE_ENV from the environment (at run time, never at import), then apply overrides."""
-    env = os.environ if env is None else env
-    types = {f.name: f.type for f in fields(EngineSettings)}
+    env = environ(env)
     values: dict[str, Any] = {}
-    if env.get("ENGINE_PRESET", "").strip():
-        name = env["ENGINE_PRESET"].strip()
+    name = read_text(env, "ENGINE_PRESET")
+    if name:
         values.update(preset(name), preset=name)
-    for var, attr in ENGINE_ENV.items():
-        raw = env.get(var, "")
-        old = next((alias for alias, new in ENGINE_ENV_ALIASES.items() if new == var), None)
-        if not raw.strip() and old:
-            var, raw = old, env.get(old, "")
-        if raw.strip():
-            values[attr] = coerce(var, raw.strip(), types[attr])
+    for f in fields(EngineSettings):
+        var = f.metadata.get("env")
+        if var is None:
+            continue
+        raw = read_text(env, var)
+        if not raw and f.metadata["old"]:
+            var, raw = f.metadata["old"], read_text(env, f.metadata["old"])
+        if raw:
+            values[f.name] = coerce(var, raw, f.type)
     return EngineSettings(**values).with_overrides(**overrides)
 
 
@@ -361,37 +336,68 @@ class StorageSettings:
 
 
 def storage_settings_from_env(env: dict[str, str] | None = None) -> StorageSettings:
-    env = os.environ if env is None else env
     return StorageSettings(
-        input_path=env.get("STORAGE_INPUT_PATH") or str(Path("data/input").absolute()),
-        output_path=env.get("STORAGE_OUTPUT_PATH") or str(Path("data/output").absolute()),
+        input_path=read_text(env, "STORAGE_INPUT_PATH") or str(Path("data/input").absolute()),
+        output_path=read_text(env, "STORAGE_OUTPUT_PATH") or str(Path("data/output").absolute()),
     )
+
+
+RETRY_MODES = ("standard", "adaptive", "legacy")  # botocore's
+SSE_MODES = ("AES256", "aws:kms", "aws:kms:dsse")  # S3's ServerSideEncryption values
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """How the S3 (and SQS) clients retry and wait, and the encryption asked for every object written
+    (io/storage.py). Endpoint, region and credentials are boto3's own variables."""
+
+    max_attempts: int = 8  # AWS_MAX_ATTEMPTS: attempts per call, the first included
+    retry_mode: str = "standard"  # AWS_RETRY_MODE
+    connect_timeout: float = 10.0  # AWS_CONNECT_TIMEOUT, seconds
+    read_timeout: float = 60.0  # AWS_READ_TIMEOUT, seconds without a byte from S3
+    sse: str = ""  # S3_SSE; empty: no encryption asked
+    sse_kms_key_id: str = ""  # S3_SSE_KMS_KEY_ID, with aws:kms
+
+    def sse_args(self) -> dict[str, str]:
+        """The encryption arguments of a put (empty: none asked)."""
+        if not self.sse:
+            return {}
+        args = {"ServerSideEncryption": self.sse}
+        if self.sse_kms_key_id and self.sse.startswith("aws:kms"):
+            args["SSEKMSKeyId"] = self.sse_kms_key_id
+        return args
+
+
+def s3_settings_from_env(env: dict[str, str] | None = None) -> S3Settings:
+    """AWS_MAX_ATTEMPTS, AWS_RETRY_MODE, AWS_CONNECT_TIMEOUT, AWS_READ_TIMEOUT, S3_SSE and
+    S3_SSE_KMS_KEY_ID; ConfigError naming a bad one."""
+    values: dict[str, Any] = {
+        "max_attempts": int_in_range(env, "AWS_MAX_ATTEMPTS", 1, 100),
+        "connect_timeout": number_in_range(env, "AWS_CONNECT_TIMEOUT", 0, 86400, " seconds", above_low=True),
+        "read_timeout": number_in_range(env, "AWS_READ_TIMEOUT", 0, 86400, " seconds", above_low=True),
+    }
+    values = {k: v for k, v in values.items() if v is not None}
+    return S3Settings(retry_mode=read_choice(env, "AWS_RETRY_MODE", RETRY_MODES, "standard"),
+                      sse=read_choice(env, "S3_SSE", SSE_MODES, "", lower=False),
+                      sse_kms_key_id=read_text(env, "S3_SSE_KMS_KEY_ID"), **values)
+
+
+def dagster_home_from_env(env: dict[str, str] | None = None) -> str:
+    """DAGSTER_HOME, Dagster's own variable (its instance), as `batch-pipeline run` and doctor use it."""
+    return read_text(env, "DAGSTER_HOME")
 
 
 def shards_from_env(env: dict[str, str] | None = None) -> int:
     """SHARDS: how many runs the upload sensor starts for each new batch file (default 1)."""
-    env = os.environ if env is None else env
-    raw = env.get("SHARDS", "").strip()
-    if not raw:
-        return 1
-    value = coerce("SHARDS", raw, int)
-    if not 1 <= value <= 1024:
-        raise ConfigError(f"SHARDS={raw!r} is out of range (1 to 1024)")
-    return value
+    value = int_in_range(env, "SHARDS", 1, 1024)
+    return 1 if value is None else value
 
 
 def validation_limits_from_env(env: dict[str, str] | None = None) -> dict[str, int]:
     """MAX_LINE_BYTES and MAX_CUSTOM_ID_LENGTH, where set (ValidationSettings keeps the defaults)."""
-    env = os.environ if env is None else env
-    limits = {}
-    for var, key in (("MAX_LINE_BYTES", "max_line_bytes"), ("MAX_CUSTOM_ID_LENGTH", "max_custom_id_length")):
-        raw = env.get(var, "").strip()
-        if raw:
-            value = coerce(var, raw, int)
-            if value < 1:
-                raise ConfigError(f"{var}={raw!r} is out of range")
-            limits[key] = value
-    return limits
+    limits = {"max_line_bytes": int_in_range(env, "MAX_LINE_BYTES", 1),
+              "max_custom_id_length": int_in_range(env, "MAX_CUSTOM_ID_LENGTH", 1)}
+    return {key: value for key, value in limits.items() if value is not None}
 
 
 BACKLOG_POLICIES = ("run", "skip")
@@ -426,7 +432,6 @@ DEFAULT_SENSOR_INTERVAL_SECONDS = 30
 def sensor_interval_from_env(env: dict[str, str] | None = None) -> int:
     """SENSOR_INTERVAL_SECONDS (5-3600, default 30): how often batch_upload_sensor ticks. Read when
     the definitions load (a decorator argument); ConfigError naming the variable."""
-    env = os.environ if env is None else env
     value = int_in_range(env, "SENSOR_INTERVAL_SECONDS", 5, 3600, " seconds")
     return DEFAULT_SENSOR_INTERVAL_SECONDS if value is None else value
 
@@ -434,26 +439,19 @@ def sensor_interval_from_env(env: dict[str, str] | None = None) -> int:
 def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSettings:
     """SENSOR_WINDOW_DAYS, SENSOR_BACKLOG, SENSOR_MAX_RUNS_PER_TICK, INPUT_QUEUE_URL and
     INPUT_QUEUE_VISIBILITY_SECONDS, validated; a bad value raises ConfigError naming the variable."""
-    env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    raw = env.get("SENSOR_WINDOW_DAYS", "").strip()
-    if raw.lower() == "all":
+    env = environ(env)
+    values: dict[str, Any] = {"backlog": read_choice(env, "SENSOR_BACKLOG", BACKLOG_POLICIES, "run")}
+    if read_text(env, "SENSOR_WINDOW_DAYS").lower() == "all":
         values["window_days"] = None
-    elif raw:
-        values["window_days"] = int_in_range(env, "SENSOR_WINDOW_DAYS", 1, 3660, " days, or 'all'")
-    raw = env.get("SENSOR_BACKLOG", "").strip()
-    if raw:
-        if raw.lower() not in BACKLOG_POLICIES:
-            raise ConfigError(f"SENSOR_BACKLOG={raw!r} is not one of {', '.join(BACKLOG_POLICIES)}")
-        values["backlog"] = raw.lower()
+    else:
+        days = int_in_range(env, "SENSOR_WINDOW_DAYS", 1, 3660, " days, or 'all'")
+        if days is not None:
+            values["window_days"] = days
     cap = int_in_range(env, "SENSOR_MAX_RUNS_PER_TICK", 1, 1000)
     if cap is not None:
         values["max_runs_per_tick"] = cap
-    raw = env.get("INPUT_QUEUE_URL", "").strip()
-    if raw:
-        if not raw.startswith(("https://", "http://")):
-            raise ConfigError(f"INPUT_QUEUE_URL={raw!r} is not an SQS queue URL (https://sqs.<region>.amazonaws.com/<account>/<queue>)")
-        values["queue_url"] = raw
+    values["queue_url"] = read_checked(env, "INPUT_QUEUE_URL", lambda raw: raw.startswith(("https://", "http://")),
+                                       "an SQS queue URL (https://sqs.<region>.amazonaws.com/<account>/<queue>)")
     seconds = int_in_range(env, "INPUT_QUEUE_VISIBILITY_SECONDS", 5, 43200, ", SQS's limit")
     if seconds is not None:
         values["queue_visibility_seconds"] = seconds
@@ -473,7 +471,6 @@ def sensor_run_priority_from_env(env: dict[str, str] | None = None) -> int:
 def _run_priority(name: str, env: dict[str, str] | None) -> int:
     """A run priority on the Batch API's scale (a whole number, -1000 to 1000, default 0; higher
     starts first); ConfigError naming the variable when it is not one."""
-    env = os.environ if env is None else env
     value = int_in_range(env, name, -PRIORITY_BOUND, PRIORITY_BOUND, ", higher starts first")
     return 0 if value is None else value
 
@@ -484,6 +481,5 @@ DEFAULT_MAX_FAILED_LINE_RATE = 0.10
 def max_failed_line_rate_from_env(env: dict[str, str] | None = None) -> float:
     """MAX_FAILED_LINE_RATE (0 to 1, default 0.10): the share of failed lines above which the
     failed_line_rate check warns; ConfigError naming the variable when it is not such a number."""
-    env = os.environ if env is None else env
     value = number_in_range(env, "MAX_FAILED_LINE_RATE", 0, 1, ", a share: 0.1 is 10%")
     return DEFAULT_MAX_FAILED_LINE_RATE if value is None else value

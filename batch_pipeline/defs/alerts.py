@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 import urllib.error
 import urllib.parse
@@ -28,7 +27,7 @@ from typing import Any
 
 import dagster as dg
 
-from batch_pipeline.base.errors import ConfigError
+from batch_pipeline.base.env import read_checked
 
 log = logging.getLogger("batch_pipeline.alerts")
 
@@ -52,14 +51,12 @@ _degraded_until = 0.0
 
 def webhook_url_from_env(env: dict[str, str] | None = None) -> str | None:
     """ALERT_WEBHOOK_URL (None: unset, alerts off); ConfigError naming it when it is not an http(s) URL."""
-    raw = (os.environ.get("ALERT_WEBHOOK_URL", "") if env is None else env.get("ALERT_WEBHOOK_URL", "")).strip()
-    if not raw:
-        return None
-    parsed = urllib.parse.urlparse(raw)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
-        # The value itself is not echoed: it may hold a token.
-        raise ConfigError("ALERT_WEBHOOK_URL is not an http:// or https:// URL with a host")
-    return raw
+    def is_url(raw: str) -> bool:
+        parsed = urllib.parse.urlparse(raw)
+        return parsed.scheme in ("http", "https") and bool(parsed.hostname)
+
+    # The value itself is not echoed (secret): it may hold a token.
+    return read_checked(env, "ALERT_WEBHOOK_URL", is_url, "an http:// or https:// URL with a host", secret=True) or None
 
 
 def _error_classes(error: Any) -> tuple[str | None, list[str]]:

@@ -1,10 +1,17 @@
-"""The batch job: the four batch assets (and their check) for one date, or for one file of it."""
+"""The batch job: the four batch assets (and their check) for one date, or for one file of it; and
+`run_batch`, one file's run of it in this process (`batch-pipeline run`, `batch-pipeline model verify`)."""
 
+import os
 from typing import Any
 
 import dagster as dg
 
-from batch_pipeline.config.settings import ConfigError, engine_settings_from_env, storage_settings_from_env
+from batch_pipeline.config.settings import (
+    ConfigError,
+    dagster_home_from_env,
+    engine_settings_from_env,
+    storage_settings_from_env,
+)
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.io.model_aliases import resolved_pins
@@ -76,3 +83,41 @@ def batch_run_config(input_uri: str = "", output_uri: str = "", shard: str = "",
     if model_versions:
         resources["llm"] = {"config": {"model_versions": model_versions}}
     return {"resources": resources}
+
+
+def _instance() -> Any:
+    """DAGSTER_HOME's instance (Dagster's own variable), else a throwaway one."""
+    home = dagster_home_from_env()
+    if home:
+        os.makedirs(home, exist_ok=True)  # a new home is fine: Dagster's defaults (SQLite) apply
+        return dg.DagsterInstance.get()
+    return dg.DagsterInstance.ephemeral()
+
+
+def run_batch(input_uri: str, output_dir: str, partition: str, resources: dict[str, Any] | None = None,
+              instance: Any = None, log_level: str = "INFO", shard: str = "", image_column: str = "") -> Any:
+    """Run `batch_job` for one input file in-process; returns Dagster's result. The run is listed in
+    the instance's Runs as `batch_job`, tagged with its source, input and batch name. `image_column`:
+    a Parquet/CSV input's column of images (the run config's batch.image_column)."""
+    from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
+    from batch_pipeline.io.locations import batch_name
+
+    run_config = {
+        **batch_run_config(input_uri, output_dir, shard=shard),
+        "loggers": {"console": {"config": {"log_level": log_level}}},
+    }
+    if image_column:
+        run_config["resources"]["batch"]["config"]["image_column"] = image_column
+    resources = {"batch": BatchSelection(), **(resources or {"llm": LLMResource(), "storage": StorageResource()})}
+    job = dg.Definitions(assets=BATCH_ASSETS, jobs=[batch_job], resources=resources).resolve_job_def("batch_job")
+    tags = {"batch_pipeline/source": "cli", "batch_pipeline/input_uri": input_uri,
+            "batch_pipeline/batch_name": batch_name(input_uri), "batch_pipeline/output_uri": output_dir}
+    if shard:
+        tags["batch_pipeline/shard"] = shard
+    return job.execute_in_process(
+        run_config=run_config,
+        partition_key=partition,
+        instance=instance if instance is not None else _instance(),
+        raise_on_error=False,
+        tags=tags,
+    )

@@ -1,10 +1,10 @@
 """Batches are partitioned by the date they belong to (UTC), from PARTITIONS_START to today."""
 
 import datetime as dt
-import os
 
 import dagster as dg
 
+from batch_pipeline.base.env import read_text
 from batch_pipeline.config.settings import ConfigError
 
 # A recent date, so that the UI's "missing" partitions mean dates that could have had files; set
@@ -14,8 +14,7 @@ DEFAULT_PARTITIONS_START = "2026-11-01"
 
 def partitions_start(env: dict[str, str] | None = None) -> str:
     """PARTITIONS_START (YYYY-MM-DD, not after today, UTC), or the default."""
-    env = os.environ if env is None else env
-    raw = env.get("PARTITIONS_START", "").strip() or DEFAULT_PARTITIONS_START
+    raw = read_text(env, "PARTITIONS_START", DEFAULT_PARTITIONS_START)
     try:
         if len(raw) != 10:
             raise ValueError("not YYYY-MM-DD")

@@ -10,10 +10,11 @@ run; a date without files, or with every file completed, starts none and says so
 from __future__ import annotations
 
 import datetime as dt
-import os
 
 import dagster as dg
+from dagster._utils.schedules import is_valid_cron_string  # what ScheduleDefinition takes
 
+from batch_pipeline.base.env import read_checked
 from batch_pipeline.config.settings import ConfigError, schedule_run_priority_from_env
 from batch_pipeline.config.priority import priority_tags
 from batch_pipeline.defs.jobs import ENGINE_TAG, batch_file_job, batch_run_config, engine_tag, model_versions_now
@@ -25,6 +26,13 @@ from batch_pipeline.io.uploads import completed
 # 02:00 UTC leaves two hours for late uploads of the day before. NIGHTLY_CRON overrides it; it is
 # read when the definitions load (the cron is part of them, shown in the UI), never at import.
 NIGHTLY_CRON = "0 2 * * *"
+CRON = "a valid cron expression (five fields: minute hour day month weekday, e.g. '0 2 * * *')"
+
+
+def nightly_cron_from_env(env: dict[str, str] | None = None) -> str:
+    """NIGHTLY_CRON, or 02:00 UTC; ConfigError naming the variable and the value when Dagster would not
+    take it as a schedule's cron (seconds, six fields, a 30th of February)."""
+    return read_checked(env, "NIGHTLY_CRON", is_valid_cron_string, CRON, default=NIGHTLY_CRON)
 
 
 def previous_day(scheduled: dt.datetime) -> str:
@@ -37,7 +45,7 @@ def nightly_schedule_for(cron: str = NIGHTLY_CRON) -> dg.ScheduleDefinition:
     try:
         return _nightly_schedule(cron)
     except dg.DagsterInvalidDefinitionError as e:
-        raise ConfigError(f"NIGHTLY_CRON={cron!r} is not a valid cron expression (e.g. '0 2 * * *'): {e}") from None
+        raise ConfigError(f"NIGHTLY_CRON={cron!r} is not {CRON}: {e}") from None
 
 
 def _nightly_schedule(cron: str) -> dg.ScheduleDefinition:
@@ -101,4 +109,4 @@ def add_file_partitions(context: dg.ScheduleEvaluationContext, keys: list[str]) 
 
 @dg.definitions
 def schedules() -> dg.Definitions:
-    return dg.Definitions(schedules=[nightly_schedule_for(os.environ.get("NIGHTLY_CRON", "").strip() or NIGHTLY_CRON)])
+    return dg.Definitions(schedules=[nightly_schedule_for(nightly_cron_from_env())])

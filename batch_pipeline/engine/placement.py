@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from batch_pipeline.base.env import read_text
 from batch_pipeline.config.settings import ConfigError, EngineSettings
 
 
@@ -31,8 +32,7 @@ class RankPlan:
 
 def visible_gpus(count: int, env: dict[str, str] | None = None) -> list[str]:
     """The device ids this process may use, as CUDA_VISIBLE_DEVICES would name them to a child."""
-    env = os.environ if env is None else env
-    listed = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    listed = [d.strip() for d in read_text(env, "CUDA_VISIBLE_DEVICES").split(",") if d.strip()]
     return listed[:count] if listed else [str(i) for i in range(count)]
 
 

@@ -27,7 +27,6 @@ import base64
 import binascii
 import copy
 import io
-import os
 import time
 import urllib.error
 import urllib.parse
@@ -39,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from batch_pipeline.base.env import int_in_range, number_in_range
+from batch_pipeline.base.env import int_in_range, number_in_range, read_text
 from batch_pipeline.base.errors import ConfigError
 from batch_pipeline.contract.common import CHAT_URL, RESPONSES_URL
 from batch_pipeline.io import storage
@@ -77,7 +76,6 @@ class ImageSettings:
 
 def image_settings_from_env(env: Mapping[str, str] | None = None) -> ImageSettings:
     """The image limits from the environment (docs/CONFIGURATION.md); ConfigError naming a bad variable."""
-    env = os.environ if env is None else env
     ints = {
         "max_image_bytes": int_in_range(env, "MAX_IMAGE_BYTES", 1, 2**31),
         "max_image_pixels": int_in_range(env, "MAX_IMAGE_PIXELS", 1, 2**31),
@@ -88,7 +86,7 @@ def image_settings_from_env(env: Mapping[str, str] | None = None) -> ImageSettin
     timeout = number_in_range(env, "IMAGE_FETCH_TIMEOUT", 0, 3600, " seconds", above_low=True)
     if timeout is not None:
         values["timeout_seconds"] = timeout
-    hosts = [h.strip().lower() for h in env.get("IMAGE_URL_ALLOWED_HOSTS", "").split(",") if h.strip()]
+    hosts = [h.strip().lower() for h in read_text(env, "IMAGE_URL_ALLOWED_HOSTS").split(",") if h.strip()]
     for host in hosts:
         if "/" in host or ":" in host or "*" in host:
             raise ConfigError(f"IMAGE_URL_ALLOWED_HOSTS: {host!r} is not a host name (no scheme, port, path or wildcard)")

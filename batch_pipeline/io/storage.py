@@ -29,11 +29,12 @@ Guarantees:
   after which failures are not retried until successful calls refill it. ``legacy`` has no quota.
 
 The S3 client is built once per process from the standard AWS environment (``AWS_ENDPOINT_URL``,
-``AWS_REGION``/``AWS_DEFAULT_REGION``, credentials, ``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``) plus
-``AWS_CONNECT_TIMEOUT`` and ``AWS_READ_TIMEOUT`` (seconds, defaults 10 and 60). If
-``S3_SSE`` is set (``AES256``, ``aws:kms``, ...) every PUT and upload asks for that server-side
-encryption, with ``S3_SSE_KMS_KEY_ID`` as the KMS key for the ``aws:kms`` modes. Call
-:func:`reset_clients` after changing the environment.
+``AWS_REGION``/``AWS_DEFAULT_REGION``, credentials) and this package's S3 settings
+(``config/settings.py``'s ``S3Settings``: ``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``,
+``AWS_CONNECT_TIMEOUT``, ``AWS_READ_TIMEOUT``). If ``S3_SSE`` is set (``AES256``, ``aws:kms``,
+``aws:kms:dsse``) every PUT and upload asks for that server-side encryption, with
+``S3_SSE_KMS_KEY_ID`` as the KMS key for the ``aws:kms`` modes. Call :func:`reset_clients` after
+changing the environment.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from boto3.exceptions import Boto3Error, RetriesExceededError, S3UploadFailedErr
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from batch_pipeline.base.env import int_in_range, number_in_range
+from batch_pipeline.config.settings import s3_settings_from_env
 
 __all__ = [
     "ObjectInfo",
@@ -89,9 +90,6 @@ __all__ = [
 S3_SCHEME = "s3://"
 FILE_SCHEME = "file://"
 
-CONNECT_TIMEOUT = 10.0  # seconds; AWS_CONNECT_TIMEOUT overrides
-READ_TIMEOUT = 60.0  # seconds without a byte from S3; AWS_READ_TIMEOUT overrides
-DEFAULT_MAX_ATTEMPTS = 8
 MAX_POOL_CONNECTIONS = 32  # callers upload from thread pools
 READ_BUFFER_SIZE = 1 << 20  # bytes held by open_read's buffer
 STREAM_RESUMES = 5  # consecutive failed resumes of one S3 read before giving up
@@ -203,26 +201,14 @@ _clients: dict[str, Any] = {}  # AWS service name -> client, for the process _cl
 _client_pid: int | None = None
 
 
-def _seconds_env(name: str, default: float) -> float:
-    value = number_in_range(os.environ, name, 0, 86400, " seconds", above_low=True)
-    return default if value is None else value
-
-
-def _max_attempts() -> int:
-    value = int_in_range(os.environ, "AWS_MAX_ATTEMPTS", 1, 100)
-    return DEFAULT_MAX_ATTEMPTS if value is None else value
-
-
 def _client_config() -> Config:
-    mode = os.environ.get("AWS_RETRY_MODE") or "standard"
-    if mode not in ("standard", "adaptive", "legacy"):
-        mode = "standard"
+    s = s3_settings_from_env()
     # AWS_MAX_ATTEMPTS counts the first try too, which is botocore's "total_max_attempts";
     # retries={"max_attempts": n} would mean n retries (n + 1 attempts).
     return Config(
-        retries={"total_max_attempts": _max_attempts(), "mode": mode},
-        connect_timeout=_seconds_env("AWS_CONNECT_TIMEOUT", CONNECT_TIMEOUT),
-        read_timeout=_seconds_env("AWS_READ_TIMEOUT", READ_TIMEOUT),
+        retries={"total_max_attempts": s.max_attempts, "mode": s.retry_mode},
+        connect_timeout=s.connect_timeout,
+        read_timeout=s.read_timeout,
         max_pool_connections=MAX_POOL_CONNECTIONS,
     )
 
@@ -260,14 +246,7 @@ def reset_clients() -> None:
 
 
 def _sse_args() -> dict[str, str]:
-    sse = os.environ.get("S3_SSE", "").strip()
-    if not sse:
-        return {}
-    args = {"ServerSideEncryption": sse}
-    key_id = os.environ.get("S3_SSE_KMS_KEY_ID", "").strip()
-    if key_id and sse.startswith("aws:kms"):
-        args["SSEKMSKeyId"] = key_id
-    return args
+    return s3_settings_from_env().sse_args()
 
 
 def _error_code(exc: ClientError) -> str:

@@ -29,7 +29,6 @@ import base64
 import hashlib
 import json
 import math
-import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from batch_pipeline.base.env import read_text
 from batch_pipeline.contract import contract
 from batch_pipeline.io import images, storage
 
@@ -72,8 +72,7 @@ def default_image_column(path: Path, env: dict[str, str] | None = None) -> str:
     """The image column of a run whose config names none (the upload sensor's, the nightly
     schedule's, a backfill's, `batch-pipeline run` without --image-column): TABLE_IMAGE_COLUMN when
     this table has a column of that name, else "" (a table without it is a text table, not an error)."""
-    env = os.environ if env is None else env
-    name = env.get("TABLE_IMAGE_COLUMN", "").strip()
+    name = read_text(env, "TABLE_IMAGE_COLUMN")
     return name if name and name in file_schema(path).names else ""
 
 

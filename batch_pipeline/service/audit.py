@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, BinaryIO
 
+from batch_pipeline.base.env import read_text
 from batch_pipeline.config.settings import ConfigError
 
 VARIABLE = "BATCH_API_AUDIT_LOG"
@@ -102,8 +103,7 @@ class AuditLog:
 
 def audit_log_from_env(env: dict[str, str] | None = None) -> AuditLog | None:
     """BATCH_API_AUDIT_LOG: unset or empty, no audit log."""
-    env = dict(os.environ if env is None else env)
-    value = env.get("BATCH_API_AUDIT_LOG", "").strip()
+    value = read_text(env, "BATCH_API_AUDIT_LOG")
     return AuditLog.open(value) if value else None
 
 

@@ -7,11 +7,11 @@ Per-tenant lists (`team-a:2,team-b:none`) go through one parser, `tenant_values`
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
+from batch_pipeline.base.env import check_range, coerce, int_in_range, read_text
 from batch_pipeline.config.priority import PRIORITY_BOUND
 from batch_pipeline.config.settings import ConfigError
 
@@ -32,18 +32,13 @@ MIN_EXPIRY_SECONDS, MAX_EXPIRY_SECONDS = 3600, 30 * 24 * 3600
 DEFAULT_DAGSTER_URL = "http://127.0.0.1:3000"
 
 
-def _env(env: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if env is None else env
-
-
 def load_keys(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """{key: tenant} from BATCH_API_KEYS and BATCH_API_KEYS_FILE; ConfigError naming the variable."""
-    env = _env(env)
     entries: list[tuple[str, str]] = []
-    for item in env.get("BATCH_API_KEYS", "").split(","):
+    for item in read_text(env, "BATCH_API_KEYS").split(","):
         if item.strip():
             entries.append(("BATCH_API_KEYS", item.strip()))
-    path = env.get("BATCH_API_KEYS_FILE", "").strip()
+    path = read_text(env, "BATCH_API_KEYS_FILE")
     if path:
         try:
             lines = open(path, encoding="utf-8").read().splitlines()
@@ -64,9 +59,8 @@ def load_keys(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def completion_windows(env: Mapping[str, str] | None = None) -> dict[str, int]:
     """{window: seconds} a batch may ask for: OpenAI's "24h", plus the durations an operator allows
     in BATCH_API_COMPLETION_WINDOWS (comma-separated, e.g. "1h,48h,7d"; an extension of OpenAI's API)."""
-    env = _env(env)
     windows = dict(COMPLETION_WINDOWS)
-    for name in (w.strip() for w in env.get("BATCH_API_COMPLETION_WINDOWS", "").split(",")):
+    for name in (w.strip() for w in read_text(env, "BATCH_API_COMPLETION_WINDOWS").split(",")):
         if not name:
             continue
         match = re.fullmatch(r"([1-9][0-9]*)([smhd])", name)
@@ -97,9 +91,8 @@ def tenant_values(raw: str, name: str, tenants: set[str], parse: Callable[[str, 
 def load_limits(tenants: set[str], env: Mapping[str, str] | None = None) -> tuple[int | None, dict[str, int | None]]:
     """Batches in flight per tenant: (BATCH_API_MAX_IN_FLIGHT, {tenant: limit} from
     BATCH_API_TENANT_LIMITS, `none` for no limit); ConfigError naming the variable."""
-    env = _env(env)
-    default = positive(env.get("BATCH_API_MAX_IN_FLIGHT", ""), "BATCH_API_MAX_IN_FLIGHT")
-    overrides = tenant_values(env.get("BATCH_API_TENANT_LIMITS", ""), "BATCH_API_TENANT_LIMITS", tenants,
+    default = positive(read_text(env, "BATCH_API_MAX_IN_FLIGHT"), "BATCH_API_MAX_IN_FLIGHT")
+    overrides = tenant_values(read_text(env, "BATCH_API_TENANT_LIMITS"), "BATCH_API_TENANT_LIMITS", tenants,
                               lambda value, label: None if value.lower() == "none" else positive(value, label),
                               "limit", "team-a:2,team-b:none")
     return default, overrides
@@ -109,47 +102,38 @@ def load_priority_caps(tenants: set[str], env: Mapping[str, str] | None = None) 
     """The highest `metadata["priority"]` a tenant may give: (BATCH_API_MAX_PRIORITY, default 0, for
     every tenant; {tenant: cap} from BATCH_API_TENANT_MAX_PRIORITY, `team-a:10,team-b:0`);
     ConfigError naming the variable."""
-    env = _env(env)
-    default = priority_cap(env.get("BATCH_API_MAX_PRIORITY", ""), "BATCH_API_MAX_PRIORITY")
-    overrides = tenant_values(env.get("BATCH_API_TENANT_MAX_PRIORITY", ""), "BATCH_API_TENANT_MAX_PRIORITY", tenants,
+    default = priority_cap(read_text(env, "BATCH_API_MAX_PRIORITY"), "BATCH_API_MAX_PRIORITY")
+    overrides = tenant_values(read_text(env, "BATCH_API_TENANT_MAX_PRIORITY"), "BATCH_API_TENANT_MAX_PRIORITY", tenants,
                               priority_cap, "cap", "team-a:10,team-b:0")
     return default, overrides
 
 
 def min_expiry_seconds(env: Mapping[str, str] | None = None) -> int:
     """BATCH_API_MIN_EXPIRY_SECONDS: the shortest expiry accepted (OpenAI's 3600 unless lowered)."""
-    env = _env(env)
-    value = positive(env.get("BATCH_API_MIN_EXPIRY_SECONDS", ""), "BATCH_API_MIN_EXPIRY_SECONDS")
-    if value is not None and value > MAX_EXPIRY_SECONDS:
-        raise ConfigError(f"BATCH_API_MIN_EXPIRY_SECONDS={value}: above the longest expiry, {MAX_EXPIRY_SECONDS}")
+    value = int_in_range(env, "BATCH_API_MIN_EXPIRY_SECONDS", 1, MAX_EXPIRY_SECONDS, " seconds, the longest expiry")
     return MIN_EXPIRY_SECONDS if value is None else value
 
 
 def file_limits(env: Mapping[str, str] | None = None) -> tuple[int, int]:
     """(bytes, requests) an uploaded file may hold: BATCH_API_MAX_FILE_BYTES and
     BATCH_API_MAX_FILE_REQUESTS, OpenAI's limits by default."""
-    env = _env(env)
-    max_bytes = positive(env.get("BATCH_API_MAX_FILE_BYTES", ""), "BATCH_API_MAX_FILE_BYTES")
-    max_requests = positive(env.get("BATCH_API_MAX_FILE_REQUESTS", ""), "BATCH_API_MAX_FILE_REQUESTS")
+    max_bytes = int_in_range(env, "BATCH_API_MAX_FILE_BYTES", 1)
+    max_requests = int_in_range(env, "BATCH_API_MAX_FILE_REQUESTS", 1)
     return max_bytes or MAX_FILE_BYTES, max_requests or MAX_FILE_REQUESTS
 
 
 def dagster_url(env: Mapping[str, str] | None = None) -> str:
     """DAGSTER_WEBSERVER_URL: the Dagster web server the runs are submitted to."""
-    env = _env(env)
-    return env.get("DAGSTER_WEBSERVER_URL", DEFAULT_DAGSTER_URL)
+    return read_text(env, "DAGSTER_WEBSERVER_URL", DEFAULT_DAGSTER_URL)
 
 
 def positive(value: str, name: str) -> int | None:
-    """A whole number of 1 or more, None when empty; ConfigError naming `name` otherwise."""
+    """A whole number of 1 or more, None when empty; ConfigError naming `name` otherwise (base/env.py's
+    wording: a tenant's value in a list is checked as a variable is)."""
     if not value.strip():
         return None
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise ConfigError(f"{name}={value.strip()!r}: a whole number of 1 or more")
+    number = coerce(name, value.strip(), int)
+    check_range(name, number, 1, shown=value.strip())
     return number
 
 
@@ -157,6 +141,6 @@ def priority_cap(value: str, name: str) -> int:
     """A tenant's highest priority: 0 to PRIORITY_BOUND, 0 when empty; ConfigError naming `name`."""
     if not value.strip():
         return 0
-    if not re.fullmatch(r"[0-9]+", value.strip()) or int(value) > PRIORITY_BOUND:
-        raise ConfigError(f"{name}={value.strip()!r}: a whole number from 0 to {PRIORITY_BOUND}")
-    return int(value)
+    number = coerce(name, value.strip(), int)
+    check_range(name, number, 0, PRIORITY_BOUND, shown=value.strip())
+    return number
