@@ -69,8 +69,6 @@ DIRECT_ENVIRON = {
     "engine/server.py": "hands the whole environment to vLLM's server process",
     "doctor.py": "lends DAGSTER_PG_PASSWORD (Helm's name) as DAGSTER_POSTGRES_PASSWORD while it loads "
                  "Dagster's instance, then takes it back",
-    "defs/resources.py": "lays the launchpad's ENGINE_PRESET over the environment, and compares the launchpad's "
-                         "engine URLs with the environment's (ENGINE_API_KEY is only sent to the latter)",
 }
 
 

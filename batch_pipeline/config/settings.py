@@ -310,11 +310,13 @@ def _read_models_file(path: str) -> dict[str, Any]:
     return data
 
 
-def engine_settings_from_env(env: dict[str, str] | None = None, **overrides: Any) -> EngineSettings:
-    """Read ENGINE_ENV from the environment (at run time, never at import), then apply overrides."""
+def engine_settings_from_env(env: dict[str, str] | None = None, preset_name: str | None = None,
+                             **overrides: Any) -> EngineSettings:
+    """Read ENGINE_ENV from the environment (at run time, never at import), then apply overrides.
+    `preset_name` (a run's launchpad): that preset instead of ENGINE_PRESET's."""
     env = environ(env)
     values: dict[str, Any] = {}
-    name = read_text(env, "ENGINE_PRESET")
+    name = preset_name if preset_name is not None else read_text(env, "ENGINE_PRESET")
     if name:
         values.update(preset(name), preset=name)
     for f in fields(EngineSettings):

@@ -7,7 +7,6 @@ Every field left blank in the launchpad falls back to the environment variable o
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -185,8 +184,7 @@ class LLMResource(dg.ConfigurableResource):
             except ValueError as e:
                 raise ConfigError(f"llm.engine_args={self.engine_args!r} is not a JSON object ({e})") from None
             overrides["extra_engine_args"] = extra
-        env = {**os.environ, "ENGINE_PRESET": self.engine_preset} if self.engine_preset.strip() else None
-        return self._pinned(engine_settings_from_env(env, **overrides))
+        return self._pinned(engine_settings_from_env(preset_name=self.engine_preset.strip() or None, **overrides))
 
     def _pinned(self, s: EngineSettings) -> EngineSettings:
         """The settings with every versioned model pinned to one version, resolved once per resource
@@ -280,9 +278,12 @@ class LLMResource(dg.ConfigurableResource):
         path, served = self.generation_model()
         emb_path, emb_name = self.embedding_model()
         engines: Engines | RankedEngines | RemoteEngines
-        typed = [(var, url) for var, url in (("ENGINE_URL", self.engine_url), ("EMBEDDING_ENGINE_URL", self.embedding_engine_url),
-                                             ("SCORE_ENGINE_URL", self.score_engine_url))
-                 if url and base_url(url) != base_url(os.environ.get(var, ""))]
+        env = engine_settings_from_env()  # the operator's engines, which ENGINE_API_KEY is for
+        typed = [(var, url) for var, url, own in (
+                     ("ENGINE_URL", self.engine_url, env.engine_url),
+                     ("EMBEDDING_ENGINE_URL", self.embedding_engine_url, env.embedding_engine_url),
+                     ("SCORE_ENGINE_URL", self.score_engine_url, env.score_engine_url))
+                 if url and base_url(url) != base_url(own)]
         if typed and s.engine_api_key:
             # ENGINE_API_KEY is the operator's, for the engines the environment names: never sent to
             # a URL typed into a run's launchpad config.
