@@ -200,6 +200,42 @@ def partition_of(relative: str, info: ObjectInfo, partitions: PartitionRange) ->
     return day, ""
 
 
+@dataclass
+class _Listing:
+    """One listing's batch files (settled, watched): each one's path under the root, its partition
+    (or why it has none), and per (date, batch name) the files that would write one output folder."""
+
+    candidates: list[ObjectInfo]
+    relative: dict[str, str]
+    placed: dict[str, tuple[str | None, str]]
+    writers: dict[tuple[str, str], list[str]]
+    windowed: set[str]
+
+    @classmethod
+    def of(cls, root: str, objects: list[ObjectInfo], now: float, partitions: PartitionRange, exclude: str,
+           window: list[str] | None) -> "_Listing":
+        prefix = folder_prefix(root)
+        local = not storage.is_s3(root)
+        candidates = [o for o in objects
+                      if watched(o.uri, prefix, exclude) and not (local and o.modified > now - LOCAL_SETTLE_SECONDS)]
+        relative = {o.uri: o.uri[len(prefix):] for o in candidates}
+        placed = {o.uri: partition_of(relative[o.uri], o, partitions) for o in candidates}
+        # Files of one date with one batch name share the output folder <output>/<date>/<name>/.
+        writers: dict[tuple[str, str], list[str]] = {}
+        for uri, (partition, _) in placed.items():
+            if partition is not None:
+                writers.setdefault((partition, locations.batch_name(uri)), []).append(uri)
+        return cls(candidates, relative, placed, writers, set(window or ()))
+
+    def in_window(self, info: ObjectInfo) -> bool:
+        """Whether it is in a listed date folder (tracked by version id alone, not by the look-back)."""
+        parts = self.relative[info.uri].split("/")
+        return len(parts) == 2 and parts[0] in self.windowed
+
+    def version(self, info: ObjectInfo) -> str:
+        return version_id(self.relative[info.uri], info.etag)
+
+
 def scan(
     root: str,
     objects: Iterable[ObjectInfo],
@@ -215,46 +251,47 @@ def scan(
 
     `window`: the dates listed (list_inputs); their files are tracked by version id alone. Files
     outside it (the top of the folder; everything when `window` is None) by the look-back."""
-    prefix = folder_prefix(root)
-    local = not storage.is_s3(root)
     objects = list(objects)
-    candidates = [
-        o for o in objects if watched(o.uri, prefix, exclude) and not (local and o.modified > now - LOCAL_SETTLE_SECONDS)
-    ]
-    relative = {o.uri: o.uri[len(prefix) :] for o in candidates}
-    windowed = set(window or ())
-
-    def by_window(info: ObjectInfo) -> bool:
-        parts = relative[info.uri].split("/")
-        return len(parts) == 2 and parts[0] in windowed
-
-    placed = {o.uri: partition_of(relative[o.uri], o, partitions) for o in candidates}
-    # Files of one date with one batch name share the output folder <output>/<date>/<name>/.
-    writers: dict[tuple[str, str], list[str]] = {}
-    for uri, (partition, _) in placed.items():
-        if partition is not None:
-            writers.setdefault((partition, locations.batch_name(uri)), []).append(uri)
-
-    fresh = cursor.fresh
+    listing = _Listing.of(root, objects, now, partitions, exclude, window)
+    candidates = listing.candidates
     baseline = cursor.baseline
-    if fresh and candidates:
+    if cursor.fresh and candidates:
         # A file uploaded just after this listing can carry the same (second-rounded) time as the
         # newest one listed: the baseline sits a little lower, and the files above it that this
         # tick saw are remembered by id instead.
         baseline = max(o.modified for o in candidates) - BASELINE_SLACK_SECONDS
+    found, backlog = _sort_out(listing, cursor, baseline, log)
+    newer = [o for o in candidates if baseline is None or o.modified > baseline]
+    mark = max([o.modified for o in newer] + ([cursor.mark] if cursor.mark is not None else []), default=None)
+    keep_from = mark - LOOKBACK_SECONDS if mark is not None else -math.inf
+    seen = {listing.version(o) for o in newer if listing.in_window(o) or o.modified >= keep_from}
+    pending = _backlog_dates(backlog, cursor, backlog_policy, log)
+    new_cursor = UploadCursor(
+        since=now if cursor.fresh else cursor.since, mark=mark, seen=seen, baseline=baseline, backlog=pending,
+        backlog_after=dict(cursor.backlog_after), delete=[],
+    )
+    return Scan(found=found, backlog=backlog, cursor=new_cursor, listed=len(objects))
+
+
+def _sort_out(listing: _Listing, cursor: UploadCursor, baseline: float | None,
+              log: Callable[[str], None]) -> tuple[list[NewBatch], dict[str, list[ObjectInfo]]]:
+    """The new batch files (a run each), and the backlog by date: files that were there when the
+    sensor was turned on (at or below the baseline). Files seen before, out of the look-back, with no
+    partition, or sharing an output folder with another are left, the last two with a log line."""
+    fresh = cursor.fresh
     floor = cursor.mark - LOOKBACK_SECONDS if cursor.mark is not None else -math.inf
     found: list[NewBatch] = []
     backlog: dict[str, list[ObjectInfo]] = {}
-    for info in sorted(candidates, key=lambda o: (o.modified, o.uri)):
-        version = version_id(relative[info.uri], info.etag)
-        partition, reason = placed[info.uri]
+    for info in sorted(listing.candidates, key=lambda o: (o.modified, o.uri)):
+        version = listing.version(info)
+        partition, reason = listing.placed[info.uri]
         if fresh or (baseline is not None and info.modified <= baseline):
             if partition is not None:
                 backlog.setdefault(partition, []).append(info)
             elif fresh:
                 log(f"ignoring {info.uri}: {reason}")
             continue
-        if version in cursor.seen or (not by_window(info) and info.modified < floor):
+        if version in cursor.seen or (not listing.in_window(info) and info.modified < floor):
             if partition is not None and partition in cursor.backlog:
                 backlog.setdefault(partition, []).append(info)  # seen by the first tick, just above the baseline
             continue
@@ -262,7 +299,7 @@ def scan(
             log(f"ignoring {info.uri}: {reason}")
             continue
         name = locations.batch_name(info.uri)
-        others = [uri for uri in writers[(partition, name)] if uri != info.uri]
+        others = [uri for uri in listing.writers[(partition, name)] if uri != info.uri]
         if others:
             log(
                 f"ignoring {info.uri}: {others[0]} is also batch {name!r} of {partition} and the two would "
@@ -270,16 +307,18 @@ def scan(
             )
             continue
         found.append(NewBatch(info, partition, version))
+    return found, backlog
 
-    newer = [o for o in candidates if baseline is None or o.modified > baseline]
-    mark = max([o.modified for o in newer] + ([cursor.mark] if cursor.mark is not None else []), default=None)
-    keep_from = mark - LOOKBACK_SECONDS if mark is not None else -math.inf
-    seen = {version_id(relative[o.uri], o.etag) for o in newer if by_window(o) or o.modified >= keep_from}
-    if fresh:
-        pending = sorted(backlog) if backlog_policy == "run" else []
+
+def _backlog_dates(backlog: dict[str, list[ObjectInfo]], cursor: UploadCursor, policy: str,
+                   log: Callable[[str], None]) -> list[str]:
+    """The backlog's dates still to be run: on the first tick all of them (SENSOR_BACKLOG=run) or
+    none (skip), said in the log; after it, the cursor's, less those no longer listed."""
+    if cursor.fresh:
+        pending = sorted(backlog) if policy == "run" else []
         if backlog:
             files = sum(len(v) for v in backlog.values())
-            if backlog_policy == "run":
+            if policy == "run":
                 log(f"sensor turned on over {files} batch file(s) already there, on {len(backlog)} date(s): "
                     f"a run per file not yet completed, a few per tick (SENSOR_BACKLOG=run): {', '.join(pending[:10])}"
                     + (" ..." if len(pending) > 10 else ""))
@@ -293,12 +332,7 @@ def scan(
     if gone:
         log(f"backlog date(s) {', '.join(gone)} no longer listed (outside SENSOR_WINDOW_DAYS now, or deleted) "
             "before their run was requested: a backfill of those dates runs them")
-    pending = [d for d in pending if d in backlog]
-    new_cursor = UploadCursor(
-        since=now if fresh else cursor.since, mark=mark, seen=seen, baseline=baseline, backlog=pending,
-        backlog_after=dict(cursor.backlog_after), delete=[],
-    )
-    return Scan(found=found, backlog=backlog, cursor=new_cursor, listed=len(objects))
+    return [d for d in pending if d in backlog]
 
 
 def already_completed(new: NewBatch, output_root: str) -> bool:
