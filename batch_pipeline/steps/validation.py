@@ -222,6 +222,15 @@ class IdSet:
         return self._used
 
 
+class _Refused(Exception):
+    """A line refused by a check of LineValidator's slow path: its error code, what is wrong (field
+    first), and its custom_id where one was read."""
+
+    def __init__(self, code: str, message: str, custom_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.custom_id = code, message, custom_id
+
+
 class LineValidator:
     """Validates lines one at a time, remembering custom_ids to answer repeats as duplicates."""
 
@@ -262,87 +271,88 @@ class LineValidator:
         return self._validate_slow(line, raw)
 
     def _validate_slow(self, line: int, raw: bytes) -> ValidLine | InvalidLine:
-        """The authoritative checks, naming the line, the field and what is wrong."""
+        """The authoritative checks, naming the line, the field and what is wrong: the JSON object,
+        its custom_id, its method and url, then its body."""
+        try:
+            obj = self._object(raw)
+            custom_id = self._custom_id(obj)
+            url = self._url(obj, custom_id)
+            model = self._body_model(url, obj.get("body"), custom_id)
+        except _Refused as e:
+            return InvalidLine(line=line, custom_id=e.custom_id, code=e.code, message=f"line {line}: {e.message}")
+        return ValidLine(line, custom_id, url, model, raw)
 
-        def bad(code: str, message: str, custom_id: str | None = None) -> InvalidLine:
-            return InvalidLine(line=line, custom_id=custom_id, code=code, message=f"line {line}: {message}")
-
+    def _object(self, raw: bytes) -> dict[str, Any]:
         if len(raw) > self.settings.max_line_bytes:
-            return bad(
-                contract.INVALID_REQUEST,
-                f"the line is {len(raw)} bytes, over the limit of {self.settings.max_line_bytes} (MAX_LINE_BYTES)",
-                _salvage_custom_id(raw[:4096]),
-            )
+            raise _Refused(contract.INVALID_REQUEST, f"the line is {len(raw)} bytes, over the limit of "
+                           f"{self.settings.max_line_bytes} (MAX_LINE_BYTES)", _salvage_custom_id(raw[:4096]))
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            return bad(contract.INVALID_JSON, f"not valid UTF-8 (byte {e.start})", _salvage_custom_id(raw))
+            raise _Refused(contract.INVALID_JSON, f"not valid UTF-8 (byte {e.start})", _salvage_custom_id(raw)) from None
         try:
             obj = json.loads(text, parse_constant=_reject_constant)
         except RecursionError:
-            return bad(contract.INVALID_JSON, "not valid JSON: nested too deeply", _salvage_custom_id(raw))
+            raise _Refused(contract.INVALID_JSON, "not valid JSON: nested too deeply", _salvage_custom_id(raw)) from None
         except ValueError as e:
             detail = f"{e.msg} (column {e.colno})" if isinstance(e, json.JSONDecodeError) else str(e)
-            return bad(contract.INVALID_JSON, f"not valid JSON: {detail}", _salvage_custom_id(raw))
+            raise _Refused(contract.INVALID_JSON, f"not valid JSON: {detail}", _salvage_custom_id(raw)) from None
         if not isinstance(obj, dict):
             kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(type(obj), "a number")
-            return bad(contract.INVALID_REQUEST, f"expected a JSON object, got {kind}")
+            raise _Refused(contract.INVALID_REQUEST, f"expected a JSON object, got {kind}")
+        return obj
 
+    def _custom_id(self, obj: dict[str, Any]) -> str:
+        """The line's custom_id, recorded (a repeat is refused as a duplicate)."""
         custom_id = obj.get("custom_id")
         if custom_id is None:
-            return bad(contract.INVALID_REQUEST, "custom_id: required field is missing")
+            raise _Refused(contract.INVALID_REQUEST, "custom_id: required field is missing")
         if not isinstance(custom_id, str) or not custom_id:
-            return bad(contract.INVALID_REQUEST, f"custom_id: must be a non-empty string (got {_short(custom_id)})")
+            raise _Refused(contract.INVALID_REQUEST, f"custom_id: must be a non-empty string (got {_short(custom_id)})")
         if len(custom_id) > self.settings.max_custom_id_length:
-            return bad(
-                contract.INVALID_REQUEST,
-                f"custom_id: {len(custom_id)} characters, over the limit of {self.settings.max_custom_id_length}",
-                custom_id,
-            )
+            raise _Refused(contract.INVALID_REQUEST, f"custom_id: {len(custom_id)} characters, over the limit of "
+                           f"{self.settings.max_custom_id_length}", custom_id)
         if not self._remember(custom_id):
-            return bad(contract.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} was already used by an earlier line", custom_id)
+            raise _Refused(contract.DUPLICATE_CUSTOM_ID, f"custom_id {custom_id!r} was already used by an earlier line",
+                           custom_id)
+        return custom_id
 
+    def _url(self, obj: dict[str, Any], custom_id: str) -> str:
+        """The line's endpoint, once its method is POST: one we serve, and the batch's."""
         method = obj.get("method")
         if not isinstance(method, str) or method.upper() != "POST":
-            return bad(contract.INVALID_METHOD, f"method: must be POST (got {_short(method)})", custom_id)
+            raise _Refused(contract.INVALID_METHOD, f"method: must be POST (got {_short(method)})", custom_id)
         url = obj.get("url")
         if url not in contract.SUPPORTED_URLS:
-            return bad(
-                contract.UNSUPPORTED_URL,
-                f"url: {_short(url)} is not supported; supported endpoints are {', '.join(contract.SUPPORTED_URLS)}",
-                custom_id,
-            )
+            raise _Refused(contract.UNSUPPORTED_URL, f"url: {_short(url)} is not supported; supported endpoints are "
+                           f"{', '.join(contract.SUPPORTED_URLS)}", custom_id)
         if self.settings.endpoint is not None and url != self.settings.endpoint:
-            return bad(
-                contract.URL_MISMATCH,
-                f"url: {url} is not this batch's endpoint {self.settings.endpoint} (every line of a batch uses its endpoint)",
-                custom_id,
-            )
-        body = obj.get("body")
+            raise _Refused(contract.URL_MISMATCH, f"url: {url} is not this batch's endpoint {self.settings.endpoint} "
+                           "(every line of a batch uses its endpoint)", custom_id)
+        return str(url)
+
+    def _body_model(self, url: str, body: Any, custom_id: str) -> str:
+        """The model the body names, once the body is valid for `url`, the model served, its images acceptable."""
         if not isinstance(body, dict):
             if body is None:
-                return bad(contract.INVALID_REQUEST, "body: required field is missing", custom_id)
-            return bad(contract.INVALID_REQUEST, f"body: must be a JSON object (got {_short(body)})", custom_id)
+                raise _Refused(contract.INVALID_REQUEST, "body: required field is missing", custom_id)
+            raise _Refused(contract.INVALID_REQUEST, f"body: must be a JSON object (got {_short(body)})", custom_id)
         refusal = self._image_refusal(url, body)
         if refusal:
-            return bad(contract.INVALID_REQUEST, refusal, custom_id)
+            raise _Refused(contract.INVALID_REQUEST, refusal, custom_id)
         try:
-            parsed = contract.BODY_MODELS[url].model_validate(body)
+            model = contract.BODY_MODELS[url].model_validate(body).model  # type: ignore[attr-defined]
         except ValidationError as e:
-            return bad(contract.INVALID_REQUEST, _describe_pydantic(e, "body"), custom_id)
+            raise _Refused(contract.INVALID_REQUEST, _describe_pydantic(e, "body"), custom_id) from None
         served = self.settings.models_for(url)
-        if parsed.model not in served:  # type: ignore[attr-defined]
+        if model not in served:
             serving = ", ".join(repr(name) for name in served) if served else "no model"
-            return bad(
-                contract.MODEL_NOT_FOUND,
-                f"body.model: {parsed.model!r} is not served here; {url} serves {serving}",  # type: ignore[attr-defined]
-                custom_id,
-            )
-        if parsed.model in self.settings.image_models:  # type: ignore[attr-defined]
-            problem = self._bad_image(url, body)
-            if problem:
-                return bad(contract.INVALID_REQUEST, problem, custom_id)
-        return ValidLine(line, custom_id, url, parsed.model, raw)  # type: ignore[attr-defined]
+            raise _Refused(contract.MODEL_NOT_FOUND, f"body.model: {model!r} is not served here; {url} serves {serving}",
+                           custom_id)
+        problem = self._bad_image(url, body) if model in self.settings.image_models else None
+        if problem:
+            raise _Refused(contract.INVALID_REQUEST, problem, custom_id)
+        return model
 
     def _bad_image(self, url: str, body: dict[str, Any]) -> str | None:
         """The first of a line's images that the run would refuse without fetching or decoding it
