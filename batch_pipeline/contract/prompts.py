@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
 
 from batch_pipeline.contract import contract
 
@@ -92,3 +92,17 @@ def prefix_rank(url: str, body: dict[str, Any]) -> int:
     for crc in prefix_hashes(prompt_text(url, body))[:RANK_LEVELS]:
         rank = (rank << RANK_BITS) | (crc >> (32 - RANK_BITS))
     return rank
+
+
+@runtime_checkable
+class SharesPrefix(Protocol):
+    """A stream of requests that also says, for the one it returned last, how many LEVELS of prompt
+    prefix that one shares with the one before it (`shared`; 0 for the first). A run's plan gives
+    one (steps/ordering.py PlannedStream); a data-parallel feeder cuts its chunks where `shared` is
+    least (engine/ranks.py), so that a prefix's users go to one rank."""
+
+    shared: int
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def __next__(self) -> Any: ...

@@ -39,6 +39,7 @@ from typing import Any
 from batch_pipeline.contract import contract
 from batch_pipeline.engine.placement import RankPlan
 from batch_pipeline.contract.lines import Answer
+from batch_pipeline.contract.prompts import SharesPrefix
 from batch_pipeline.config.settings import EngineSettings
 
 # A rank asks for one request before its engine is built, then WANT at a time, and keeps at most
@@ -85,8 +86,8 @@ class _Feeder:
     back sooner and so still does more. Without `expected` (the stream's length), a rank gets what
     it asks for.
 
-    From a planned stream (ORDER=planned: ordering.PlannedStream, which says how much prompt
-    prefix each request shares with the one before it), a reply of n requests may end early, after
+    From a planned stream (ORDER=planned: a contract.prompts.SharesPrefix, which says how much
+    prompt prefix each request shares with the one before it), a reply of n requests may end early, after
     n/2 of them at the least, where the next request shares the least prefix with the one before
     it: a document's questions go to one rank, which computes its prefix once, instead of two.
     """
@@ -96,14 +97,14 @@ class _Feeder:
         self.handed_out = 0
         self.exhausted = False
         self._back: deque[tuple[contract.BatchRequest, int]] = deque()  # taken, not handed out yet
-        self._cuts = hasattr(source, "shared")
+        self._cuts = isinstance(source, SharesPrefix)
 
     def _next(self) -> tuple[contract.BatchRequest, int] | None:
         """The next request and the prefix levels it shares with the one before it."""
         if self._back:
             return self._back.popleft()
         item = next(self.source, None)
-        return None if item is None else (item, int(getattr(self.source, "shared", 0)))
+        return None if item is None else (item, self.source.shared if isinstance(self.source, SharesPrefix) else 0)
 
     def _take(self, allowed: int) -> list[contract.BatchRequest]:
         taken: list[tuple[contract.BatchRequest, int]] = []

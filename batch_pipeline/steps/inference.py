@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from batch_pipeline.contract import contract
+from batch_pipeline.contract.prompts import SharesPrefix
 from batch_pipeline.io import images, storage
 from batch_pipeline.io.checkpoints import Checkpoint, LineSet, answered_lines, answers_folder, checkpoint_key, record_line
 from batch_pipeline.engine.engines import Engines
@@ -284,7 +285,7 @@ class _Answering:
                 lambda raw, part: request_from_record(json.loads(raw), works[part].batch_id))
         else:
             source = itertools.chain.from_iterable(w.requests() for w in self.works)
-        return _NotingImages(source, self.pictures)
+        return (_NotingPlannedImages if isinstance(source, SharesPrefix) else _NotingImages)(source, self.pictures)
 
     def run(self) -> None:
         source = self._source()
@@ -406,8 +407,8 @@ class _Answering:
 
 
 class _NotingImages:
-    """The requests, each one's image count noted in `pictures` (for progress and the record). Any
-    other attribute is the source's (a planned stream's `shared`, which the data-parallel feeder reads)."""
+    """The requests, each one's image count noted in `pictures` (for progress and the record). A
+    planned source's `shared` (SharesPrefix) is passed on, for the data-parallel feeder."""
 
     def __init__(self, source: Iterator[Any], pictures: dict[tuple[str, int], int]):
         self._source, self._pictures = source, pictures
@@ -423,8 +424,14 @@ class _NotingImages:
                 self._pictures[(req.batch_id, req.line)] = count
         return req
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._source, name)
+
+
+class _NotingPlannedImages(_NotingImages):
+    """_NotingImages of a planned stream: a SharesPrefix too."""
+
+    @property
+    def shared(self) -> int:
+        return self._source.shared
 
 
 def _shares(tokens: list[int]) -> list[float]:

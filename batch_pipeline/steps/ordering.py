@@ -139,8 +139,9 @@ def shared_levels(hashes: np.ndarray, order: np.ndarray) -> np.ndarray:
 
 class PlannedStream:
     """An iterator of planned requests that also says, for the one last returned, how many LEVELS
-    of prompt prefix it shares with the one before it (`shared`): a data-parallel feeder cuts its
-    chunks where that is least (engine/ranks.py), so a prefix's users go to one rank."""
+    of prompt prefix it shares with the one before it (`shared`; a contract.prompts.SharesPrefix): a
+    data-parallel feeder cuts its chunks where that is least (engine/ranks.py), so a prefix's users
+    go to one rank."""
 
     def __init__(self, requests: Iterator[Any], shared: Iterator[int]):
         self._requests, self._shared = requests, shared
