@@ -7,7 +7,8 @@ finish reasons, token counts, deterministic ids), a prompt over MAX_MODEL_LEN th
 closed stream makes the server abort the requests it holds (its running count falls to 0 and it stops
 generating). With stand-in servers (failure injection): 503s, 429s and dropped connections are waited
 out with every line answered once; a server gone longer than ENGINE_WAIT_SECONDS fails naming its
-URL; a file run in its own process imports neither torch nor vLLM; at run start an unreachable URL or a server of another model is refused naming the URL and what
+URL, and so does one that holds its connections but answers neither them nor /health (a slow one
+whose /health answers is waited for); a file run in its own process imports neither torch nor vLLM; at run start an unreachable URL or a server of another model is refused naming the URL and what
 it serves; an answer that is not an OpenAI body is that line's error.
 """
 
@@ -349,6 +350,35 @@ def test_a_server_gone_longer_than_the_wait_fails_naming_its_url():
         server.stop()
     assert server.url in str(gone.value) and "ENGINE_WAIT_SECONDS=1.5" in str(gone.value), gone.value
     assert "next run resumes" in str(gone.value) and 1.5 <= time.monotonic() - started < 15
+
+
+def test_a_hung_server_stops_the_run_a_slow_live_one_is_waited_for(monkeypatch):
+    """Connections open but no answer: after STALL_CHECK_SECONDS without one the run asks the server
+    for /health. A server silent there too for ENGINE_WAIT_SECONDS (hung) stops the run naming its
+    URL, instead of holding it for ANSWER_SECONDS; a long decode on a server whose /health answers
+    is waited for."""
+    from batch_pipeline.engine import remote
+
+    monkeypatch.setattr(remote, "STALL_CHECK_SECONDS", 0.3)
+    monkeypatch.setattr(remote, "SHORT_SECONDS", 0.5)
+    gone = threading.Event()
+    hung = StandIn(lambda n, body: (gone.wait(30), (200, chat_answer(body)))[1],
+                   pages={"/health": lambda: (gone.wait(30), (503, {}))[1]})
+    try:
+        started = time.monotonic()
+        with pytest.raises(EngineUnavailable, match=f"the warm engine at {hung.url} holds this run's requests .* nor /health"):
+            list(engines_at(hung.url, engine_wait_seconds=1.0).stream("batch_x", [request(1), request(2)], created=1))
+        assert time.monotonic() - started < 10
+    finally:
+        gone.set()
+        hung.stop()
+    slow = StandIn(lambda n, body: (time.sleep(2.0), (200, chat_answer(body)))[1],  # a long decode, the scenario
+                   pages={"/health": {}})
+    try:
+        answers = list(engines_at(slow.url, engine_wait_seconds=1.0).stream("batch_x", [request(1)], created=1))
+    finally:
+        slow.stop()
+    assert [a.kind for a in answers] == ["output"]
 
 
 def test_a_server_back_within_the_wait_answers_what_was_in_flight():

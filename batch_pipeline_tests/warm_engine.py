@@ -147,8 +147,9 @@ def stop_group(pgid: int) -> None:
 
 class StandIn:
     """An OpenAI-ish server on a free port whose answers a test scripts: `script(n, body)` for the
-    n-th POST gives (status, JSON body) or None to drop the connection without an answer. It counts
-    each request id it answered, so a test sees a line answered twice."""
+    n-th POST gives (status, JSON body) or None to drop the connection without an answer; `pages`
+    answer GETs by path (a JSON body, or a callable giving one or (status, body)). It counts each
+    request id it answered, so a test sees a line answered twice."""
 
     def __init__(self, script: Callable[[int, dict[str, Any]], tuple[int, Any] | None], served: tuple[str, ...] = (TINY_NAME,),
                  port: int | None = None, pages: dict[str, Any] | None = None, idle_close: float | None = None) -> None:
@@ -172,7 +173,9 @@ class StandIn:
                 if path == "/v1/models":
                     self._send(200, {"object": "list", "data": [{"id": name, "object": "model"} for name in stand_in.served]})
                 elif path in stand_in.pages:
-                    self._send(200, stand_in.pages[path])
+                    page = stand_in.pages[path]
+                    page = page() if callable(page) else page  # a callable page may block, or say its status
+                    self._send(*(page if isinstance(page, tuple) else (200, page)))
                 else:
                     self._send(404, {"detail": "Not Found"})
 

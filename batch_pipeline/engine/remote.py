@@ -56,6 +56,10 @@ BACKOFF_FIRST, BACKOFF_MAX = 0.5, 10.0  # seconds between tries of a request the
 CONNECT_SECONDS = 10.0
 ANSWER_SECONDS = 1800.0  # one request's answer (a long decode on a loaded CPU server takes minutes)
 SHORT_SECONDS = 15.0  # the server's model list and /metrics: a server silent this long is not answering
+# A stream that gets no answer for this long asks each server holding its requests for /health: a
+# server that stays silent there for ENGINE_WAIT_SECONDS is out (hung, or its host gone without a
+# reset), and the run stops rather than wait out ANSWER_SECONDS on its open connections.
+STALL_CHECK_SECONDS = 30.0
 LINE_ERROR_TRIES = 3  # a 500 with an error body, this many times for one line: that line's error
 GENERATION_URLS = (contract.CHAT_URL, contract.COMPLETIONS_URL, contract.RESPONSES_URL)
 POOLING_URLS = (contract.EMBEDDINGS_URL, contract.SCORE_URL, contract.RERANK_URL)
@@ -256,6 +260,14 @@ class EngineClient:
             raise EngineUnavailable(f"{self.url}/v1/models answered HTTP {reply.status} without a model "
                                     f"list: {reply.text[:200]!r}; is this vLLM's OpenAI-compatible server?") from None
 
+    def alive(self) -> bool:
+        """Whether the server answers /health within SHORT_SECONDS, other than with a 5xx (vLLM's
+        /health says 503 when its engine is dead; a proxy without the route still answers 404)."""
+        try:
+            return self.request("GET", "/health", timeout=SHORT_SECONDS).status < 500
+        except (OSError, http.client.HTTPException):
+            return False
+
     def post(self, path: str, body: dict[str, Any], request_id: str, stop: threading.Event | None = None) -> Reply:
         return self.request("POST", path, body, {"X-Request-Id": request_id}, stop=stop)
 
@@ -399,6 +411,7 @@ class RemoteEngines:
         self.figures: EngineFigures | None = None  # the server's figures over the last stream (one server)
         self._lock = threading.Lock()
         self._last_answer: dict[str, float] = {}  # URL -> when it last answered (monotonic)
+        self._unhealthy: dict[str, float] = {}  # URL -> since when its /health has not answered (monotonic)
         self.image_settings = images.image_settings_from_env()
         self.served = self.check()
 
@@ -480,7 +493,10 @@ class RemoteEngines:
                     if exhausted:
                         break
                     continue
-                done, _ = cf.wait(flying, return_when=cf.FIRST_COMPLETED)
+                done, _ = cf.wait(flying, timeout=STALL_CHECK_SECONDS, return_when=cf.FIRST_COMPLETED)
+                if not done:
+                    self._check_alive({sent.url for sent in flying.values()})
+                    continue
                 failed = None
                 for future in done:
                     del flying[future]
@@ -556,6 +572,29 @@ class RemoteEngines:
             self.window.shrink()
             sent.stop.wait(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def _check_alive(self, urls: set[str]) -> None:
+        """Nothing answered for STALL_CHECK_SECONDS: each of `urls` silent that long is asked for
+        /health. A long decode on a live server is waited for; a server whose /health has stayed
+        unanswered for ENGINE_WAIT_SECONDS stops the stream, naming it (its connections are then
+        shut, and the answers so far are checkpointed)."""
+        now = time.monotonic()
+        for url in sorted(urls):
+            if self._silent_for(url) < STALL_CHECK_SECONDS:
+                continue
+            if self.clients[url].alive():
+                self._unhealthy.pop(url, None)
+                continue
+            since = self._unhealthy.setdefault(url, now)
+            if since == now:
+                self.log(f"the warm engine at {url} has answered nothing for {self._silent_for(url):.0f} s and "
+                         "not its /health either: waiting for it up to ENGINE_WAIT_SECONDS")
+            if now - since >= self.settings.engine_wait_seconds:
+                raise EngineUnavailable(
+                    f"the warm engine at {url} holds this run's requests but has answered nothing for "
+                    f"{self._silent_for(url):.0f} s, nor /health for {now - since:.0f} s (hung?; "
+                    f"ENGINE_WAIT_SECONDS={self.settings.engine_wait_seconds:g}): the run stops; its answers are "
+                    "checkpointed and the next run resumes from them")
 
     def _answered(self, url: str) -> None:
         with self._lock:
