@@ -286,6 +286,32 @@ print(result.success, sorted(m for m in ("torch", "vllm", "transformers") if m i
     assert server.posts == 3
 
 
+def test_a_warm_engine_on_other_weights_keys_its_answers_apart(tmp_path, monkeypatch):
+    """The checkpoint identity of a warm run names what the server says it loaded (vLLM's /v1/models
+    `root` and `max_model_len` of the served name): restarted on other weights under the same name,
+    its answers are keyed apart, so a resumed run never mixes the two models' answers."""
+    from batch_pipeline.defs.resources import LLMResource
+    from batch_pipeline.io.checkpoints import checkpoint_key
+
+    for var in ("ENGINE_URL", "ENGINE_API_KEY", "MODEL_PATH", "MODELS_FILE", "MODEL_VERSIONS"):
+        monkeypatch.delenv(var, raising=False)
+    root = {"path": "/models/a"}
+    server = StandIn(lambda n, body: None, pages={"/v1/models": lambda: {"object": "list", "data": [
+        {"id": TINY_NAME, "object": "model", "root": root["path"], "max_model_len": 2048}]}})
+    try:
+        def identity() -> dict[str, Any]:
+            return LLMResource(engine_url=server.url, served_model_name=TINY_NAME).identity()
+
+        first = identity()
+        assert first["server_model"] == "/models/a" and first["server_max_model_len"] == 2048
+        root["path"] = "/models/b"
+        second = identity()
+    finally:
+        server.stop()
+    assert second["server_model"] == "/models/b"
+    assert checkpoint_key("sha", first) != checkpoint_key("sha", second)
+
+
 def test_a_kept_alive_connection_the_server_closed_is_no_fault_of_the_server():
     """vLLM closes a connection idle for 5 s; a thread that sends on it then gets a reset. That is sent
     again at once on a new connection: no back-off, no 'did not take' line, no wait counted (even with
@@ -519,11 +545,17 @@ def timed(stream: Any) -> list[tuple[float, Any]]:
 
 
 @pytest.mark.parametrize("urgent_priority", [0, 10], ids=["same priority", "urgent"])
-def test_an_urgent_batch_overtakes_a_bulk_one_on_one_engine(small_engine, urgent_priority):
+def test_an_urgent_batch_overtakes_a_bulk_one_on_one_engine(small_engine, urgent_priority, monkeypatch):
     """A bulk batch keeps 8 long requests on a server that decodes 4 at a time; a short batch comes
-    while it runs. At the bulk's priority it queues behind the bulk requests sent before it (more bulk
-    answers come while it is answered than the 4 running); with a higher one its requests go ahead of
-    the waiting bulk ones and wait only for the 4 running (at most 4 bulk answers)."""
+    while it runs. At the bulk's priority, sent in a later epoch than the bulk's waiting requests, it
+    queues behind them (more bulk answers come while it is answered than the 4 running); with a
+    higher one its requests go ahead of the waiting bulk ones and wait only for the 4 running (at
+    most 4 bulk answers). (Epochs are made milliseconds here, so "later" needs no minute's wait;
+    within one epoch, equal priorities go by prompt prefix: test_a_requests_vllm_priority_...)"""
+    from batch_pipeline.engine import remote
+
+    monkeypatch.setattr(remote, "EPOCH_SECONDS", 0.001)
+
     def no_local() -> Any:
         raise AssertionError("nothing here is for an in-process engine")
 

@@ -170,12 +170,12 @@ class StandIn:
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 path = self.path.split("?", 1)[0]
-                if path == "/v1/models":
-                    self._send(200, {"object": "list", "data": [{"id": name, "object": "model"} for name in stand_in.served]})
-                elif path in stand_in.pages:
+                if path in stand_in.pages:
                     page = stand_in.pages[path]
                     page = page() if callable(page) else page  # a callable page may block, or say its status
                     self._send(*(page if isinstance(page, tuple) else (200, page)))
+                elif path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": name, "object": "model"} for name in stand_in.served]})
                 else:
                     self._send(404, {"detail": "Not Found"})
 

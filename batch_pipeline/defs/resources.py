@@ -18,7 +18,7 @@ from pydantic import Field, PrivateAttr
 from batch_pipeline.config import models
 from batch_pipeline.engine.engine_args import engine_kwargs, require_hardware
 from batch_pipeline.engine.engines import Engines
-from batch_pipeline.engine.remote import RemoteEngines, base_url, pooling_routes, warm_routes
+from batch_pipeline.engine.remote import EngineClient, RemoteEngines, base_url, pooling_routes, warm_routes
 from batch_pipeline.engine.placement import plan_ranks
 from batch_pipeline.engine.ranks import RankedEngines
 from batch_pipeline.base.runtime import configure_runtime_env, gpu_count
@@ -172,6 +172,7 @@ class LLMResource(dg.ConfigurableResource):
         default=None, description="ENGINE_WAIT_SECONDS: how long a run waits for a warm engine that stopped answering")
 
     _versions: Optional[str] = PrivateAttr(default=None)  # MODEL_VERSIONS as resolved (see _pinned)
+    _server: Optional[dict[str, Any]] = PrivateAttr(default=None)  # what the warm engine runs (see _server_model)
 
     def settings(self) -> EngineSettings:
         """The environment's settings (ENGINE_PRESET first), with what is set here winning."""
@@ -244,6 +245,8 @@ class LLMResource(dg.ConfigurableResource):
             "served_model_name": served,
             # Answers of a warm engine and of one in this process are kept apart (their checkpoints).
             "engine": f"vLLM server at {base_url(s.engine_url)}" if s.engine_url else vllm_version(),
+            # A warm engine restarted on other weights under the same name starts the answers over.
+            **(self._server_model(s, served) if s.engine_url else {}),
             "max_model_len": s.max_model_len or "",
             "dtype": dtype,
             "seed": s.seed,
@@ -258,6 +261,19 @@ class LLMResource(dg.ConfigurableResource):
                if s.models_file else {}),
             **({"model_versions": s.model_versions} if s.model_versions else {}),
         }
+
+    def _server_model(self, s: EngineSettings, served: str) -> dict[str, Any]:
+        """What the warm engine says it runs under the served name (vLLM's /v1/models: the weights'
+        path it loaded and its context), asked once per resource; empty values where it does not say."""
+        if self._server is None:
+            client = EngineClient(s.engine_url, s.engine_api_key)
+            try:
+                card = {str(c["id"]): c for c in client.model_cards()}.get(served, {})
+            finally:
+                client.close()
+            self._server = {"server_model": str(card.get("root") or ""),
+                            "server_max_model_len": card.get("max_model_len") or ""}
+        return self._server
 
     # -- engine lifetime ---------------------------------------------------------------------
 

@@ -246,6 +246,11 @@ class EngineClient:
     def models(self) -> list[str]:
         """The model names the server serves (its base models and LoRA adapters); raises
         EngineUnavailable naming the URL when it does not answer or answers something else."""
+        return [str(card["id"]) for card in self.model_cards()]
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """The server's /v1/models entries: `id` (the served name), and from vLLM `root` (the weights'
+        path it loaded, or an adapter's), `parent`, `max_model_len`. Raises as models()."""
         try:
             reply = self.request("GET", "/v1/models", timeout=SHORT_SECONDS)
         except (OSError, http.client.HTTPException) as e:
@@ -255,7 +260,10 @@ class EngineClient:
             raise ConfigError(f"the warm engine at {self.url} refused the key (HTTP {reply.status}): "
                               "check ENGINE_API_KEY")
         try:
-            return [str(m["id"]) for m in reply.json()["data"]]
+            cards = reply.json()["data"]
+            if not all(isinstance(card, dict) and "id" in card for card in cards):
+                raise TypeError("an entry without an id")
+            return list(cards)
         except (ValueError, KeyError, TypeError):
             raise EngineUnavailable(f"{self.url}/v1/models answered HTTP {reply.status} without a model "
                                     f"list: {reply.text[:200]!r}; is this vLLM's OpenAI-compatible server?") from None
