@@ -18,7 +18,6 @@ status in `status.py`, the Prometheus figures in `metrics.py`.
 """
 
 import logging
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +28,7 @@ from batch_pipeline.service.admin import router as admin
 from batch_pipeline.service.admin.router import figures, readiness
 from batch_pipeline.service.audit import AuditMiddleware, audit_log_from_env
 from batch_pipeline.service.batches import router as batches
+from batch_pipeline.service.batches.protocol import BatchRecord
 from batch_pipeline.service.errors import ApiError
 from batch_pipeline.service.files import router as files
 from batch_pipeline.service.operations import Service
@@ -40,10 +40,10 @@ from batch_pipeline.service.store import Store
 log = logging.getLogger("batch_pipeline.service")
 
 
-def _seen_finished(record: dict[str, Any]) -> bool:
+def _seen_finished(record: BatchRecord) -> bool:
     """A record whose batch is over by what storage says (its batch.json, or a run never submitted)."""
     batch = pipeline_batch(record)
-    return bool(record.get("submit_error")) or (batch is not None and batch["status"] in TERMINAL_STATUSES)
+    return bool(record.submit_error) or (batch is not None and batch["status"] in TERMINAL_STATUSES)
 
 
 async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:

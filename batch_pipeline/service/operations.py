@@ -19,8 +19,10 @@ from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.service import status
 from batch_pipeline.service.audit import AuditLog
 from batch_pipeline.service.auth import tenant_of
+from batch_pipeline.service.batches.protocol import BatchObject, BatchRecord
 from batch_pipeline.service.dagster_client import RETRYING, DagsterClient
 from batch_pipeline.service.errors import ApiError
+from batch_pipeline.service.files.protocol import FileRecord
 from batch_pipeline.service.settings import (COMPLETION_WINDOWS, MAX_EXPIRY_SECONDS, MAX_FILE_BYTES, MAX_FILE_REQUESTS,
                                              MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE,
                                              MIN_EXPIRY_SECONDS, PRIORITY_KEY)
@@ -75,7 +77,7 @@ class Service:
     # -- files -------------------------------------------------------------------------------
 
     def create_file(self, tenant: str, filename: str, purpose: str, data: bytes,
-                    expires_after: dict[str, Any] | None = None) -> dict[str, Any]:
+                    expires_after: dict[str, Any] | None = None) -> FileRecord:
         seconds = self.expiry_seconds(expires_after, "expires_after")
         if purpose != "batch":
             raise ApiError(400, f"purpose {purpose!r} is not served here: only 'batch'", param="purpose")
@@ -89,10 +91,10 @@ class Service:
             raise ApiError(400, "the file is not JSONL: none of its first lines is a JSON object (one request per line)",
                            param="file")
         record = self.store.add_file(tenant, filename, purpose, data, expires_after=seconds)
-        log.info("file %s: %d bytes, %d lines, tenant %s", record["id"], len(data), len(lines), tenant)
+        log.info("file %s: %d bytes, %d lines, tenant %s", record.id, len(data), len(lines), tenant)
         return record
 
-    def get_file(self, tenant: str, file_id: str) -> dict[str, Any]:
+    def get_file(self, tenant: str, file_id: str) -> FileRecord:
         record = self.store.file(tenant, file_id)
         if record is None:
             raise ApiError(404, f"no file {file_id!r}", param="file_id", code="not_found")
@@ -132,7 +134,7 @@ class Service:
             return
         in_flight = 0
         for record in self.store.open_batches(tenant):  # not every batch it ever made: flat in its history
-            if self.batch_object(record)["status"] not in TERMINAL_STATUSES:
+            if self.batch_object(record).status not in TERMINAL_STATUSES:
                 in_flight += 1
                 if in_flight >= limit:
                     log.info("batch refused: tenant %s has %d batches in flight (limit %d)", tenant, in_flight, limit)
@@ -167,7 +169,7 @@ class Service:
             log.error("model versions not pinned at create (%s); the run resolves them when it starts", e)
             return ""
 
-    def create_batch(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+    def create_batch(self, tenant: str, body: dict[str, Any]) -> BatchObject:
         options = self.batch_options(tenant, body)  # limits and retention (429, 400): before anything is recorded
         source = self.get_file(tenant, str(body.get("input_file_id") or ""))
         endpoint = body.get("endpoint")
@@ -189,47 +191,44 @@ class Service:
         now = time.time()
         date = dt.datetime.fromtimestamp(now, dt.timezone.utc).date().isoformat()
         batch_id = new_id("batch_")
-        record = {"id": batch_id, "tenant": tenant, "input_file_id": source["id"], "input_uri": source["uri"],
-                  "endpoint": endpoint, "completion_window": window, "metadata": metadata, "priority": priority,
-                  "created_at": int(now),
-                  "expires_at": int(now) + self.windows[window],
-                  "date": date, "output_uri": storage.join(self.store.output_root, date, batch_id), "run_id": None}
-        record.update(options)
-        versions = self.model_versions()
-        if versions:  # the versions the alias names now: this batch keeps them, whatever is switched later
-            record["model_versions"] = versions
+        # model_versions: the versions the alias names now: this batch keeps them, whatever is switched later.
+        record = BatchRecord(id=batch_id, tenant=tenant, input_file_id=source.id, input_uri=source.uri,
+                             endpoint=endpoint, completion_window=window, metadata=metadata, priority=priority,
+                             created_at=int(now), expires_at=int(now) + self.windows[window], date=date,
+                             output_uri=storage.join(self.store.output_root, date, batch_id), run_id=None,
+                             **options, model_versions=self.model_versions() or None)
         self.store.add_batch(record)  # first: a crash before the run is submitted leaves a failed batch, not none
         try:
-            record["run_id"] = self.dagster.submit(record)
+            record.run_id = self.dagster.submit(record)
         except Exception as e:  # noqa: BLE001
-            record["submit_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            record.submit_error = f"{type(e).__name__}: {str(e)[:300]}"
             self.store.save_batch(record)
             log.error("batch %s: the run could not be submitted (%s)", batch_id, type(e).__name__)
             raise ApiError(503, "the batch could not be queued: the Dagster instance is not reachable; try again",
                            type_="server_error") from None
         self.store.save_batch(record)
-        log.info("batch %s: run %s for file %s, tenant %s", batch_id, record["run_id"], source["id"], tenant)
+        log.info("batch %s: run %s for file %s, tenant %s", batch_id, record.run_id, source.id, tenant)
         return self.batch_object(record)
 
-    def get_batch(self, tenant: str, batch_id: str) -> dict[str, Any]:
+    def get_batch(self, tenant: str, batch_id: str) -> BatchRecord:
         record = self.store.batch(tenant, batch_id)
         if record is None:
             raise ApiError(404, f"no batch {batch_id!r}", param="batch_id", code="not_found")
         return record
 
-    def cancel_batch(self, tenant: str, batch_id: str) -> dict[str, Any]:
+    def cancel_batch(self, tenant: str, batch_id: str) -> BatchObject:
         record = self.get_batch(tenant, batch_id)
         current = self.batch_object(record)
-        if current["status"] in TERMINAL_STATUSES:
-            raise ApiError(400, f"batch {batch_id} is {current['status']}: it cannot be cancelled")
-        record["cancelling_at"] = int(time.time())
+        if current.status in TERMINAL_STATUSES:
+            raise ApiError(400, f"batch {batch_id} is {current.status}: it cannot be cancelled")
+        record.cancelling_at = int(time.time())
         self.store.save_batch(record)
-        if record.get("run_id"):  # the run keeps its answers, reports the rest cancelled
+        if record.run_id:  # the run keeps its answers, reports the rest cancelled
             self.terminate(record)
         log.info("batch %s: cancel requested", batch_id)
         return self.batch_object(record)
 
-    def terminate(self, record: dict[str, Any], wait: float = TERMINATE_WAIT) -> None:
+    def terminate(self, record: BatchRecord, wait: float = TERMINATE_WAIT) -> None:
         """Ask Dagster to terminate the batch's run. Dagster refuses while the run is STARTING (its worker
         coming up): this waits up to `wait` seconds for it to start, else records `terminate_pending`,
         and the next read of the batch (retrieve, list) that finds the run started terminates it."""
@@ -251,20 +250,21 @@ class Service:
                         # it (defs/run_watch.py): the cancel is taken, not a 500.
                         if self.dagster.current_run(record)[1] in ("CANCELING", "CANCELED"):
                             log.warning("batch %s: run %s marked cancelling, but Dagster could not interrupt it "
-                                        "(%s); the run stops itself", record["id"], run_id, str(e)[:200])
+                                        "(%s); the run stops itself", record.id, run_id, str(e)[:200])
                             break
                         raise
             if time.monotonic() >= deadline:
-                if not record.get("terminate_pending"):
-                    record["terminate_pending"] = True
+                if not record.terminate_pending:
+                    record.terminate_pending = True
                     self.store.save_batch(record)
-                    storage.write_json(self._pending_uri(record["id"]), {"id": record["id"], "tenant": record["tenant"]})
-                    log.info("batch %s: run %s still starting; terminated once started", record["id"], run_id)
+                    storage.write_json(self._pending_uri(record.id), {"id": record.id, "tenant": record.tenant})
+                    log.info("batch %s: run %s still starting; terminated once started", record.id, run_id)
                 return
             time.sleep(1)
-        if record.pop("terminate_pending", None):
+        if record.terminate_pending:
+            record.terminate_pending = None
             self.store.save_batch(record)
-            storage.delete(self._pending_uri(record["id"]))
+            storage.delete(self._pending_uri(record.id))
 
     def _pending_uri(self, batch_id: str) -> str:
         return storage.join(self.store.output_root, "_batch_api", PENDING_FOLDER, f"{batch_id}.json")
@@ -278,29 +278,29 @@ class Service:
         for info in storage.list_objects(folder, suffix=".json"):
             marker = storage.read_json(info.uri)
             record = self.store.batch(str(marker.get("tenant", "")), str(marker.get("id", "")))
-            if record is None or not record.get("terminate_pending"):
+            if record is None or not record.terminate_pending:
                 storage.delete(info.uri)  # read and carried out meanwhile (or the batch is gone)
                 continue
             self.terminate(record, wait=0)
-            done += 0 if record.get("terminate_pending") else 1
+            done += 0 if record.terminate_pending else 1
         return done
 
-    def run_of(self, record: dict[str, Any]) -> tuple[str, str | None]:
+    def run_of(self, record: BatchRecord) -> tuple[str, str | None]:
         """The run carrying the batch, (run id, status); a cancel that came while the run was starting
         is carried out here, once the run has started."""
         run_id, run_status = self.dagster.current_run(record)
-        if record.get("terminate_pending") and run_status not in (None, "STARTING", RETRYING):
+        if record.terminate_pending and run_status not in (None, "STARTING", RETRYING):
             self.terminate(record, wait=0)
             run_id, run_status = self.dagster.current_run(record)
         return run_id, run_status
 
-    def batch_object(self, record: dict[str, Any]) -> dict[str, Any]:
+    def batch_object(self, record: BatchRecord) -> BatchObject:
         """The OpenAI Batch object: the pipeline's batch.json once written, else the run's status. A batch
         seen finished for the first time leaves its tenant's open batches (the limit check's index)."""
-        had_failure = record.get("run_failure")
+        had_failure = record.run_failure
         batch = status.batch_object(record, self.run_of, self.dagster.failure_reason)
-        if batch["status"] in TERMINAL_STATUSES:
-            if record.get("run_failure") != had_failure and not record.get("open"):
+        if batch.status in TERMINAL_STATUSES:
+            if record.run_failure != had_failure and not record.open:
                 self.store.save_batch(record)  # why its run failed, read once (close_batch saves an open one)
             self.store.close_batch(record)
         else:
