@@ -10,7 +10,8 @@ pages with `after` walk every batch once, newest first, also batches created by 
 and across a new Store over the same folder (a restart); records written before the listing index
 (or by an older replica) are listed after the start's `index_listing`, and by the first list of a
 Store no service indexed; a listing marker whose record was never written is skipped. A second
-/metrics scrape reads only the batches not yet seen finished. The service is the real `Service`
+/metrics scrape reads only the batches not yet seen finished. A record read and written again keeps
+the fields a newer replica added and still lacks the ones never set. The service is the real `Service`
 over a real local store; the Dagster web server is a stand-in answering submit and run status (what
 it answers does not change what the store reads: a run query is not a storage read). The service
 over a real `dagster dev`: test_batch_api.py's limit and list tests.
@@ -18,6 +19,7 @@ over a real `dagster dev`: test_batch_api.py's limit and list tests.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from pathlib import Path
@@ -340,3 +342,21 @@ def test_markers_of_the_first_layout_without_days_are_indexed_again(unlimited):
     assert store.index_listing() == 1
     assert store.batch_ids() == ["batch_firstlayout"]
     assert [r.id for r in store.batch_page(TENANT, None, 5)[0]] == ["batch_firstlayout"]
+
+
+def test_a_record_keeps_what_it_does_not_know_and_leaves_out_what_was_never_set(tmp_path):
+    """Records are parsed into their model where they are read: a field of a newer replica survives a
+    read and a write, and the fields written only once set stay absent while unset, as older replicas
+    reading the same store expect (no `open`: a store kept before the open index)."""
+    store = Store(str(tmp_path))
+    path = tmp_path / "_batch_api" / "batches" / "batch_newer.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"id": "batch_newer", "tenant": TENANT, "created_at": 1, "run_id": None,
+                                "from_a_newer_replica": {"x": 1}}))
+    record = store.batch(TENANT, "batch_newer")
+    record.cancelling_at = 5
+    store.save_batch(record)
+    saved = json.loads(path.read_text())
+    assert saved["from_a_newer_replica"] == {"x": 1} and saved["cancelling_at"] == 5 and saved["run_id"] is None
+    assert not {"open", "turn", "submit_error", "terminate_pending", "run_failure", "model_versions", "expires_at"} & set(saved)
+    assert store.batch("team-b", "batch_newer") is None  # another tenant's
