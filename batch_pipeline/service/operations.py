@@ -19,7 +19,7 @@ from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.service import status
 from batch_pipeline.service.audit import AuditLog
 from batch_pipeline.service.auth import tenant_of
-from batch_pipeline.service.batches.protocol import BatchObject, BatchRecord
+from batch_pipeline.service.batches.protocol import BatchObject, BatchRecord, PendingTermination
 from batch_pipeline.service.dagster_client import RETRYING, DagsterClient
 from batch_pipeline.service.errors import ApiError
 from batch_pipeline.service.files.protocol import FileRecord
@@ -257,7 +257,8 @@ class Service:
                 if not record.terminate_pending:
                     record.terminate_pending = True
                     self.store.save_batch(record)
-                    storage.write_json(self._pending_uri(record.id), {"id": record.id, "tenant": record.tenant})
+                    storage.write_json(self._pending_uri(record.id),
+                                       PendingTermination(id=record.id, tenant=record.tenant).stored())
                     log.info("batch %s: run %s still starting; terminated once started", record.id, run_id)
                 return
             time.sleep(1)
@@ -276,8 +277,8 @@ class Service:
         done = 0
         folder = storage.join(self.store.output_root, "_batch_api", PENDING_FOLDER) + "/"
         for info in storage.list_objects(folder, suffix=".json"):
-            marker = storage.read_json(info.uri)
-            record = self.store.batch(str(marker.get("tenant", "")), str(marker.get("id", "")))
+            marker = PendingTermination.model_validate(storage.read_json(info.uri))
+            record = self.store.batch(marker.tenant, marker.id)
             if record is None or not record.terminate_pending:
                 storage.delete(info.uri)  # read and carried out meanwhile (or the batch is gone)
                 continue

@@ -50,6 +50,14 @@ class BatchRecord(Record):
     run_failure: RunFailure | None = None
 
 
+class PendingTermination(Record):
+    """A marker of a batch whose run awaits its terminate (`_batch_api/terminate_pending/<id>.json`):
+    what the sweep reads to find the batch's record."""
+
+    id: str = ""
+    tenant: str = ""
+
+
 class BatchObject(BaseModel):
     """OpenAI's Batch object as the API answers it. Only the fields set are sent (`body`): a batch not
     written by the pipeline yet has no `model`, `usage` or most `*_at`, as OpenAI leaves them out."""
