@@ -11,9 +11,9 @@ comma-separated) or the lines of BATCH_API_KEYS_FILE. A tenant sees only its own
 Errors are OpenAI's error bodies, so the SDK raises its own typed errors. Logs carry ids and counts,
 never file contents; BATCH_API_AUDIT_LOG adds a JSON line per call (`audit.py`).
 
-This module assembles the app (`create_app`: one router per area, `files/`, `batches/`, `admin/`)
-and builds the service from the environment (`service_from_env`); what each call does is in
-`operations.py`, the settings in `settings.py`, the Dagster client in `dagster_client.py`, a batch's
+This module assembles the app (`create_app`: one router per area, `files/`, `batches/`, `admin/`,
+each area's models in its `protocol.py` and what its calls do in its `serving.py`) and builds the
+service from the environment (`service_from_env`, an `operations.Service`); the settings are in `settings.py`, the Dagster client in `dagster_client.py`, a batch's
 status in `status.py`, the Prometheus figures in `metrics.py`.
 """
 
