@@ -13,8 +13,9 @@ never file contents; BATCH_API_AUDIT_LOG adds a JSON line per call (`audit.py`).
 
 This module assembles the app (`create_app`: one router per area, `files/`, `batches/`, `admin/`,
 each area's models in its `protocol.py` and what its calls do in its `serving.py`) and builds the
-service from the environment (`service_from_env`, an `operations.Service`); the settings are in `settings.py`, the Dagster client in `dagster_client.py`, a batch's
-status in `status.py`, the Prometheus figures in `metrics.py`.
+service from the environment (`service_from_env`, an `operations.Service`); the settings are in
+`settings.py`, the Dagster client in `dagster_client.py`, a batch's status in `status.py`, the
+Prometheus figures in `metrics.py`.
 """
 
 import logging
