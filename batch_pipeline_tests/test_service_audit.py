@@ -6,7 +6,9 @@ Covered: a line per call with its fields (tenant, action, method, path, object i
 duration, client, request id; the request id the caller's X-Request-Id or one made, and returned),
 upload, list, retrieve, content, create, cancel and delete each named; a wrong key logged with no
 tenant; no prompt, key or metadata text anywhere in the log; concurrent calls each one whole line;
-a path whose folder does not exist refused at start naming the variable.
+a path whose folder does not exist refused at start naming the variable; every route of the app is
+an action the log names, or a probe it leaves out (the app's routes are the log's one table: built
+in memory, no server).
 
 The instance is the repo's dagster.yaml with `max_concurrent_runs: 0`: the daemon launches no run,
 so created batches stay queued until cancelled and no model is loaded (the runs are not what this
@@ -194,6 +196,32 @@ def test_concurrent_calls_are_whole_lines(audited):
                                                                "X-Request-Id": "two words"}, timeout=60)
     assert response.headers["x-request-id"].startswith("req_")
     assert lines_for(audited["audit"], [response.headers["x-request-id"]])[0]["tenant"] == "team-a"
+
+
+def test_every_route_is_an_action_the_audit_log_names_or_a_probe():
+    """The log names a call by the app route it matches (the route's `name=`): a route added without
+    one of the documented actions fails here, as would an action no route serves any more."""
+    from starlette.routing import Route
+
+    from batch_pipeline.service.app import Service, create_app
+    from batch_pipeline.service.audit import ACTIONS, OTHER, UNLOGGED_PATHS, action_of
+    from batch_pipeline.service.store import Store
+
+    routes = create_app(Service(Store("/nonexistent"), {"k" * 16: "t"}, "http://127.0.0.1:9")).routes
+    unclassified = [(sorted(getattr(r, "methods", None) or []), getattr(r, "path", r), getattr(r, "name", None))
+                    for r in routes if not isinstance(r, Route)
+                    or (r.path in UNLOGGED_PATHS) == (r.name in ACTIONS)]  # a probe, or else an action: one of them
+    assert not unclassified, f"routes the audit log does not classify: {unclassified}"
+    assert set(ACTIONS) == {r.name for r in routes if r.path not in UNLOGGED_PATHS}  # no action left without its route
+    assert {r.path for r in routes if r.path in UNLOGGED_PATHS} == set(UNLOGGED_PATHS)
+    calls = {("POST", "/v1/files"): ("upload", None), ("GET", "/v1/files"): ("list", None),
+             ("GET", "/v1/files/file-1"): ("retrieve", "file-1"), ("GET", "/v1/files/file-1/content"): ("content", "file-1"),
+             ("DELETE", "/v1/files/file-1"): ("delete", "file-1"), ("POST", "/v1/batches"): ("create", None),
+             ("GET", "/v1/batches"): ("list", None), ("GET", "/v1/batches/batch_1"): ("retrieve", "batch_1"),
+             ("POST", "/v1/batches/batch_1/cancel"): ("cancel", "batch_1"), ("GET", "/metrics"): ("metrics", None),
+             ("PUT", "/v1/files"): (OTHER, None), ("GET", "/v1/nothing"): (OTHER, None),
+             ("GET", "/openapi.json"): (OTHER, None), ("GET", "/v1/files/a/b/c"): (OTHER, None)}
+    assert {call: action_of(routes, *call) for call in calls} == calls
 
 
 @pytest.mark.server  # `batch-pipeline serve` in its own process (no fixture says so)

@@ -54,8 +54,8 @@ class StartingRun:
     def __init__(self) -> None:
         self.status, self.terminated = "STARTING", []
 
-    def current_run(self, record: dict) -> tuple[str, str]:
-        return record["run_id"], self.status
+    def current_run(self, record: Any) -> tuple[str, str]:
+        return record.run_id, self.status
 
     def terminate_run(self, run_id: str) -> None:
         if self.status == "STARTING":
@@ -68,23 +68,24 @@ def test_a_cancel_left_pending_is_carried_out_by_the_sweep_without_a_read(tmp_pa
     """`batch-pipeline serve` sweeps every few seconds: the run is terminated once started even if no
     client reads the batch again (before, only a retrieve or a list carried it out)."""
     from batch_pipeline.io import storage
+    from batch_pipeline.service.batches.protocol import BatchRecord
     from batch_pipeline.service.operations import PENDING_FOLDER, Service
     from batch_pipeline.service.store import Store
 
     dagster = StartingRun()
     service = Service(store=Store(str(tmp_path)), keys={"k" * 16: "team-a"}, dagster_url="http://unused",
                       _dagster=dagster)
-    record = {"id": "batch_1", "tenant": "team-a", "run_id": "run-1", "metadata": {}, "created_at": 1}
+    record = BatchRecord(id="batch_1", tenant="team-a", run_id="run-1", created_at=1)
     service.store.add_batch(record)
     pending = tmp_path / "_batch_api" / PENDING_FOLDER
 
     service.terminate(record, wait=0)  # the cancel: the run is still starting
-    assert service.store.batch("team-a", "batch_1")["terminate_pending"] and (pending / "batch_1.json").exists()
+    assert service.store.batch("team-a", "batch_1").terminate_pending and (pending / "batch_1.json").exists()
     assert service.sweep_pending_terminations() == 0 and dagster.terminated == []  # still starting: left pending
 
     dagster.status = "STARTED"
     assert service.sweep_pending_terminations() == 1 and dagster.terminated == ["run-1"]
-    assert "terminate_pending" not in service.store.batch("team-a", "batch_1")
+    assert service.store.batch("team-a", "batch_1").terminate_pending is None
     assert storage.list_objects(str(pending) + "/") == []  # nothing left to sweep
     assert service.sweep_pending_terminations() == 0 and dagster.terminated == ["run-1"]  # once only
 
@@ -105,21 +106,22 @@ class UninterruptibleRun(StartingRun):
 def test_a_cancel_dagster_marked_but_could_not_interrupt_is_taken_not_a_500(tmp_path):
     """The run is CANCELING (it stops itself: test_run_watch.py), so the cancel is answered as taken;
     any other failure of the terminate still raises."""
+    from batch_pipeline.service.batches.protocol import BatchRecord
     from batch_pipeline.service.operations import Service
     from batch_pipeline.service.store import Store
 
     dagster = UninterruptibleRun()
     service = Service(store=Store(str(tmp_path)), keys={"k" * 16: "team-a"}, dagster_url="http://unused",
                       _dagster=dagster)
-    record = {"id": "batch_1", "tenant": "team-a", "run_id": "run-1", "metadata": {}, "created_at": 1}
+    record = BatchRecord(id="batch_1", tenant="team-a", run_id="run-1", created_at=1)
     service.store.add_batch(record)
     service.terminate(record, wait=0)
-    assert dagster.status == "CANCELING" and "terminate_pending" not in service.store.batch("team-a", "batch_1")
+    assert dagster.status == "CANCELING" and service.store.batch("team-a", "batch_1").terminate_pending is None
 
     refused = UninterruptibleRun()
     refused.terminate_run = lambda run_id: (_ for _ in ()).throw(RuntimeError("web server unreachable"))  # status stays STARTED
     service = Service(store=Store(str(tmp_path / "b")), keys={"k" * 16: "team-a"}, dagster_url="http://unused",
                       _dagster=refused)
-    service.store.add_batch(dict(record))
+    service.store.add_batch(record.model_copy())
     with pytest.raises(RuntimeError, match="web server unreachable"):
-        service.terminate(dict(record), wait=0)
+        service.terminate(record.model_copy(), wait=0)

@@ -10,7 +10,8 @@ pages with `after` walk every batch once, newest first, also batches created by 
 and across a new Store over the same folder (a restart); records written before the listing index
 (or by an older replica) are listed after the start's `index_listing`, and by the first list of a
 Store no service indexed; a listing marker whose record was never written is skipped. A second
-/metrics scrape reads only the batches not yet seen finished. The service is the real `Service`
+/metrics scrape reads only the batches not yet seen finished. A record read and written again keeps
+the fields a newer replica added and still lacks the ones never set. The service is the real `Service`
 over a real local store; the Dagster web server is a stand-in answering submit and run status (what
 it answers does not change what the store reads: a run query is not a storage read). The service
 over a real `dagster dev`: test_batch_api.py's limit and list tests.
@@ -18,6 +19,7 @@ over a real `dagster dev`: test_batch_api.py's limit and list tests.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 import pytest
 
 from batch_pipeline.io import storage
+from batch_pipeline.service.batches.protocol import BatchRecord
 from batch_pipeline.service.store import Store
 
 TENANT = "team-a"
@@ -39,13 +42,13 @@ class RunsStandIn:
     def __init__(self) -> None:
         self.status: dict[str, str] = {}
 
-    def submit(self, record: dict[str, Any]) -> str:
-        record["turn"] = 0
-        self.status[record["id"]] = "QUEUED"
-        return f"run-{record['id']}"
+    def submit(self, record: BatchRecord) -> str:
+        record.turn = 0
+        self.status[record.id] = "QUEUED"
+        return f"run-{record.id}"
 
-    def current_run(self, record: dict[str, Any]) -> tuple[str, str | None]:
-        return record["run_id"], self.status.get(record["id"])
+    def current_run(self, record: BatchRecord) -> tuple[str, str | None]:
+        return record.run_id, self.status.get(record.id)
 
     def failure_reason(self, run_id: str) -> str:
         return "its step failed. Not retried: the Dagster instance does not retry runs (run_retries off)"
@@ -58,10 +61,10 @@ def write_finished(store: Store, tenant: str, n: int) -> list[str]:
     for i in range(n):
         batch_id = f"batch_past{i:06d}"
         output_uri = storage.join(store.output_root, "2026-01-01", batch_id)
-        store.save_batch({"id": batch_id, "tenant": tenant, "input_file_id": "file-past", "input_uri": "/nonexistent",
-                          "endpoint": "/v1/chat/completions", "completion_window": "24h", "metadata": {},
-                          "priority": 0, "created_at": 1767225600 + i, "expires_at": 1767312000 + i,
-                          "date": "2026-01-01", "output_uri": output_uri, "run_id": f"run-{i}", "open": False})
+        store.save_batch(BatchRecord(id=batch_id, tenant=tenant, input_file_id="file-past", input_uri="/nonexistent",
+                                     endpoint="/v1/chat/completions", completion_window="24h", metadata={},
+                                     priority=0, created_at=1767225600 + i, expires_at=1767312000 + i,
+                                     date="2026-01-01", output_uri=output_uri, run_id=f"run-{i}", open=False))
         storage.write_json(storage.join(output_uri, "batch.json"), {
             "id": batch_id, "status": "completed", "model": "m",
             "request_counts": {"total": 1, "completed": 1, "failed": 0},
@@ -89,7 +92,7 @@ def test_create_reads_only_the_open_batches_however_long_the_history(service, mo
         """(the new batch's id, the JSON files create read, the batches they belong to, batch records read)."""
         reads.clear()
         records = store.reads
-        batch_id = service.create_batch(TENANT, {"input_file_id": source["id"], "endpoint": "/v1/chat/completions"})["id"]
+        batch_id = service.create_batch(TENANT, {"input_file_id": source.id, "endpoint": "/v1/chat/completions"}).id
         return batch_id, list(reads), {m for uri in reads for m in BATCH_IDS.findall(uri)}, store.reads - records
 
     first, files, touched, records = create()
@@ -103,8 +106,8 @@ def test_create_reads_only_the_open_batches_however_long_the_history(service, mo
     assert len(files) == alone + 3, files
     # Once the first is seen finished it leaves the index: the next create reads only the second.
     service.dagster.status[first] = "CANCELED"
-    assert service.get_batch(TENANT, first) and service.batch_object(store.batch(TENANT, first))["status"] == "cancelled"
-    assert [r["id"] for r in store.open_batches(TENANT)] == [second]
+    assert service.get_batch(TENANT, first) and service.batch_object(store.batch(TENANT, first)).status == "cancelled"
+    assert [r.id for r in store.open_batches(TENANT)] == [second]
     third, files, touched, records = create()
     assert touched == {second, third} and records == 1
     # Reading a finished batch again writes nothing (its record says it is closed).
@@ -117,15 +120,15 @@ def test_create_reads_only_the_open_batches_however_long_the_history(service, mo
 def test_the_limit_counts_open_batches(service):
     source = service.create_file(TENANT, "one.jsonl", "batch", LINE)
     write_finished(service.store, TENANT, 20)
-    made = [service.create_batch(TENANT, {"input_file_id": source["id"], "endpoint": "/v1/chat/completions"})["id"]
+    made = [service.create_batch(TENANT, {"input_file_id": source.id, "endpoint": "/v1/chat/completions"}).id
             for _ in range(3)]  # max_in_flight=3: the 20 finished ones do not count
     from batch_pipeline.service.errors import ApiError
 
     with pytest.raises(ApiError, match="too many batches in flight") as refused:
-        service.create_batch(TENANT, {"input_file_id": source["id"], "endpoint": "/v1/chat/completions"})
+        service.create_batch(TENANT, {"input_file_id": source.id, "endpoint": "/v1/chat/completions"})
     assert refused.value.status == 429
     service.dagster.status[made[0]] = "FAILURE"
-    service.create_batch(TENANT, {"input_file_id": source["id"], "endpoint": "/v1/chat/completions"})
+    service.create_batch(TENANT, {"input_file_id": source.id, "endpoint": "/v1/chat/completions"})
 
 
 def test_a_store_kept_before_the_open_index_is_indexed_once(tmp_path):
@@ -135,16 +138,16 @@ def test_a_store_kept_before_the_open_index_is_indexed_once(tmp_path):
     past = write_finished(store, TENANT, 3)
     for batch_id in past:  # written by a service without the index: no `open` mark
         record = store.batch(TENANT, batch_id)
-        record.pop("open")
+        record.open = None
         store.save_batch(record)
-    still = {**store.batch(TENANT, past[0]), "id": "batch_open1", "output_uri": str(tmp_path / "none")}
+    still = store.batch(TENANT, past[0]).model_copy(update={"id": "batch_open1", "output_uri": str(tmp_path / "none")})
     store.save_batch(still)  # no batch.json: not known to be over
     assert store.index_open_batches(_seen_finished) == 1
-    assert [r["id"] for r in store.open_batches(TENANT)] == ["batch_open1"] and store.open_batches("team-b") == []
+    assert [r.id for r in store.open_batches(TENANT)] == ["batch_open1"] and store.open_batches("team-b") == []
     before = store.reads
     assert store.index_open_batches(_seen_finished) == 0 and store.reads == before  # once per store
     store.close_batch(store.batch(TENANT, "batch_open1"))
-    assert store.open_batches(TENANT) == [] and store.batch(TENANT, "batch_open1")["open"] is False
+    assert store.open_batches(TENANT) == [] and store.batch(TENANT, "batch_open1").open is False
 
 
 # ------------------------------------------------------------------------ the listing index
@@ -152,7 +155,7 @@ def test_a_store_kept_before_the_open_index_is_indexed_once(tmp_path):
 
 def create_batches(service: Any, n: int) -> list[str]:
     source = service.create_file(TENANT, "one.jsonl", "batch", LINE)
-    return [service.create_batch(TENANT, {"input_file_id": source["id"], "endpoint": "/v1/chat/completions"})["id"]
+    return [service.create_batch(TENANT, {"input_file_id": source.id, "endpoint": "/v1/chat/completions"}).id
             for _ in range(n)]
 
 
@@ -165,16 +168,16 @@ def list_all(service: Any, limit: int) -> tuple[list[str], list[int]]:
         before = service.store.reads
         page, more = service.store.batch_page(TENANT, after, limit)
         reads.append(service.store.reads - before)
-        ids += [r["id"] for r in page]
+        ids += [r.id for r in page]
         if not more:
             return ids, reads
-        after = page[-1]["id"]
+        after = page[-1].id
 
 
 def newest_first(store: Store) -> list[str]:
     """The tenant's batch ids newest first from every record (the list's order before the index)."""
-    records = [r for r in store.all_batches() if r["tenant"] == TENANT]
-    return [r["id"] for r in sorted(records, key=lambda r: (r["created_at"], r["id"]), reverse=True)]
+    records = [r for r in store.all_batches() if r.tenant == TENANT]
+    return [r.id for r in sorted(records, key=lambda r: (r.created_at, r.id), reverse=True)]
 
 
 @pytest.fixture
@@ -253,8 +256,8 @@ def test_pages_walk_every_batch_once_newest_first_across_concurrent_creates_and_
     ids_again, reads = list_all(restarted, 7)
     assert ids_again == ids and max(reads) == 8  # 7 records and the `after` batch's
     # A record an older replica wrote after this start (no marker) is listed after the next start.
-    old = {**store.batch(TENANT, first[0]), "id": "batch_olderreplica", "created_at": 4102444800}  # 2100: newest
-    old.pop("open")
+    old = store.batch(TENANT, first[0]).model_copy(update={"id": "batch_olderreplica", "created_at": 4102444800,
+                                                          "open": None})  # 2100: newest
     store.save_batch(old)
     assert "batch_olderreplica" not in list_all(restarted, 100)[0]
     assert Store(store.output_root).index_listing() == 1
@@ -265,13 +268,13 @@ def test_a_listing_marker_without_its_record_is_skipped(unlimited):
     service, store = unlimited, unlimited.store
     create_batches(service, 2)
     created = newest_first(store)
-    crashed = {"id": "batch_crashed", "tenant": TENANT, "created_at": 1}  # the markers written, then a crash
+    crashed = BatchRecord(id="batch_crashed", tenant=TENANT, created_at=1)  # the markers written, then a crash
     store._list_marker(crashed)
     page, more = store.batch_page(TENANT, None, 2)
-    assert [r["id"] for r in page] == created and more is False
+    assert [r.id for r in page] == created and more is False
     page, more = store.batch_page(TENANT, None, 1)
-    assert [r["id"] for r in page] == created[:1] and more is True
-    assert [r["id"] for r in store.batch_page(TENANT, created[1], 5)[0]] == []
+    assert [r.id for r in page] == created[:1] and more is True
+    assert [r.id for r in store.batch_page(TENANT, created[1], 5)[0]] == []
 
 
 def test_a_second_metrics_scrape_reads_only_batches_not_seen_finished(unlimited):
@@ -308,9 +311,9 @@ def test_a_page_lists_only_the_days_it_needs(unlimited, monkeypatch):
     made = []  # 3 batches a day over 30 days, as an older service wrote them (no markers)
     for day in range(30):
         for k in range(3):
-            record = {"id": f"batch_day{day:03d}n{k}", "tenant": TENANT, "created_at": 1767225600 + day * 86400 + k * 60}
+            record = BatchRecord(id=f"batch_day{day:03d}n{k}", tenant=TENANT, created_at=1767225600 + day * 86400 + k * 60)
             store.save_batch(record)
-            made.append(record["id"])
+            made.append(record.id)
     assert store.index_listing() == 90
     expected = made[::-1]
     assert newest_first(store) == expected
@@ -319,23 +322,41 @@ def test_a_page_lists_only_the_days_it_needs(unlimited, monkeypatch):
     monkeypatch.setattr(storage, "list_objects",
                         lambda prefix, *args, **kwargs: (listings.append(prefix), real(prefix, *args, **kwargs))[1])
     page, more = store.batch_page(TENANT, None, 5)
-    assert [r["id"] for r in page] == expected[:5] and more is True
+    assert [r.id for r in page] == expected[:5] and more is True
     assert len(listings) == 3  # the tenant's days, the newest day (3 batches) and the day before (2 and 1 more)
     listings.clear()
     # From the middle: the rest of the `after` batch's day (1), the day before (3), and the next day's
     # first name for has_more; the 13 newer days and the 14 older ones are not listed.
     page, more = store.batch_page(TENANT, expected[40], 4)
-    assert [r["id"] for r in page] == expected[41:45] and more is True and len(listings) == 4
+    assert [r.id for r in page] == expected[41:45] and more is True and len(listings) == 4
     ids, _ = list_all(unlimited, 7)
     assert ids == expected
 
 
 def test_markers_of_the_first_layout_without_days_are_indexed_again(unlimited):
     store = unlimited.store
-    record = {"id": "batch_firstlayout", "tenant": TENANT, "created_at": 1767225600}
+    record = BatchRecord(id="batch_firstlayout", tenant=TENANT, created_at=1767225600)
     store.save_batch(record)
     # As 84a428a wrote it: listed/<tenant hash>/<created_at>-<id>.json, no day folder.
     storage.write_bytes(storage.join(store._listed_folder(TENANT), "001767225600-batch_firstlayout.json"), b"")
     assert store.index_listing() == 1
     assert store.batch_ids() == ["batch_firstlayout"]
-    assert [r["id"] for r in store.batch_page(TENANT, None, 5)[0]] == ["batch_firstlayout"]
+    assert [r.id for r in store.batch_page(TENANT, None, 5)[0]] == ["batch_firstlayout"]
+
+
+def test_a_record_keeps_what_it_does_not_know_and_leaves_out_what_was_never_set(tmp_path):
+    """Records are parsed into their model where they are read: a field of a newer replica survives a
+    read and a write, and the fields written only once set stay absent while unset, as older replicas
+    reading the same store expect (no `open`: a store kept before the open index)."""
+    store = Store(str(tmp_path))
+    path = tmp_path / "_batch_api" / "batches" / "batch_newer.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"id": "batch_newer", "tenant": TENANT, "created_at": 1, "run_id": None,
+                                "from_a_newer_replica": {"x": 1}}))
+    record = store.batch(TENANT, "batch_newer")
+    record.cancelling_at = 5
+    store.save_batch(record)
+    saved = json.loads(path.read_text())
+    assert saved["from_a_newer_replica"] == {"x": 1} and saved["cancelling_at"] == 5 and saved["run_id"] is None
+    assert not {"open", "turn", "submit_error", "terminate_pending", "run_failure", "model_versions", "expires_at"} & set(saved)
+    assert store.batch("team-b", "batch_newer") is None  # another tenant's

@@ -60,13 +60,13 @@ class Runs:
         self.status: dict[str, str] = {}
         self.asked_why: list[str] = []
 
-    def submit(self, record: dict[str, Any]) -> str:
-        record["turn"] = 0
-        self.status[record["id"]] = "STARTED"
-        return f"run-{record['id']}"
+    def submit(self, record: Any) -> str:
+        record.turn = 0
+        self.status[record.id] = "STARTED"
+        return f"run-{record.id}"
 
-    def current_run(self, record: dict[str, Any]) -> tuple[str, str | None]:
-        return record["run_id"], self.status.get(record["id"])
+    def current_run(self, record: Any) -> tuple[str, str | None]:
+        return record.run_id, self.status.get(record.id)
 
     def failure_reason(self, run_id: str) -> str:
         self.asked_why.append(run_id)
@@ -93,21 +93,21 @@ def metrics_line(service: Any, status: str) -> str:
 
 def test_a_retrying_batch_stays_in_progress_everywhere_and_a_failed_one_says_why(service):
     source = service.create_file(TENANT, "one.jsonl", "batch", LINE)
-    batch_id = service.create_batch(TENANT, {"input_file_id": source["id"], "endpoint": "/v1/chat/completions"})["id"]
+    batch_id = service.create_batch(TENANT, {"input_file_id": source.id, "endpoint": "/v1/chat/completions"}).id
     store, runs = service.store, service.dagster
     runs.status[batch_id] = RETRYING
-    assert service.batch_object(store.batch(TENANT, batch_id))["status"] == "in_progress"
-    assert [r["id"] for r in store.open_batches(TENANT)] == [batch_id]  # still counted against the limit
+    assert service.batch_object(store.batch(TENANT, batch_id)).status == "in_progress"
+    assert [r.id for r in store.open_batches(TENANT)] == [batch_id]  # still counted against the limit
     assert metrics_line(service, "failed").endswith(" 0") and metrics_line(service, "in_progress").endswith(" 1")
     assert runs.asked_why == []
     # Dagster decided: over. The error names the run and the reason, read once and kept in the record.
     runs.status[batch_id] = "FAILURE"
-    failed = service.batch_object(store.batch(TENANT, batch_id))
+    failed = service.batch_object(store.batch(TENANT, batch_id)).body()
     assert failed["status"] == "failed" and store.open_batches(TENANT) == []
     [error] = failed["errors"]["data"]
     assert error["code"] == "run_failed" and f"run-{batch_id}" in error["message"], error
     assert "signal 9" in error["message"] and "retries are spent" in error["message"], error
-    again = service.batch_object(store.batch(TENANT, batch_id))
+    again = service.batch_object(store.batch(TENANT, batch_id)).body()
     assert again["errors"] == failed["errors"] and again["failed_at"] == failed["failed_at"]
     assert runs.asked_why == [f"run-{batch_id}"]
     assert metrics_line(service, "failed").endswith(" 1")
@@ -118,8 +118,8 @@ def test_a_retrying_batch_stays_in_progress_everywhere_and_a_failed_one_says_why
     kept = FinishedBatches()
     assert [b["status"] for _, b in kept.batches(store, service.batch_object)] == ["failed"]
     runs.status[batch_id] = "QUEUED"  # the retry run, in the queue (no lines validated in this stand-in)
-    assert service.batch_object(store.batch(TENANT, batch_id))["status"] == "validating"
-    assert [r["id"] for r in store.open_batches(TENANT)] == [batch_id] and "run_failure" not in store.batch(TENANT, batch_id)
+    assert service.batch_object(store.batch(TENANT, batch_id)).status == "validating"
+    assert [r.id for r in store.open_batches(TENANT)] == [batch_id] and store.batch(TENANT, batch_id).run_failure is None
     assert [b["status"] for _, b in kept.batches(store, service.batch_object)] == ["validating"]
 
 
@@ -130,14 +130,14 @@ def test_a_cancel_of_a_retrying_batch_is_carried_out_on_the_retry_run(service):
     source = service.create_file(TENANT, "one.jsonl", "batch", LINE)
     runs, terminated = service.dagster, []
     runs.terminate_run = lambda run_id: terminated.append(run_id)
-    first = service.create_batch(TENANT, {"input_file_id": source["id"], "endpoint": "/v1/chat/completions"})["id"]
+    first = service.create_batch(TENANT, {"input_file_id": source.id, "endpoint": "/v1/chat/completions"}).id
     answers = iter([RETRYING, RETRYING, "QUEUED"])  # the retry run (with the batch's tag) appears at the third look
-    runs.current_run = lambda record: (record["run_id"], next(answers, "CANCELING"))
-    assert service.cancel_batch(TENANT, first)["status"] == "cancelling"
-    assert terminated == [f"run-{first}"] and not service.store.batch(TENANT, first).get("terminate_pending")
-    second = service.create_batch(TENANT, {"input_file_id": source["id"], "endpoint": "/v1/chat/completions"})["id"]
-    runs.current_run = lambda record: (record["run_id"], RETRYING)
+    runs.current_run = lambda record: (record.run_id, next(answers, "CANCELING"))
+    assert service.cancel_batch(TENANT, first).status == "cancelling"
+    assert terminated == [f"run-{first}"] and not service.store.batch(TENANT, first).terminate_pending
+    second = service.create_batch(TENANT, {"input_file_id": source.id, "endpoint": "/v1/chat/completions"}).id
+    runs.current_run = lambda record: (record.run_id, RETRYING)
     service.terminate(service.store.batch(TENANT, second), wait=0)
-    assert terminated == [f"run-{first}"] and service.store.batch(TENANT, second)["terminate_pending"]
-    runs.current_run = lambda record: (record["run_id"], "QUEUED")
+    assert terminated == [f"run-{first}"] and service.store.batch(TENANT, second).terminate_pending
+    runs.current_run = lambda record: (record.run_id, "QUEUED")
     assert service.sweep_pending_terminations() == 1 and terminated == [f"run-{first}", f"run-{second}"]

@@ -23,8 +23,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
+
+from starlette.routing import BaseRoute, Match, Route
 
 from batch_pipeline.base.env import read_text
 from batch_pipeline.config.settings import ConfigError
@@ -35,31 +37,25 @@ REQUEST_ID_HEADER = "x-request-id"
 UNLOGGED_PATHS = ("/health", "/ready")
 # A caller's request id is kept when it is this short and made of these characters; else one is made.
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
-# (method, path pattern) -> action; the pattern's group is the object id the path names.
-_ROUTES: list[tuple[str, re.Pattern[str], str]] = [
-    ("POST", re.compile(r"/v1/files"), "upload"),
-    ("GET", re.compile(r"/v1/files"), "list"),
-    ("GET", re.compile(r"/v1/files/([^/]+)"), "retrieve"),
-    ("GET", re.compile(r"/v1/files/([^/]+)/content"), "content"),
-    ("DELETE", re.compile(r"/v1/files/([^/]+)"), "delete"),
-    ("POST", re.compile(r"/v1/batches"), "create"),
-    ("GET", re.compile(r"/v1/batches"), "list"),
-    ("GET", re.compile(r"/v1/batches/([^/]+)"), "retrieve"),
-    ("POST", re.compile(r"/v1/batches/([^/]+)/cancel"), "cancel"),
-    ("GET", re.compile(r"/metrics"), "metrics"),
-]
 # Calls that make an object: its id is read from the (small JSON) answer, as the line's object id.
 _CREATES = ("upload", "create")
 _ID = re.compile(rb'"id"\s*:\s*"([A-Za-z0-9_-]{1,100})"')
+# Every action a line may name (docs/BATCH_API.md lists them): each route of the app is named for its
+# action (`name=` in the area's router), so the app's own routes are the one table of what a call is.
+ACTIONS = ("upload", "list", "retrieve", "content", "delete", "create", "cancel", "metrics")
+OTHER = "other"  # a path the app does not serve, or a method it does not serve there
 
 
-def action_of(method: str, path: str) -> tuple[str, str | None]:
-    """(action, object id named by the path) of a call; ("other", None) for a path not served."""
-    for route_method, pattern, action in _ROUTES:
-        match = pattern.fullmatch(path)
-        if match and method == route_method:
-            return action, match.group(1) if match.groups() else None
-    return "other", None
+def action_of(routes: Sequence[BaseRoute], method: str, path: str) -> tuple[str, str | None]:
+    """(action, object id named by the path) of a call: the name of the app's route it matches, as the
+    app's router matches it, and that route's path parameter; (OTHER, None) for a call no route takes."""
+    scope = {"type": "http", "method": method, "path": path, "root_path": ""}
+    for route in routes:
+        match, child = route.matches(scope)
+        if match == Match.FULL and isinstance(route, Route):
+            params = child.get("path_params") or {}
+            return route.name, next((str(v) for v in params.values()), None)
+    return OTHER, None
 
 
 class AuditLog:
@@ -121,10 +117,12 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
 class AuditMiddleware:
     """ASGI middleware: a line per HTTP call to `log`, and X-Request-Id on every response.
 
-    `tenant_of(authorization header)` names the caller's tenant or returns None (no key, a wrong key)."""
+    `tenant_of(authorization header)` names the caller's tenant or returns None (no key, a wrong key);
+    `routes` are the app's (`app.routes`), which name each call's action."""
 
-    def __init__(self, app: Any, log: AuditLog, tenant_of: Callable[[str | None], str | None]) -> None:
-        self.app, self.log, self.tenant_of = app, log, tenant_of
+    def __init__(self, app: Any, log: AuditLog, tenant_of: Callable[[str | None], str | None],
+                 routes: Sequence[BaseRoute]) -> None:
+        self.app, self.log, self.tenant_of, self.routes = app, log, tenant_of, routes
 
     async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -135,7 +133,7 @@ class AuditMiddleware:
         headers = list(scope.get("headers") or [])
         rid = request_id(headers)
         path, method = scope.get("path", ""), scope.get("method", "")
-        action, object_id = action_of(method, path)
+        action, object_id = action_of(self.routes, method, path)
         state: dict[str, Any] = {"status": None, "bytes": 0, "head": b"", "logged": path in UNLOGGED_PATHS}
 
         def log_once() -> None:

@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 import yaml
 
 from batch_pipeline.config.priority import BATCH_PRIORITY_TAG, TURN_SPAN, TURN_TAG, priority_tags
+from batch_pipeline.service.batches.protocol import BatchRecord
 
 log = logging.getLogger("batch_pipeline.service")
 
@@ -73,20 +74,19 @@ class DagsterClient:
             raise RuntimeError(f"the query failed: {str(body.get('errors'))[:200]}")
         return body["data"]
 
-    def submit(self, record: dict[str, Any]) -> str:
-        """Queue the batch's `batch_job` run; its id. Sets `record["turn"]` (kept in the service's record)."""
+    def submit(self, record: BatchRecord) -> str:
+        """Queue the batch's `batch_job` run; its id. Sets `record.turn` (kept in the service's record)."""
         from batch_pipeline.defs.jobs import batch_run_config
 
         # The pipeline itself refuses lines of another url and stops at the deadline, so both hold
         # whether or not this service is up while the run goes.
-        config = batch_run_config(input_uri=record["input_uri"], output_uri=record["output_uri"],
-                                  endpoint=record["endpoint"], expires_at=record["expires_at"],
-                                  model_versions=record.get("model_versions", ""))
-        tags = {"dagster/partition": record["date"], BATCH_ID_TAG: record["id"],
-                TENANT_TAG: record["tenant"], TRIGGER_TAG: TRIGGER, "batch_pipeline/batch_name": record["id"]}
-        priority = record.get("priority", 0)
-        record["turn"] = self.turn(record["tenant"], priority)
-        tags.update(priority_tags(priority, record["turn"]))  # the one scale of every run (defs/jobs.py)
+        config = batch_run_config(input_uri=record.input_uri, output_uri=record.output_uri,
+                                  endpoint=record.endpoint, expires_at=record.expires_at,
+                                  model_versions=record.model_versions or "")
+        tags = {"dagster/partition": record.date, BATCH_ID_TAG: record.id,
+                TENANT_TAG: record.tenant, TRIGGER_TAG: TRIGGER, "batch_pipeline/batch_name": record.id}
+        record.turn = self.turn(record.tenant, record.priority)
+        tags.update(priority_tags(record.priority, record.turn))  # the one scale of every run (defs/jobs.py)
         return self._graphql_client().submit_job_execution(JOB, repository_location_name=LOCATION,
                                                            repository_name=REPOSITORY, run_config=config, tags=tags)
 
@@ -159,7 +159,7 @@ class DagsterClient:
         self._policy_read = (now, policy)
         return policy
 
-    def current_run(self, record: dict[str, Any]) -> tuple[str, str | None]:
+    def current_run(self, record: BatchRecord) -> tuple[str, str | None]:
         """(run id, Dagster run status) of the run now carrying a batch: the newest run with its batch
         id tag. That is the run submitted for it until Dagster re-launches it: an automatic run retry
         (run_retries in the instance's dagster.yaml) or a re-execution from the UI copies the tag into
@@ -172,13 +172,13 @@ class DagsterClient:
                  f"tagged: runsOrError(filter: {{tags: $tags}}, limit: 1) {{ {fields} }} "
                  f"submitted: runsOrError(filter: {{runIds: [$id]}}) {{ {fields} }} }}")
         try:
-            data = self.graphql(query, {"tags": [{"key": BATCH_ID_TAG, "value": record["id"]}], "id": record["run_id"]})
+            data = self.graphql(query, {"tags": [{"key": BATCH_ID_TAG, "value": record.id}], "id": record.run_id})
         except Exception as e:  # noqa: BLE001 - the web server unreachable: say what is known
-            log.warning("batch %s: run status unknown (%s)", record["id"], type(e).__name__)
-            return record["run_id"], None
+            log.warning("batch %s: run status unknown (%s)", record.id, type(e).__name__)
+            return record.run_id, None
         runs = [*(data.get("tagged") or {}).get("results", []), *(data.get("submitted") or {}).get("results", [])]
         if not runs:
-            return record["run_id"], None
+            return record.run_id, None
         run = runs[0]
         if run["status"] == "FAILURE" and self._outcome(run).retrying:
             return run["runId"], RETRYING

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batch_pipeline.io import storage
+from batch_pipeline.service.batches.protocol import BatchObject, BatchRecord
 from batch_pipeline.service.status import TERMINAL_STATUSES
 from batch_pipeline.service.store import Store
 from batch_pipeline.steps.metrics import COST_FIELDS, DATE_TABLE, cost_of_metadata
@@ -65,7 +66,7 @@ class FinishedBatches:
         self._kept: dict[str, tuple[str, dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
-    def batches(self, store: Store, batch_object: Callable[[dict[str, Any]], dict[str, Any]],
+    def batches(self, store: Store, batch_object: Callable[[BatchRecord], BatchObject],
                 ids: list[str] | None = None) -> list[tuple[str, dict[str, Any]]]:
         """(tenant, Batch object) of every batch of every tenant (`ids`: the store's batch ids, if listed)."""
         found = []
@@ -76,10 +77,11 @@ class FinishedBatches:
                 if record is None:  # a listing marker whose record was never written (a crashed create)
                     continue
                 batch = batch_object(record)
-                kept = (record["tenant"], {k: batch.get(k) for k in _KEPT})
+                sent = batch.body()  # the fields the API answers, as it answers them
+                kept = (record.tenant, {k: sent.get(k) for k in _KEPT})
                 # Kept once over; but a batch failed by its run's status alone (no Batch object from
                 # the pipeline) is read again, since a late retry can still take it up.
-                if batch["status"] in TERMINAL_STATUSES and (batch.get("output_file_id") or batch["status"] != "failed"):
+                if batch.status in TERMINAL_STATUSES and (batch.output_file_id or batch.status != "failed"):
                     with self._lock:
                         self._kept[batch_id] = kept
             found.append(kept)

@@ -36,9 +36,9 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
-
 from batch_pipeline.io import storage
+from batch_pipeline.service.batches.protocol import BatchRecord
+from batch_pipeline.service.files.protocol import FileRecord
 
 FOLDER = "_batch_api"
 # A batch's result files are files of the API too, with ids derived from the batch's.
@@ -67,25 +67,34 @@ class Store:
     def _uri(self, *parts: str) -> str:
         return storage.join(self.output_root, FOLDER, *parts)
 
-    def _read_batch(self, uri: str) -> dict[str, Any]:
+    # The storage boundary: a record is parsed into its model here, once, where it is read.
+
+    def _read_batch(self, uri: str) -> BatchRecord:
         self.reads += 1
-        return storage.read_json(uri)
+        return BatchRecord.model_validate(storage.read_json(uri))
+
+    @staticmethod
+    def _read_file(uri: str) -> FileRecord:
+        return FileRecord.model_validate(storage.read_json(uri))
 
     # -- files -------------------------------------------------------------------------------
 
     def add_file(self, tenant: str, filename: str, purpose: str, data: bytes,
-                 expires_after: int | None = None) -> dict[str, Any]:
+                 expires_after: int | None = None) -> FileRecord:
         file_id = new_id("file-")
         content = self._uri("files", f"{file_id}.jsonl")
         storage.write_bytes(content, data)
         now = int(time.time())
-        record = {"id": file_id, "object": "file", "bytes": len(data), "created_at": now,
-                  "expires_at": now + expires_after if expires_after else None,
-                  "filename": filename, "purpose": purpose, "status": "processed", "tenant": tenant, "uri": content}
-        storage.write_json(self._uri("files", f"{file_id}.json"), record)
+        record = FileRecord(id=file_id, bytes=len(data), created_at=now,
+                            expires_at=now + expires_after if expires_after else None,
+                            filename=filename, purpose=purpose, tenant=tenant, uri=content)
+        self._save_file(record)
         return record
 
-    def file(self, tenant: str, file_id: str) -> dict[str, Any] | None:
+    def _save_file(self, record: FileRecord) -> None:
+        storage.write_json(self._uri("files", f"{record.id}.json"), record.stored())
+
+    def file(self, tenant: str, file_id: str) -> FileRecord | None:
         """The tenant's file (an upload, or a batch's output or error file); None when it is not theirs."""
         for kind, name in RESULT_FILES.items():
             suffix = f"-{kind}"
@@ -93,78 +102,77 @@ class Store:
                 batch = self.batch(tenant, file_id[len("file-"):-len(suffix)])
                 if batch is None:
                     return None
-                uri = storage.join(batch["output_uri"], name)
+                uri = storage.join(batch.output_uri, name)
                 try:
                     info = storage.describe(uri)
                 except FileNotFoundError:  # the batch has not written its results yet, or they expired
                     return None
                 # Created when the pipeline wrote it; `output_expires_after` counts from then (OpenAI's anchor).
                 created = int(info.modified)
-                seconds = batch.get("output_expires_after")
+                seconds = batch.output_expires_after
                 expires_at = created + seconds if seconds else None
                 if expires_at is not None and time.time() >= expires_at:
                     storage.delete(uri)
                     return None
-                return {"id": file_id, "object": "file", "bytes": info.size, "created_at": created,
-                        "expires_at": expires_at, "filename": name, "purpose": "batch_output", "status": "processed",
-                        "tenant": tenant, "uri": uri}
+                return FileRecord(id=file_id, bytes=info.size, created_at=created, expires_at=expires_at,
+                                  filename=name, purpose="batch_output", tenant=tenant, uri=uri)
         path = self._uri("files", f"{file_id}.json")
         if not _safe_id(file_id) or not storage.exists(path):
             return None
-        record = storage.read_json(path)
-        return record if record.get("tenant") == tenant and self._live(record) else None
+        record = self._read_file(path)
+        return record if record.tenant == tenant and self._live(record) else None
 
-    def files(self, tenant: str) -> list[dict[str, Any]]:
-        records = [storage.read_json(o.uri) for o in storage.list_objects(self._uri("files") + "/", suffix=".json")]
-        return sorted((r for r in records if r.get("tenant") == tenant and self._live(r)),
-                      key=lambda r: r["created_at"], reverse=True)
+    def files(self, tenant: str) -> list[FileRecord]:
+        records = [self._read_file(o.uri) for o in storage.list_objects(self._uri("files") + "/", suffix=".json")]
+        return sorted((r for r in records if r.tenant == tenant and self._live(r)),
+                      key=lambda r: r.created_at, reverse=True)
 
-    def _live(self, record: dict[str, Any]) -> bool:
+    def _live(self, record: FileRecord) -> bool:
         """Not deleted and not expired; an expired upload's content is deleted here (the lazy sweep)."""
-        if record.get("deleted"):
+        if record.deleted:
             return False
-        if record.get("expires_at") and time.time() >= record["expires_at"]:
-            storage.write_json(self._uri("files", f"{record['id']}.json"), {**record, "deleted": True, "expired": True})
-            storage.delete(record["uri"])
+        if record.expires_at and time.time() >= record.expires_at:
+            self._save_file(record.model_copy(update={"deleted": True, "expired": True}))
+            storage.delete(record.uri)
             return False
         return True
 
-    def delete_file(self, record: dict[str, Any]) -> None:
-        storage.write_json(self._uri("files", f"{record['id']}.json"), {**record, "deleted": True})
-        storage.delete(record["uri"])
+    def delete_file(self, record: FileRecord) -> None:
+        self._save_file(record.model_copy(update={"deleted": True}))
+        storage.delete(record.uri)
 
     # -- batches -----------------------------------------------------------------------------
 
-    def save_batch(self, record: dict[str, Any]) -> None:
-        storage.write_json(self._uri("batches", f"{record['id']}.json"), record)
+    def save_batch(self, record: BatchRecord) -> None:
+        storage.write_json(self._uri("batches", f"{record.id}.json"), record.stored())
 
-    def add_batch(self, record: dict[str, Any]) -> None:
+    def add_batch(self, record: BatchRecord) -> None:
         """A new batch: its marker in its tenant's listing, its record (`open`), and its marker among its
         tenant's open batches. The listing marker first: a crash after it leaves a marker list skips,
         never a record list cannot find."""
         self._list_marker(record)
-        record["open"] = True
+        record.open = True
         self.save_batch(record)
-        storage.write_json(self._open_uri(record["tenant"], record["id"]), {"id": record["id"]})
+        storage.write_json(self._open_uri(record.tenant, record.id), {"id": record.id})
 
-    def close_batch(self, record: dict[str, Any]) -> None:
+    def close_batch(self, record: BatchRecord) -> None:
         """The batch is finished: out of the open index. Only a record marked `open` has anything to
         close, so reading a finished batch again writes nothing."""
-        if record.get("open"):
-            storage.delete(self._open_uri(record["tenant"], record["id"]))
-            record["open"] = False
+        if record.open:
+            storage.delete(self._open_uri(record.tenant, record.id))
+            record.open = False
             self.save_batch(record)
 
-    def reopen_batch(self, record: dict[str, Any]) -> None:
+    def reopen_batch(self, record: BatchRecord) -> None:
         """A batch seen finished that is not over after all (its failed run was retried after the
         service had given up waiting: dagster_client.retry_outcome): back among its tenant's open batches."""
-        if record.get("open") is False:
-            record["open"] = True
-            record.pop("run_failure", None)
+        if record.open is False:
+            record.open = True
+            record.run_failure = None
             self.save_batch(record)
-            storage.write_json(self._open_uri(record["tenant"], record["id"]), {"id": record["id"]})
+            storage.write_json(self._open_uri(record.tenant, record.id), {"id": record.id})
 
-    def open_batches(self, tenant: str) -> list[dict[str, Any]]:
+    def open_batches(self, tenant: str) -> list[BatchRecord]:
         """The tenant's batches not yet seen finished: one listing and a record read each."""
         found = []
         for marker in storage.list_objects(self._open_folder(tenant) + "/", suffix=".json"):
@@ -173,7 +181,7 @@ class Store:
                 found.append(record)
         return found
 
-    def index_open_batches(self, finished: Callable[[dict[str, Any]], bool]) -> int:
+    def index_open_batches(self, finished: Callable[[BatchRecord], bool]) -> int:
         """Once per store: index the batches of a store kept before the open index existed (those without
         an `open` mark that `finished` does not say are over); the number indexed. A store with the
         index reads nothing."""
@@ -182,7 +190,7 @@ class Store:
             return 0
         indexed = 0
         for record in self.all_batches():
-            if "open" not in record and not finished(record):
+            if record.open is None and not finished(record):
                 self.add_batch(record)
                 indexed += 1
         storage.write_json(done, {"at": int(time.time())})
@@ -194,25 +202,25 @@ class Store:
     def _open_uri(self, tenant: str, batch_id: str) -> str:
         return storage.join(self._open_folder(tenant), f"{batch_id}.json")
 
-    def batch(self, tenant: str, batch_id: str) -> dict[str, Any] | None:
+    def batch(self, tenant: str, batch_id: str) -> BatchRecord | None:
         path = self._uri("batches", f"{batch_id}.json")
         if not _safe_id(batch_id) or not storage.exists(path):
             return None
         record = self._read_batch(path)
-        return record if record.get("tenant") == tenant else None
+        return record if record.tenant == tenant else None
 
     # -- the listing: every batch of a tenant, newest first ------------------------------------
 
     def _listed_folder(self, tenant: str) -> str:
         return self._uri("listed", _tenant_folder(tenant))
 
-    def _listed_uri(self, record: dict[str, Any]) -> str:
-        return storage.join(self._listed_folder(record["tenant"]), _day(record["created_at"]),
-                            _listed_name(record["created_at"], record["id"]))
+    def _listed_uri(self, record: BatchRecord) -> str:
+        return storage.join(self._listed_folder(record.tenant), _day(record.created_at),
+                            _listed_name(record.created_at, record.id))
 
-    def _list_marker(self, record: dict[str, Any]) -> None:
+    def _list_marker(self, record: BatchRecord) -> None:
         """The batch's markers in its tenant's listing: its day (written once), then the batch."""
-        day = storage.join(self._listed_folder(record["tenant"]), LISTED_DAYS, _day(record["created_at"]))
+        day = storage.join(self._listed_folder(record.tenant), LISTED_DAYS, _day(record.created_at))
         if not storage.exists(day):  # two creates of a new day both write it: the same empty object
             storage.write_bytes(day, b"")
         storage.write_bytes(self._listed_uri(record), b"")
@@ -235,19 +243,19 @@ class Store:
             record = self.batch(tenant, after)
             if record is None:
                 return
-            start = _listed_name(record["created_at"], record["id"])
-            days = [d for d in days if d <= _day(record["created_at"])]
+            start = _listed_name(record.created_at, record.id)
+            days = [d for d in days if d <= _day(record.created_at)]
         for day in days:
             for name in self._listed_names(storage.join(folder, day), suffix=".json"):
                 if start is None or name < start:
                     yield name[LISTED_TIME_DIGITS + 1:-len(".json")]
 
-    def batch_page(self, tenant: str, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+    def batch_page(self, tenant: str, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
         """(up to `limit` of the tenant's batch records after the batch `after`, newest first; whether
         more follow): the listing's names as far as the page needs, then the page's records only. An
         unknown `after` gives an empty page (as before the index)."""
         ids = self._ids_after(tenant, after)
-        page: list[dict[str, Any]] = []
+        page: list[BatchRecord] = []
         for batch_id in ids:
             if len(page) == limit:
                 # More follow when a later marker has its record: the next one, but for a crashed create's.
@@ -298,7 +306,7 @@ class Store:
                 ids[storage.basename(o.uri)[LISTED_TIME_DIGITS + 1:-len(".json")]] = None
         return list(ids)
 
-    def batch_by_id(self, batch_id: str) -> dict[str, Any] | None:
+    def batch_by_id(self, batch_id: str) -> BatchRecord | None:
         """Any tenant's batch record (the service's own figures); None when there is none."""
         path = self._uri("batches", f"{batch_id}.json")
         if not _safe_id(batch_id):
@@ -308,7 +316,7 @@ class Store:
         except FileNotFoundError:
             return None
 
-    def all_batches(self) -> list[dict[str, Any]]:
+    def all_batches(self) -> list[BatchRecord]:
         """Every tenant's batch records, each read (`batch-pipeline usage`, the one-off open index)."""
         return [self._read_batch(o.uri) for o in storage.list_objects(self._uri("batches") + "/", suffix=".json")]
 
@@ -320,8 +328,8 @@ class Store:
         for o in storage.list_objects(self._uri("files") + "/", suffix=".json"):
             state = self._file_states.get(o.uri)
             if state is None or state[0] != o.etag:
-                record = storage.read_json(o.uri)
-                state = (o.etag, None if record.get("deleted") else float(record.get("expires_at") or 0))
+                record = self._read_file(o.uri)
+                state = (o.etag, None if record.deleted else float(record.expires_at or 0))
                 if state[1] and now >= state[1]:
                     self._live(record)  # expired: its content deleted, its record marked (a new etag)
                     continue

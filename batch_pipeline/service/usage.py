@@ -27,7 +27,7 @@ def usage_rows(store: Store, since: dt.date, tenant: str | None = None) -> list[
     start = dt.datetime.combine(since, dt.time(), dt.timezone.utc).timestamp()
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     for record in store.all_batches():
-        if record["created_at"] < start or (tenant is not None and record["tenant"] != tenant):
+        if record.created_at < start or (tenant is not None and record.tenant != tenant):
             continue
         batch = pipeline_batch(record)
         if batch is None or batch["status"] not in TERMINAL_STATUSES:
@@ -35,8 +35,8 @@ def usage_rows(store: Store, since: dt.date, tenant: str | None = None) -> list[
         usage = batch.get("usage") or {}
         cost = cost_of_metadata(batch.get("metadata")) or {  # a batch.json written before costs were recorded
             "input_tokens": usage.get("input_tokens", 0), "output_tokens": usage.get("output_tokens", 0)}
-        row = rows.setdefault((record["tenant"], str(batch.get("model") or "")), {
-            "tenant": record["tenant"], "model": str(batch.get("model") or ""), "batches": 0,
+        row = rows.setdefault((record.tenant, str(batch.get("model") or "")), {
+            "tenant": record.tenant, "model": str(batch.get("model") or ""), "batches": 0,
             **{name: 0 for name in COLUMNS[3:]}})
         row["batches"] += 1
         for name in COLUMNS[3:]:
