@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil  # a dependency of vLLM (both builds)
 import pytest
 
-from batch_pipeline_tests.conftest import TINY_NAME
+from batch_pipeline_tests.support import TINY_NAME
 
 CLI = Path(sys.executable).parent / "batch-pipeline"
 # Seconds from the "results in" line to the end of the process. The recipes measured about 3 s

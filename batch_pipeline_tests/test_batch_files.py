@@ -255,7 +255,7 @@ def test_file_runs_on_the_warm_engine_killed_cancelled_and_left_alone(warm_engin
     import time
 
     from batch_pipeline_tests.cli_runs import answered_once, part_files, read_results
-    from batch_pipeline_tests.conftest import tiny_env
+    from batch_pipeline_tests.support import tiny_env
 
     inbox, out, home = tmp_path / "in", tmp_path / "out", tmp_path / "home"
     home.mkdir()

@@ -51,7 +51,7 @@ from batch_pipeline_tests.cli_runs import (
     wait_for,
     write_batch,
 )
-from batch_pipeline_tests.conftest import SessionLLM, tiny_env
+from batch_pipeline_tests.support import SessionLLM, tiny_env
 
 # One request at a time per engine (BATCH_SIZE=1): a greedy answer then does not depend on which
 # requests share its batch, so two ranks must give exactly one engine's answers. (Sampled answers

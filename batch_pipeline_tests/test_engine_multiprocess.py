@@ -53,7 +53,7 @@ from batch_pipeline_tests.cli_runs import (
     wait_for,
     write_batch,
 )
-from batch_pipeline_tests.conftest import tiny_env
+from batch_pipeline_tests.support import tiny_env
 
 ENGINE_CORE = "VLLM::EngineCore"
 # A long enough inference to interrupt on 2 busy cores: 64 requests x 64 tokens one at a time

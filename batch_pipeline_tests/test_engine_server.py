@@ -27,7 +27,7 @@ import pytest
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.engine import engine_args, server
 from batch_pipeline.engine.engine_args import engine_kwargs
-from batch_pipeline_tests.conftest import TINY_NAME, tiny_env
+from batch_pipeline_tests.support import TINY_NAME, tiny_env
 from batch_pipeline_tests.dagster_server import free_port
 
 MODEL = "/models/SmolLM2-135M-Instruct"

@@ -32,7 +32,7 @@ from batch_pipeline.defs.assets import RETRY_DELAY_SECONDS
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline_tests.asset_runs import materialize
 from batch_pipeline_tests.cli_runs import answered_once, killed_after_parts, read_results
-from batch_pipeline_tests.conftest import TINY_NAME, SessionLLM, tiny_env
+from batch_pipeline_tests.support import TINY_NAME, SessionLLM, tiny_env
 
 
 def chat_line(custom_id: str, max_tokens: int = 4, content: str = "", **body) -> str:

@@ -30,7 +30,7 @@ from batch_pipeline.contract import prompts
 from batch_pipeline.engine.remote import (BATCH_SCALE, EPOCH_SECONDS, EngineUnavailable, RemoteEngines, Reply, Sent,
                                           Window, answer_of, base_url, vllm_priority, window_size)
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
-from batch_pipeline_tests.conftest import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.support import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
 from batch_pipeline_tests.warm_engine import StandIn, chat_answer
 
 

@@ -48,7 +48,7 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.defs.partitions import batch_file_partitions
-from batch_pipeline_tests.conftest import REPO, TINY_NAME
+from batch_pipeline_tests.support import REPO, TINY_NAME
 from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")

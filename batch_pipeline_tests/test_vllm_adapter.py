@@ -14,7 +14,7 @@ import pytest
 
 from batch_pipeline.engine import vllm_adapter
 from batch_pipeline.engine.engine_args import engine_kwargs
-from batch_pipeline_tests.conftest import TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.support import TINY_MAX_MODEL_LEN, TINY_NAME
 
 
 @pytest.fixture
