@@ -113,18 +113,6 @@ def killed_after_parts(command: list[str], env: dict[str, str], out: Path, parts
     return sum(p.read_text().count("\n") for p in part_files(out))
 
 
-def wait_for(condition: Callable[[], object], timeout: float, what: str, run: "CliRun | None" = None) -> object:
-    """Poll until `condition()` is true; fail naming `what` (and the CLI's last lines) on timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    tail = f"\n--- CLI output (last lines) ---\n{run.tail()}" if run else ""
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
-
-
 class CliRun:
     """`batch-pipeline run` in its own session (process group), its output lines time-stamped as
     they arrive and its process tree sampled while it runs."""

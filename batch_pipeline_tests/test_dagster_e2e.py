@@ -38,8 +38,8 @@ from typing import Any
 import pytest
 
 from batch_pipeline_tests.cli_runs import jsonl_records
-from batch_pipeline_tests.support import TINY_NAME
-from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
+from batch_pipeline_tests.support import TINY_NAME, wait_for
+from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev
 from batch_pipeline_tests.fault_proxy import FaultProxy
 from batch_pipeline_tests.s3_server import _FOREIGN_AWS_VARS, MotoS3
 from batch_pipeline_tests.sqs_queue import notifying_queue, queue_depth

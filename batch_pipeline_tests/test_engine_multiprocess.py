@@ -50,10 +50,9 @@ from batch_pipeline_tests.cli_runs import (
     interrupt_each_after_first_part,
     part_files,
     read_results,
-    wait_for,
     write_batch,
 )
-from batch_pipeline_tests.support import tiny_env
+from batch_pipeline_tests.support import tiny_env, wait_for
 
 ENGINE_CORE = "VLLM::EngineCore"
 # A long enough inference to interrupt on 2 busy cores: 64 requests x 64 tokens one at a time
@@ -165,8 +164,9 @@ def test_engine_core_killed_mid_batch_is_retried_and_resumes(interrupted):
     [core] = long.killed
 
     # The step fails (no hang on the dead core) and Dagster's retry resumes in the same run.
-    wait_for(lambda: run.line_at("already answered; resuming") or run.proc.poll() is not None, 120,
-             "the retry of inference_results after the engine core was killed", run)
+    wait_for("the retry of inference_results after the engine core was killed",
+             lambda: run.line_at("already answered; resuming") or run.proc.poll() is not None, 120, interval=0.1,
+             on_timeout=run.tail)
     assert run.line_at("already answered; resuming") is not None, (
         f"the run ended (exit code {run.proc.poll()}) without a retry: had the engine core answered every "
         f"request before it was killed? ({saved} checkpointed then)\n{run.tail()}"
