@@ -168,7 +168,7 @@ class DagsterDev:
         # The leader is gone; make sure no child of the group lingers (run workers).
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and _group_alive(pgid):
-            time.sleep(0.2)
+            time.sleep(0.2)  # a poll interval: cleanup waits a while for the group, it never fails
 
 
 def _group_alive(pgid: int) -> bool:
@@ -183,8 +183,6 @@ def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, engine
                  **extra: str | None) -> dict[str, str | None]:
     """What a `dagster dev` of these tests needs: storage paths and the tiny model (None unsets), its runs
     answered by the warm engine at `engine_url` (the warm_engine_url fixture) or, without one, in-process."""
-    from batch_pipeline_tests.support import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
-
     return {
         "STORAGE_INPUT_PATH": input_path,
         "STORAGE_OUTPUT_PATH": output_path,

@@ -312,7 +312,7 @@ def schedule_scenario(moto_server: MotoS3, tiny_model_dir: Path, tmp_path: Path,
     try:
         # Start the schedule and rewind it inside one scheduler minute (see rewind_schedule_start).
         if time.time() % 60 > 45:
-            time.sleep(61 - time.time() % 60)
+            time.sleep(61 - time.time() % 60)  # time that must pass: to the next minute
         tick = last_nightly_tick(dt.datetime.now(dt.timezone.utc))
         partition = (tick - dt.timedelta(days=1)).date().isoformat()
         client.put_object(Bucket=bucket, Key=f"incoming/{partition}/{BATCH}.jsonl",

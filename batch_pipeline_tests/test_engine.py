@@ -172,7 +172,7 @@ def test_a_model_load_reports_its_phase_and_time_while_it_runs(tiny_llm, monkeyp
         second real engine in this process would tear down the shared one's parallel state)."""
 
         def build_engine(self, kwargs):
-            time.sleep(0.4)
+            time.sleep(0.4)  # the scenario: a deliberately slow load
             return super().build_engine(kwargs)
 
     monkeypatch.setattr(engines_module, "LOAD_PROGRESS_SECONDS", 0.1)

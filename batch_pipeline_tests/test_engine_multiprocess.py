@@ -92,10 +92,9 @@ def sigint_process_group(long: LongRun) -> None:
 
 
 def sigkill_engine_core(long: LongRun) -> None:
-    deadline = time.monotonic() + 10  # the engine core is seen (sampled every 0.1 s) by its first answer
-    while not long.killed and time.monotonic() < deadline:
-        long.killed = long.run.engine_processes(ENGINE_CORE)
-        time.sleep(0.1)
+    # The engine core is seen (sampled every 0.1 s) by its first answer.
+    long.killed = wait_for("the engine core process", lambda: long.run.engine_processes(ENGINE_CORE), 10, interval=0.1,
+                           on_timeout=lambda: f"processes seen: {long.run.titles}")
     if len(long.killed) == 1:
         long.killed[0].kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
 

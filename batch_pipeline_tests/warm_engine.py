@@ -139,7 +139,7 @@ def stop_group(pgid: int) -> None:
                 return
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pgid, os.WNOHANG)
-            time.sleep(0.2)
+            time.sleep(0.2)  # a poll interval: cleanup waits out the grace, then escalates; it never fails
 
 
 # -- a stand-in server, for failure injection -------------------------------------------------
