@@ -10,7 +10,7 @@ its own process (cli_runs.py watches its process tree: ranks are titled batch-pi
   greedy answers (the bundled SmolLM2, whose answers are also right), and no rank outlives the run;
   lines with images too (the tiny vision model: each rank prepares its own lines' images). The one
   engine is DATA_PARALLEL_SIZE=1's: run_batch (what `batch-pipeline run` runs) in this process, on
-  a session engine (conftest.py) with the ranks' settings, built in the run's own process (no rank),
+  a session engine (support/engines.py) with the ranks' settings, built in the run's own process (no rank),
   while the two ranks work (a second CLI process would only add a vLLM import). The two two-rank
   runs start at once, in a module fixture;
 - a rank killed with SIGKILL mid-batch fails the step, whose retry resumes from the checkpoints:
@@ -92,7 +92,7 @@ BUILT_HERE: list[str] = []  # model folders EngineInThisProcess was asked for
 
 
 class EngineInThisProcess(SessionLLM):
-    """The session's engines (conftest.py), noting each model asked for: with DATA_PARALLEL_SIZE=1
+    """The session's engines (support/engines.py), noting each model asked for: with DATA_PARALLEL_SIZE=1
     the resource builds its engine in the run's own process (ranks build theirs in their own)."""
 
     def build_engine(self, kwargs: dict) -> object:

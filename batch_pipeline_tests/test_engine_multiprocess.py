@@ -20,7 +20,7 @@ A run resumed after a cancellation is the same in either engine mode (the checkp
 pipeline's): test_reliability.py covers it.
 
 Each test has a CLI process of its own (a fresh vLLM import and engine, about 20-45 s on 2 busy
-cores): multiprocess mode never reaches the session's shared in-process engines (conftest.py).
+cores): multiprocess mode never reaches the session's shared in-process engines (support/engines.py).
 The three runs start at once, in a module fixture (`interrupted`) that interrupts each as soon as
 its first answer is checkpointed (their imports and loads overlap, and each run's paused engine
 leaves the others the cores); each test then checks its own run's outcome.

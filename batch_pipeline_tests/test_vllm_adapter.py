@@ -3,7 +3,7 @@
 The streaming loop uses a few engine-level calls beyond vLLM's documented offline API (how the ids
 `enqueue` returns map to the ids of step() outputs, step/abort/has_unfinished, the scheduler's
 max_num_seqs, how a prompt with no room in the context is refused), and the reasoning and tool parser registries reasoning.py and tool_calls.py use. A vLLM upgrade that changes one of them fails here, not in a production run.
-Uses the session's tiny-model engine (conftest.py); leaves it with no request in flight.
+Uses the session's tiny-model engine (support/engines.py); leaves it with no request in flight.
 """
 
 from __future__ import annotations
