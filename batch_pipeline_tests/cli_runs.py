@@ -5,6 +5,7 @@ run the CLI in its own process (test_engine_multiprocess.py, test_data_parallel.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -20,7 +21,7 @@ from pathlib import Path
 import psutil  # a dependency of vLLM (both builds)
 import pytest
 
-from batch_pipeline_tests.conftest import TINY_NAME
+from batch_pipeline_tests.support import TINY_NAME, wait_for
 
 CLI = Path(sys.executable).parent / "batch-pipeline"
 # Seconds from the "results in" line to the end of the process. The recipes measured about 3 s
@@ -84,17 +85,19 @@ def interrupt_each_after_first_part(runs: dict[str, Any], interrupt: Callable[[s
                                     timeout: float = 600) -> None:
     """Runs started at once (InterruptedRun values): as soon as one's first checkpoint part is written,
     `interrupt(name, value)` if it is still running. Sets each one's `running_when_interrupted`."""
-    waiting, deadline = dict(runs), time.monotonic() + timeout
-    while waiting and time.monotonic() < deadline:
+    waiting = dict(runs)
+
+    def each_interrupted() -> bool:
         for name, long in list(waiting.items()):
             if part_files(long.out) or long.run.proc.poll() is not None:
                 long.running_when_interrupted = long.run.proc.poll() is None
                 if long.running_when_interrupted:
                     interrupt(name, long)
                 del waiting[name]
-        time.sleep(0.1)
-    for name, long in waiting.items():
-        pytest.fail(f"timed out after {timeout:.0f}s waiting for the first checkpoint part ({name})\n{long.run.tail()}")
+        return not waiting
+
+    wait_for("the first checkpoint part of each run", each_interrupted, timeout, interval=0.1,
+             on_timeout=lambda: "\n".join(f"--- {name} ---\n{long.run.tail()}" for name, long in waiting.items()))
 
 
 def killed_after_parts(command: list[str], env: dict[str, str], out: Path, parts: int = 2,
@@ -103,26 +106,14 @@ def killed_after_parts(command: list[str], env: dict[str, str], out: Path, parts
     in `out`, and return how many answers those parts hold. Fails if the run ended first."""
     victim = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        deadline = time.monotonic() + timeout
-        while len(part_files(out)) < parts and victim.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for(f"{parts} checkpoint parts in {out}", lambda: len(part_files(out)) >= parts or victim.poll() is not None,
+                 timeout, interval=0.2, on_timeout=lambda: f"{len(part_files(out))} parts so far")
         assert victim.poll() is None, "the run finished before it could be killed: make the workload bigger"
-        os.killpg(victim.pid, signal.SIGKILL)
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(victim.pid, signal.SIGKILL)
         victim.wait(timeout=60)
     return sum(p.read_text().count("\n") for p in part_files(out))
-
-
-def wait_for(condition: Callable[[], object], timeout: float, what: str, run: "CliRun | None" = None) -> object:
-    """Poll until `condition()` is true; fail naming `what` (and the CLI's last lines) on timeout."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.1)
-    tail = f"\n--- CLI output (last lines) ---\n{run.tail()}" if run else ""
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}{tail}")
 
 
 class CliRun:
@@ -178,7 +169,7 @@ class CliRun:
                     self.titles[child.pid] = title
                 if running:
                     self.last_alive[child.pid] = now
-            time.sleep(0.1)
+            time.sleep(0.1)  # the sampling interval of this watcher thread
         self.exited_at = time.monotonic()
 
     def _throttle(self) -> None:
@@ -187,13 +178,13 @@ class CliRun:
         regularly and checkpoints answers as they come instead of in one burst at the end."""
         while self.proc.poll() is None and self.throttle_engine:
             if not self.loads:
-                time.sleep(0.05)
+                time.sleep(0.05)  # the poll interval of this thread's loop, until a model is loaded
                 continue
             with self._throttle_lock:
                 if not self.throttle_engine:
                     break
                 self._signal_engine(signal.SIGSTOP)
-            time.sleep(THROTTLE_STOPPED)
+            time.sleep(THROTTLE_STOPPED)  # the throttle's duty cycle (see THROTTLE_PERIOD)
             with self._throttle_lock:
                 self._signal_engine(signal.SIGCONT)
             time.sleep(THROTTLE_PERIOD - THROTTLE_STOPPED)
@@ -244,17 +235,18 @@ class CliRun:
     def wait(self, timeout: float) -> int:
         """Wait for the process to end; when it printed its results, it gets EXIT_AFTER_RESULTS more
         seconds at most (a hang at exit fails fast instead of using up `timeout`)."""
-        deadline = time.monotonic() + timeout
-        while self.proc.poll() is None and time.monotonic() < deadline:
+        def ended() -> bool:
+            if self.proc.poll() is not None:
+                return True
             printed = self.line_at("results in ")
             if printed is not None and time.monotonic() - printed > EXIT_AFTER_RESULTS:
                 pytest.fail(
                     f"the CLI printed its results but had not exited {EXIT_AFTER_RESULTS:.0f}s later "
                     f"(engine processes alive: {self.alive()}): the engine core was not shut down?\n{self.tail()}"
                 )
-            time.sleep(0.1)
-        if self.proc.poll() is None:
-            pytest.fail(f"the CLI did not finish within {timeout:.0f}s\n{self.tail()}")
+            return False
+
+        wait_for("the CLI to finish", ended, timeout, interval=0.1, on_timeout=self.tail)
         for t in self._threads:
             t.join(timeout=10)
         return self.proc.returncode
@@ -310,7 +302,5 @@ def assert_engine_shut_down_with_its_step(run: CliRun, title: str) -> None:
 
 def assert_no_engine_process_left(run: CliRun) -> None:
     # A worker notices its engine core's death through a pipe: give it a moment.
-    deadline = time.monotonic() + 10
-    while run.alive() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not run.alive(), f"engine processes outlived the CLI: {run.alive()}"
+    wait_for("the engine processes gone after the CLI", lambda: not run.alive(), 10, interval=0.2,
+             on_timeout=lambda: f"engine processes outlived the CLI: {run.alive()}")

@@ -1,8 +1,11 @@
-"""Shared fixtures: real vLLM engines built once per test session, and a real S3 server.
+"""Shared fixtures and hooks: real vLLM engines built once per test session, and a real S3 server.
 
 vLLM is imported and each engine is built at most once per session (a tiny random Llama for most
 tests, the bundled SmolLM2 only where a test checks real answers), then shared through a resource
 that hands the same engine to every run instead of building a new one.
+
+Only what pytest looks for lives here (fixtures, hooks, plugins, the process set-up that must come
+before any import); the names test files share are in `batch_pipeline_tests.support`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -34,11 +36,16 @@ os.environ["PARTITIONS_START"] = "2024-01-01"
 # either way within this machine's noise.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from batch_pipeline.defs.resources import LLMResource  # noqa: E402
-from batch_pipeline.config import models
-from batch_pipeline_tests.tiny_model import build_tiny_llama  # noqa: E402
+from batch_pipeline.config import models  # noqa: E402
 from batch_pipeline.base.runtime import configure_runtime_env  # noqa: E402
-from batch_pipeline.engine.vllm_adapter import build_llm, shutdown_llm  # noqa: E402
+from batch_pipeline_tests.support import (  # noqa: E402  (the shared helpers; test files import them from there)
+    TEST_KV_BYTES,
+    TINY_MAX_MODEL_LEN,
+    TINY_NAME,
+    SessionLLM,
+    shutdown_session_engines,
+)
+from batch_pipeline_tests.tiny_model import build_tiny_llama  # noqa: E402
 
 pytest_plugins = [
     "batch_pipeline_tests.s3_server",
@@ -47,60 +54,12 @@ pytest_plugins = [
     "batch_pipeline_tests.thinking_llm",
 ]
 
-TINY_NAME = "tiny-llama"
-EMBED_NAME = "all-MiniLM-L6-v2"
-TINY_MAX_MODEL_LEN = 512
-# Small KV cache: enough for the tests' batches, quick to allocate.
-TEST_KV_BYTES = 256 * 2**20
-
-_ENGINES: dict[tuple[str, str], Any] = {}
-
-
-def _session_engine(kwargs: dict[str, Any]) -> Any:
-    # An engine with LoRA enabled is a different engine (its own kernels and adapter slots).
-    key = (str(kwargs["model"]), kwargs.get("runner", "generate"), kwargs.get("max_loras") if kwargs.get("enable_lora") else 0)
-    if key not in _ENGINES:
-        _ENGINES[key] = build_llm(kwargs)
-    return _ENGINES[key]
-
-
-class SessionLLM(LLMResource):
-    """The real LLMResource, except that engines outlive a run: built once, shared by every test."""
-
-    def build_engine(self, kwargs: dict[str, Any]) -> Any:
-        return _session_engine(kwargs)
-
-    def owns_engines(self) -> bool:
-        return False
-
-    def rebuilt(self, cls: type["SessionLLM"] | None = None, **overrides: Any) -> "SessionLLM":
-        """This resource with some fields changed. Built anew, not model_copy'd: Dagster re-creates
-        resources from their original config, so an updated copy would silently lose the change."""
-        fields = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-        return (cls or type(self))(**{**fields, **overrides})
-
-
-def tiny_env(tiny_model_dir: Path, **extra: str) -> dict[str, str]:
-    """The environment for a `batch-pipeline` subprocess on the tiny model (no DAGSTER_HOME unless given)."""
-    env = {
-        **os.environ,
-        "MODEL_PATH": str(tiny_model_dir),
-        "SERVED_MODEL_NAME": TINY_NAME,
-        "MAX_MODEL_LEN": str(TINY_MAX_MODEL_LEN),
-        "KV_CACHE_MEMORY_BYTES": str(TEST_KV_BYTES),
-    }
-    env.pop("DAGSTER_HOME", None)
-    env.update(extra)
-    return env
-
 
 @pytest.fixture(scope="session", autouse=True)
 def _runtime_env():
     configure_runtime_env(models.cache_root())
     yield
-    for llm in _ENGINES.values():
-        shutdown_llm(llm)
-    _ENGINES.clear()
+    shutdown_session_engines()
 
 
 @pytest.fixture(scope="session")

@@ -22,12 +22,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from batch_pipeline_tests.support import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
+# Imported by name from here by the Batch API's test files; the helper is the support package's.
+from batch_pipeline_tests.support import wait_for  # noqa: F401
+
 LOCATION = "batch_pipeline"  # workspace.yaml's location_name
 REPOSITORY = "__repository__"  # the repository name of a @dg.definitions module
 
@@ -38,27 +41,10 @@ _WRAPPER = (
     "os.execv(sys.argv[1], sys.argv[1:])\n"
 )
 
-T = TypeVar("T")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 1.0,
-             on_timeout: Callable[[], str] | None = None) -> T:
-    """Call `probe` until it returns something truthy; fail after `timeout` seconds naming `what`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            detail = on_timeout() if on_timeout else ""
-            raise TimeoutError(f"{what}: not after {timeout:.0f}s\n{detail}")
-        time.sleep(interval)
 
 
 def prepare_home(home: Path, instance_yaml: Path | None = None) -> Path:
@@ -182,7 +168,7 @@ class DagsterDev:
         # The leader is gone; make sure no child of the group lingers (run workers).
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and _group_alive(pgid):
-            time.sleep(0.2)
+            time.sleep(0.2)  # a poll interval: cleanup waits a while for the group, it never fails
 
 
 def _group_alive(pgid: int) -> bool:
@@ -196,9 +182,7 @@ def _group_alive(pgid: int) -> bool:
 def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, engine_url: str | None = None,
                  **extra: str | None) -> dict[str, str | None]:
     """What a `dagster dev` of these tests needs: storage paths and the tiny model (None unsets), its runs
-    answered by the warm engine at `engine_url` (conftest's warm_engine_url) or, without one, in-process."""
-    from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
-
+    answered by the warm engine at `engine_url` (the warm_engine_url fixture) or, without one, in-process."""
     return {
         "STORAGE_INPUT_PATH": input_path,
         "STORAGE_OUTPUT_PATH": output_path,

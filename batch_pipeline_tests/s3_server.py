@@ -33,7 +33,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -42,6 +41,8 @@ from typing import Any
 
 import boto3
 import pytest
+
+from batch_pipeline_tests.support import wait_for
 
 REGION = "us-east-1"
 
@@ -151,17 +152,22 @@ def start_moto_server(timeout: float = 30.0, seed: Mapping[str, Mapping[str, byt
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,  # werkzeug logs every request
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def listening() -> bool:
             if process.poll() is not None:
                 raise RuntimeError(f"moto_server exited with {process.returncode}")
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    return MotoS3(process=process, host="127.0.0.1", port=port, buckets=list(seed or ()))
+                    return True
             except OSError:
-                time.sleep(0.1)
-    process.kill()
-    raise RuntimeError(f"moto_server did not start within {timeout:.0f}s")
+                return False
+
+        try:
+            wait_for(f"moto_server listening on port {port}", listening, timeout, interval=0.1)
+        except BaseException:
+            process.kill()
+            raise
+        return MotoS3(process=process, host="127.0.0.1", port=port, buckets=list(seed or ()))
 
 
 @contextmanager

@@ -47,7 +47,7 @@ class Receiver:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 receiver.requests.append({"path": self.path, "headers": dict(self.headers), "body": body})
                 if receiver.delay:
-                    time.sleep(receiver.delay)
+                    time.sleep(receiver.delay)  # the scenario: a receiver deliberately slow to answer
                 status = receiver.plan.pop(0) if receiver.plan else 200
                 self.send_response(status)
                 self.send_header("Content-Length", "0")

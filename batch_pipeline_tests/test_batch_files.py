@@ -252,10 +252,9 @@ def test_file_runs_on_the_warm_engine_killed_cancelled_and_left_alone(warm_engin
     import signal
     import subprocess
     import sys
-    import time
 
     from batch_pipeline_tests.cli_runs import answered_once, part_files, read_results
-    from batch_pipeline_tests.conftest import tiny_env
+    from batch_pipeline_tests.support import tiny_env, wait_for
 
     inbox, out, home = tmp_path / "in", tmp_path / "out", tmp_path / "home"
     home.mkdir()
@@ -277,9 +276,8 @@ def test_file_runs_on_the_warm_engine_killed_cancelled_and_left_alone(warm_engin
     runs = {name: start(name) for name in ("killed", "alone", "cancelled")}
     try:
         for name, sig in (("killed", signal.SIGKILL), ("cancelled", signal.SIGINT)):
-            deadline = time.monotonic() + 240
-            while len(part_files(out / DATE / name)) < 2 and runs[name].poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_for(f"{name}'s first two checkpoint parts",
+                     lambda: len(part_files(out / DATE / name)) >= 2 or runs[name].poll() is not None, 240, interval=0.2)
             assert runs[name].poll() is None, f"{name}'s run ended before it could be stopped: {runs[name].stderr.read()[-2000:]}"
             os.killpg(runs[name].pid, sig)
         assert runs["killed"].wait(60) == -signal.SIGKILL

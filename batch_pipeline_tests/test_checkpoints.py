@@ -18,6 +18,7 @@ from batch_pipeline.io import checkpoints, storage
 from batch_pipeline.io.checkpoints import Checkpoint, LineSet, checkpoint_key
 from batch_pipeline.io.locations import BatchLocation
 from batch_pipeline.contract.lines import Answer
+from batch_pipeline_tests.support import wait_for
 
 
 def answer(line: int) -> Answer:
@@ -30,15 +31,6 @@ def parts(folder: Path) -> list[Path]:
 
 def lines_in(folder: Path) -> list[int]:
     return sorted(json.loads(raw)["line"] for p in parts(folder) for raw in p.read_text().splitlines())
-
-
-def wait_for(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def test_lineset_counts_each_line_once_across_bytes():
@@ -71,11 +63,11 @@ def test_an_answer_waits_at_most_checkpoint_seconds_even_when_no_other_answer_co
     with Checkpoint(str(tmp_path), answers=1000, seconds=0.5) as checkpoint:
         checkpoint.add(answer(1))
         started = time.monotonic()
-        assert wait_for(lambda: lines_in(tmp_path) == [1], timeout=5.0)
+        wait_for("line 1 checkpointed", lambda: lines_in(tmp_path) == [1], 5.0, interval=0.05)
         assert time.monotonic() - started < 2.5  # 0.5 s limit + the timer's tick, on a busy machine
         checkpoint.add(answer(2))
         checkpoint.add(answer(3))
-        assert wait_for(lambda: lines_in(tmp_path) == [1, 2, 3], timeout=5.0)
+        wait_for("lines 1-3 checkpointed", lambda: lines_in(tmp_path) == [1, 2, 3], 5.0, interval=0.05)
     assert checkpoint.parts == 2  # one part per interval, not one per answer
 
 
@@ -92,8 +84,9 @@ def test_a_failed_timed_write_is_raised_by_the_next_add(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoints.storage, "write_bytes", failing_once)
     with Checkpoint(str(tmp_path), answers=1000, seconds=0.5) as checkpoint:
         checkpoint.add(answer(1))
-        assert wait_for(lambda: calls["n"] >= 1, timeout=5.0)
-        time.sleep(0.1)
+        # The timer thread's write fails, and it hands the error over for the next add to raise.
+        wait_for("the failed timed write handed to the main thread", lambda: checkpoint._error is not None, 5.0,
+                 interval=0.05, on_timeout=lambda: f"write_bytes called {calls['n']} time(s)")
         with pytest.raises(OSError, match="disk full"):
             checkpoint.add(answer(2))
     assert lines_in(tmp_path) == [1, 2]  # kept in the buffer and written on close
@@ -119,12 +112,12 @@ def test_a_wave_of_answers_is_written_once_the_engine_goes_quiet(tmp_path):
         for line in range(1, 11):  # a wave
             checkpoint.add(answer(line))
         started = time.monotonic()
-        assert wait_for(lambda: lines_in(tmp_path) == list(range(1, 11)), timeout=5.0)
+        wait_for("the wave checkpointed", lambda: lines_in(tmp_path) == list(range(1, 11)), 5.0, interval=0.05)
         assert time.monotonic() - started < 3.0  # 1 s quiet + the timer's tick, on a busy machine
         assert checkpoint.parts == 1
         for line in range(11, 19):  # a steady stream, an answer every 0.2 s: no quiet moment
             checkpoint.add(answer(line))
-            time.sleep(0.2)
+            time.sleep(0.2)  # the scenario: answers 0.2 s apart, never QUIET_SECONDS of quiet
         assert checkpoint.parts == 1 and lines_in(tmp_path) == list(range(1, 11))
     assert checkpoint.parts == 2 and lines_in(tmp_path) == list(range(1, 19))  # the rest on close
 

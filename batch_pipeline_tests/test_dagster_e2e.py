@@ -38,8 +38,8 @@ from typing import Any
 import pytest
 
 from batch_pipeline_tests.cli_runs import jsonl_records
-from batch_pipeline_tests.conftest import TINY_NAME
-from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
+from batch_pipeline_tests.support import TINY_NAME, wait_for
+from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev
 from batch_pipeline_tests.fault_proxy import FaultProxy
 from batch_pipeline_tests.s3_server import _FOREIGN_AWS_VARS, MotoS3
 from batch_pipeline_tests.sqs_queue import notifying_queue, queue_depth
@@ -312,7 +312,7 @@ def schedule_scenario(moto_server: MotoS3, tiny_model_dir: Path, tmp_path: Path,
     try:
         # Start the schedule and rewind it inside one scheduler minute (see rewind_schedule_start).
         if time.time() % 60 > 45:
-            time.sleep(61 - time.time() % 60)
+            time.sleep(61 - time.time() % 60)  # time that must pass: to the next minute
         tick = last_nightly_tick(dt.datetime.now(dt.timezone.utc))
         partition = (tick - dt.timedelta(days=1)).date().isoformat()
         client.put_object(Bucket=bucket, Key=f"incoming/{partition}/{BATCH}.jsonl",

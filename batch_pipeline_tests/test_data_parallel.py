@@ -10,7 +10,7 @@ its own process (cli_runs.py watches its process tree: ranks are titled batch-pi
   greedy answers (the bundled SmolLM2, whose answers are also right), and no rank outlives the run;
   lines with images too (the tiny vision model: each rank prepares its own lines' images). The one
   engine is DATA_PARALLEL_SIZE=1's: run_batch (what `batch-pipeline run` runs) in this process, on
-  a session engine (conftest.py) with the ranks' settings, built in the run's own process (no rank),
+  a session engine (support/engines.py) with the ranks' settings, built in the run's own process (no rank),
   while the two ranks work (a second CLI process would only add a vLLM import). The two two-rank
   runs start at once, in a module fixture;
 - a rank killed with SIGKILL mid-batch fails the step, whose retry resumes from the checkpoints:
@@ -48,10 +48,9 @@ from batch_pipeline_tests.cli_runs import (
     interrupt_each_after_first_part,
     part_files,
     read_results,
-    wait_for,
     write_batch,
 )
-from batch_pipeline_tests.conftest import SessionLLM, tiny_env
+from batch_pipeline_tests.support import SessionLLM, tiny_env, wait_for
 
 # One request at a time per engine (BATCH_SIZE=1): a greedy answer then does not depend on which
 # requests share its batch, so two ranks must give exactly one engine's answers. (Sampled answers
@@ -78,7 +77,8 @@ def choices(out: Path) -> dict[str, list]:
 def rank_cores(run) -> Future:
     """The two ranks and their CPU cores, read (in a thread) as soon as both are seen running."""
     def read() -> tuple[list, list[set[int]]]:
-        ranks = wait_for(lambda: len(ranks_seen(run)) == 2 and ranks_seen(run), 300, "two rank processes", run)
+        ranks = wait_for("two rank processes", lambda: len(ranks_seen(run)) == 2 and ranks_seen(run), 300, interval=0.1,
+                         on_timeout=run.tail)
         return ranks, [set(p.cpu_affinity()) for p in ranks]
 
     pool = ThreadPoolExecutor(1)
@@ -92,7 +92,7 @@ BUILT_HERE: list[str] = []  # model folders EngineInThisProcess was asked for
 
 
 class EngineInThisProcess(SessionLLM):
-    """The session's engines (conftest.py), noting each model asked for: with DATA_PARALLEL_SIZE=1
+    """The session's engines (support/engines.py), noting each model asked for: with DATA_PARALLEL_SIZE=1
     the resource builds its engine in the run's own process (ranks build theirs in their own)."""
 
     def build_engine(self, kwargs: dict) -> object:
@@ -381,8 +381,9 @@ def test_a_rank_killed_mid_batch_fails_the_step_and_the_retry_resumes(interrupte
     run, out, ids, first, saved = long.run, long.out, long.ids, long.first, long.saved
     assert long.running_when_interrupted, "the run ended before it could be interrupted\n" + run.tail()
 
-    wait_for(lambda: run.line_at("already answered; resuming") or run.proc.poll() is not None, 180,
-             "the retry of inference_results after a rank was killed", run)
+    wait_for("the retry of inference_results after a rank was killed",
+             lambda: run.line_at("already answered; resuming") or run.proc.poll() is not None, 180, interval=0.1,
+             on_timeout=run.tail)
     assert run.line_at("already answered; resuming") is not None, f"no retry ({saved} checkpointed)\n{run.tail()}"
     assert run.line_at("rank 1: CPU core 1 was killed by SIGKILL") is not None, run.tail()
     assert run.wait(timeout=600) == 0, run.tail()

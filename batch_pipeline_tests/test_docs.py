@@ -33,7 +33,7 @@ import pytest
 
 from batch_pipeline.config import settings as settings_module
 from batch_pipeline.config.settings import ENGINE_ENV, ENGINE_ENV_ALIASES, EngineSettings
-from batch_pipeline_tests.conftest import REPO
+from batch_pipeline_tests.support import REPO
 
 PACKAGE = REPO / "batch_pipeline"
 DOCS = REPO / "docs"
@@ -265,11 +265,12 @@ def test_configuration_names_every_variable_the_code_reads_and_no_other():
         problems.append(f"documented, but nothing reads them: {unknown}")
     # A library's variable is documented because something here uses it: the package's source, a
     # deployment manifest or the test suite's set-up.
-    used = "\n".join(p.read_text() for p in [*PACKAGE.rglob("*.py"), REPO / "batch_pipeline_tests" / "conftest.py"])
+    tests = REPO / "batch_pipeline_tests"
+    used = "\n".join(p.read_text() for p in [*PACKAGE.rglob("*.py"), tests / "conftest.py", *(tests / "support").glob("*.py")])
     used += "\n".join(p.read_text() for p in (REPO / "deploy").rglob("*") if p.is_file() and p.suffix != ".md")
     unused = sorted(name for name in LIBRARY_ENV if name not in used)
     if unused:
-        problems.append(f"in LIBRARY_ENV but used nowhere in the package, deploy/ or conftest.py: {unused}")
+        problems.append(f"in LIBRARY_ENV but used nowhere in the package, deploy/, conftest.py or support/: {unused}")
     assert not problems, "docs/CONFIGURATION.md:\n" + "\n".join(problems)
 
 

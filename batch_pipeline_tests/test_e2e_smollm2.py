@@ -105,7 +105,7 @@ def results(smollm2_llm_module, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smollm2_llm_module(bundled_model_dir):
-    from batch_pipeline_tests.conftest import SessionLLM
+    from batch_pipeline_tests.support import SessionLLM
 
     mp = pytest.MonkeyPatch()
     for var in ("MODEL_PATH", "SERVED_MODEL_NAME", "SHARD_SIZE", "CHECKPOINT_ANSWERS", "CHECKPOINT_SECONDS"):

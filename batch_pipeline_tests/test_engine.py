@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletion
 
 from batch_pipeline.contract import contract
 from batch_pipeline.engine.engines import Engines
-from batch_pipeline_tests.conftest import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.support import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
 
 
 @pytest.fixture
@@ -165,14 +165,14 @@ def test_a_model_load_reports_its_phase_and_time_while_it_runs(tiny_llm, monkeyp
     import time
 
     from batch_pipeline.engine import engines as engines_module
-    from batch_pipeline_tests.conftest import SessionLLM
+    from batch_pipeline_tests.support import SessionLLM
 
     class SlowLoad(SessionLLM):
         """The session's real engine, reached after 0.4 s: a load long enough to beat during (a
         second real engine in this process would tear down the shared one's parallel state)."""
 
         def build_engine(self, kwargs):
-            time.sleep(0.4)
+            time.sleep(0.4)  # the scenario: a deliberately slow load
             return super().build_engine(kwargs)
 
     monkeypatch.setattr(engines_module, "LOAD_PROGRESS_SECONDS", 0.1)

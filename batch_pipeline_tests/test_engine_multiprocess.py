@@ -20,7 +20,7 @@ A run resumed after a cancellation is the same in either engine mode (the checkp
 pipeline's): test_reliability.py covers it.
 
 Each test has a CLI process of its own (a fresh vLLM import and engine, about 20-45 s on 2 busy
-cores): multiprocess mode never reaches the session's shared in-process engines (conftest.py).
+cores): multiprocess mode never reaches the session's shared in-process engines (support/engines.py).
 The three runs start at once, in a module fixture (`interrupted`) that interrupts each as soon as
 its first answer is checkpointed (their imports and loads overlap, and each run's paused engine
 leaves the others the cores); each test then checks its own run's outcome.
@@ -50,10 +50,9 @@ from batch_pipeline_tests.cli_runs import (
     interrupt_each_after_first_part,
     part_files,
     read_results,
-    wait_for,
     write_batch,
 )
-from batch_pipeline_tests.conftest import tiny_env
+from batch_pipeline_tests.support import tiny_env, wait_for
 
 ENGINE_CORE = "VLLM::EngineCore"
 # A long enough inference to interrupt on 2 busy cores: 64 requests x 64 tokens one at a time
@@ -93,10 +92,9 @@ def sigint_process_group(long: LongRun) -> None:
 
 
 def sigkill_engine_core(long: LongRun) -> None:
-    deadline = time.monotonic() + 10  # the engine core is seen (sampled every 0.1 s) by its first answer
-    while not long.killed and time.monotonic() < deadline:
-        long.killed = long.run.engine_processes(ENGINE_CORE)
-        time.sleep(0.1)
+    # The engine core is seen (sampled every 0.1 s) by its first answer.
+    long.killed = wait_for("the engine core process", lambda: long.run.engine_processes(ENGINE_CORE), 10, interval=0.1,
+                           on_timeout=lambda: f"processes seen: {long.run.titles}")
     if len(long.killed) == 1:
         long.killed[0].kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
 
@@ -165,8 +163,9 @@ def test_engine_core_killed_mid_batch_is_retried_and_resumes(interrupted):
     [core] = long.killed
 
     # The step fails (no hang on the dead core) and Dagster's retry resumes in the same run.
-    wait_for(lambda: run.line_at("already answered; resuming") or run.proc.poll() is not None, 120,
-             "the retry of inference_results after the engine core was killed", run)
+    wait_for("the retry of inference_results after the engine core was killed",
+             lambda: run.line_at("already answered; resuming") or run.proc.poll() is not None, 120, interval=0.1,
+             on_timeout=run.tail)
     assert run.line_at("already answered; resuming") is not None, (
         f"the run ended (exit code {run.proc.poll()}) without a retry: had the engine core answered every "
         f"request before it was killed? ({saved} checkpointed then)\n{run.tail()}"

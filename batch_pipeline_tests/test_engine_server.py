@@ -27,7 +27,7 @@ import pytest
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.engine import engine_args, server
 from batch_pipeline.engine.engine_args import engine_kwargs
-from batch_pipeline_tests.conftest import TINY_NAME, tiny_env
+from batch_pipeline_tests.support import TINY_NAME, tiny_env, wait_for
 from batch_pipeline_tests.dagster_server import free_port
 
 MODEL = "/models/SmolLM2-135M-Instruct"
@@ -209,7 +209,7 @@ def test_a_server_that_exits_fails_the_start_with_its_log(engines_cache, monkeyp
 
 
 def test_a_server_that_never_answers_is_stopped_at_the_timeout(engines_cache, monkeypatch):
-    fake_server(monkeypatch, "import time; print('loading', flush=True); time.sleep(120)")
+    fake_server(monkeypatch, "import time; print('loading', flush=True); time.sleep(120)")  # the stand-in never answers
     port = free_port()
     said: list[str] = []
     with pytest.raises(server.EngineServerError, match=r"within 1s \(--timeout\); stopped it") as failed:
@@ -263,10 +263,7 @@ def test_what_a_dead_server_left_in_its_group_is_stopped_too(engines_cache):
         except OSError:
             return True
 
-    deadline = time.monotonic() + 10
-    while not gone() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert gone()
+    wait_for(f"the left process {child} gone", gone, 10, interval=0.1)
 
 
 def test_a_pid_reused_by_another_process_is_not_the_engine(engines_cache):

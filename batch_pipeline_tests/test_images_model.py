@@ -17,7 +17,7 @@ from batch_pipeline.io import images, storage
 from batch_pipeline.config import models
 from batch_pipeline.contract.contract import CHAT_URL
 from batch_pipeline.config.settings import EngineSettings
-from batch_pipeline_tests.conftest import _session_engine
+from batch_pipeline_tests.support import session_engine
 from batch_pipeline_tests.image_data import data_url, png
 from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 from batch_pipeline_tests.tiny_vlm import IMAGE_SEQ_LEN, build_tiny_vlm
@@ -46,7 +46,7 @@ def vlm(vlm_dir):
     # A session engine, shut down with the others at the end: shutting an in-process engine down
     # here tears down vLLM's process-wide parallel groups, which the other session engines of this
     # worker still use ("pipeline model parallel group is not initialized" in later tests).
-    return _session_engine(_kwargs(vlm_dir))
+    return session_engine(_kwargs(vlm_dir))
 
 
 def test_engine_arguments_hold_images_to_max_images_per_request(vlm_dir, tiny_model_dir, monkeypatch):

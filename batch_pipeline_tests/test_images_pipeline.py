@@ -36,7 +36,7 @@ from batch_pipeline_tests import image_data
 from batch_pipeline_tests.asset_runs import write_batch
 from batch_pipeline_tests.cli_runs import answered_once, killed_after_parts, read_results
 from batch_pipeline_tests.image_data import data_url
-from batch_pipeline_tests.conftest import SessionLLM
+from batch_pipeline_tests.support import SessionLLM
 from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 
 VLM = "tiny-idefics3"

@@ -240,7 +240,7 @@ def test_model_verify_compares_a_golden_batch_with_the_current_version(tiny_mode
         item["body"]["messages"][0]["content"] = f"question number {i}: {'why ' * i}"
     lines.append({**lines[0], "custom_id": "sampled", "body": {**lines[0]["body"], "temperature": 1.0}})
     golden.write_text("".join(json.dumps(item) + "\n" for item in lines))
-    from batch_pipeline_tests.conftest import tiny_env
+    from batch_pipeline_tests.support import tiny_env
 
     env = tiny_env(tiny_model_dir, MODELS_FILE=str(models_file), STORAGE_OUTPUT_PATH=str(tmp_path / "out"))
     command = [str(Path(sys.executable).with_name("batch-pipeline")), "model", "verify"]

@@ -163,7 +163,7 @@ def test_console_script_run_is_recorded_in_postgres(dagster_home: Path, database
     import subprocess
     import sys
 
-    from batch_pipeline_tests.conftest import TINY_NAME, tiny_env
+    from batch_pipeline_tests.support import TINY_NAME, tiny_env
 
     batch = tmp_path / "pg.jsonl"
     batch.write_text("\n".join([_line("a", TINY_NAME), _line("b", TINY_NAME)]) + "\n")

@@ -21,6 +21,7 @@ import subprocess
 import threading
 import sys
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +29,12 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.defs.jobs import run_batch
+from batch_pipeline.defs import assets
 from batch_pipeline.defs.assets import RETRY_DELAY_SECONDS
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline_tests.asset_runs import materialize
 from batch_pipeline_tests.cli_runs import answered_once, killed_after_parts, read_results
-from batch_pipeline_tests.conftest import TINY_NAME, SessionLLM, tiny_env
+from batch_pipeline_tests.support import TINY_NAME, SessionLLM, tiny_env, wait_for
 
 
 def chat_line(custom_id: str, max_tokens: int = 4, content: str = "", **body) -> str:
@@ -333,16 +335,23 @@ def test_a_50_mb_line_is_rejected_and_its_neighbours_run(tiny_llm, tmp_path):
     assert "over the limit of 10485760 (MAX_LINE_BYTES)" in error["error"]["message"]
 
 
-def test_ctrl_c_while_a_retry_waits_cancels_instead_of_retrying(tiny_llm, tmp_path):
+def test_ctrl_c_while_a_retry_waits_cancels_instead_of_retrying(tiny_llm, tmp_path, monkeypatch):
     """Defect: Ctrl-C (or a terminate) during the 5 s wait before a retry was only seen as the retry
     began, outside the step's own code: the batch was neither cancelled nor reported cancelled. The
     wait is now inside the step: the interrupt cancels it there, with no further attempt."""
     ids, batch, out, storage = dying_engine_batch(tmp_path, "w")
+    retry_waiting = threading.Event()
+
+    def noted_sleep(seconds: float) -> None:
+        if seconds == RETRY_DELAY_SECONDS:
+            retry_waiting.set()
+        time.sleep(seconds)  # the step's own wait, passed through
+
+    # The assets module's clock, with the retry's wait made visible (assets.py calls only time.sleep).
+    monkeypatch.setattr(assets, "time", types.SimpleNamespace(**{**vars(time), "sleep": noted_sleep}))
 
     def ctrl_c_during_the_wait() -> None:
-        while not _DyingEngine.died:
-            time.sleep(0.05)
-        time.sleep(2.0)  # the failed attempt has ended; the retry waits RETRY_DELAY_SECONDS (5 s)
+        wait_for("the retry waiting RETRY_DELAY_SECONDS", retry_waiting.is_set, 300, interval=0.05)
         os.kill(os.getpid(), signal.SIGINT)  # Dagster holds SIGINT while it runs the job
 
     assert RETRY_DELAY_SECONDS >= 5

@@ -31,7 +31,7 @@ from batch_pipeline.contract import prompts
 from batch_pipeline.engine.remote import (BATCH_SCALE, EPOCH_SECONDS, EngineUnavailable, RemoteEngines, Reply, Sent,
                                           Window, answer_of, base_url, vllm_priority, window_size)
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
-from batch_pipeline_tests.conftest import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.support import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
 from batch_pipeline_tests.warm_engine import StandIn, chat_answer
 
 
@@ -526,10 +526,8 @@ def test_a_closed_stream_makes_the_server_abort_what_it_holds(small_engine):
     def idle() -> bool:
         return small_engine.metrics().get("vllm:num_requests_running", 1.0) == 0.0
 
-    deadline = time.monotonic() + 30
-    while not idle() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert idle(), small_engine.metrics().get("vllm:num_requests_running")
+    wait_for("the server holding no request", idle, 30, interval=0.5,
+             on_timeout=lambda: f"requests running: {small_engine.metrics().get('vllm:num_requests_running')}")
     generated = small_engine.metrics()["vllm:generation_tokens_total"]
     time.sleep(2)  # a measuring window: nothing is generated in it
     after = small_engine.metrics()

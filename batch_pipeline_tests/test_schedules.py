@@ -32,7 +32,7 @@ from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_requests, nightl
 
 nightly_batch_schedule = nightly_schedule_for(NIGHTLY_CRON)
 from batch_pipeline_tests.cli_runs import jsonl_records
-from batch_pipeline_tests.conftest import TINY_NAME
+from batch_pipeline_tests.support import TINY_NAME
 
 UTC = dt.timezone.utc
 

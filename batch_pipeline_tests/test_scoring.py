@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletion
 from batch_pipeline.contract import contract
 from batch_pipeline.io import storage
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
-from batch_pipeline_tests.conftest import EMBED_NAME, TINY_NAME
+from batch_pipeline_tests.support import EMBED_NAME, TINY_NAME
 
 QUERY = "What is the capital of France?"
 DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "Berlin is the capital of Germany."]

@@ -30,6 +30,7 @@ from batch_pipeline.io.uploads import BASELINE_SLACK_SECONDS, UploadCursor
 from batch_pipeline_tests.s3_server import MotoS3
 from batch_pipeline_tests.sensor_ticks import by_uri, evaluate, files_of
 from batch_pipeline_tests.sqs_queue import notifying_queue, queue_depth
+from batch_pipeline_tests.support import wait_for
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
 
@@ -106,7 +107,8 @@ def test_a_tick_lost_before_its_run_requests_were_stored_loses_no_file(queued, m
     assert evaluate(storage, stored).run_requests == []  # still invisible: nothing to read yet
     assert queue_depth(moto_server, queued["url"]) == (0, 1)  # not deleted
 
-    time.sleep(6)
+    wait_for("the message visible again after its 5 s", lambda: queue_depth(moto_server, queued["url"]) == (1, 0), 30,
+             interval=0.25, on_timeout=lambda: f"(visible, in flight): {queue_depth(moto_server, queued['url'])}")
     again = evaluate(storage, stored)
     assert [r.run_key for r in again.run_requests] == [f"{uri}@{etag}"]
     after = evaluate(storage, again.cursor)
@@ -134,7 +136,8 @@ def test_skip_backlog_with_a_queue(queued, monkeypatch) -> None:
     monkeypatch.setenv("SENSOR_BACKLOG", "skip")
     storage = queued["storage"]
     before, _, _ = put(queued, "incoming/2025-03-14/before.jsonl")  # queued before the sensor is on
-    time.sleep(BASELINE_SLACK_SECONDS + 1.1)  # S3 times have whole seconds
+    # Time that must pass: the sensor's baseline is after this file (S3 times have whole seconds).
+    time.sleep(BASELINE_SLACK_SECONDS + 1.1)
     log: list[str] = []
     on = evaluate(storage, log=log)
     assert on.run_requests == []

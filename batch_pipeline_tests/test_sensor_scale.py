@@ -90,7 +90,7 @@ def history(history_server: MotoS3) -> dict[str, Any]:
     client = history_server.client()
     window, loose = window_keys(), loose_keys()
     # The history ends well before the sensor's baseline (the newest file there minus
-    # BASELINE_SLACK_SECONDS), as it would on any real bucket.
+    # BASELINE_SLACK_SECONDS), as it would on any real bucket: time that must pass between the two.
     time.sleep(BASELINE_SLACK_SECONDS + 1)
     for group in (window, loose):
         with ThreadPoolExecutor(max_workers=16) as pool:

@@ -28,7 +28,7 @@ from batch_pipeline.config.settings import ConfigError, shards_from_env
 from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl
 from batch_pipeline_tests.asset_runs import write_batch as write_date_batch
 from batch_pipeline_tests.cli_runs import CLI, answered_once, read_results, write_batch
-from batch_pipeline_tests.conftest import tiny_env
+from batch_pipeline_tests.support import tiny_env
 from batch_pipeline_tests.sensor_ticks import evaluate, turned_on, write
 
 

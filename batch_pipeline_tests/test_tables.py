@@ -25,7 +25,7 @@ from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
 from batch_pipeline.io import table_inputs, tables
 from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
-from batch_pipeline_tests.conftest import TINY_NAME
+from batch_pipeline_tests.support import TINY_NAME
 from batch_pipeline_tests.sensor_ticks import evaluate, turned_on
 
 

@@ -48,8 +48,8 @@ import dagster as dg
 import pytest
 
 from batch_pipeline.defs.partitions import batch_file_partitions
-from batch_pipeline_tests.conftest import REPO, TINY_NAME
-from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev, wait_for
+from batch_pipeline_tests.support import REPO, TINY_NAME, wait_for
+from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Keep the browser off the network (these flags stop its background fetches).

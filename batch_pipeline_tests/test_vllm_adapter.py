@@ -3,7 +3,7 @@
 The streaming loop uses a few engine-level calls beyond vLLM's documented offline API (how the ids
 `enqueue` returns map to the ids of step() outputs, step/abort/has_unfinished, the scheduler's
 max_num_seqs, how a prompt with no room in the context is refused), and the reasoning and tool parser registries reasoning.py and tool_calls.py use. A vLLM upgrade that changes one of them fails here, not in a production run.
-Uses the session's tiny-model engine (conftest.py); leaves it with no request in flight.
+Uses the session's tiny-model engine (support/engines.py); leaves it with no request in flight.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from batch_pipeline.engine import vllm_adapter
 from batch_pipeline.engine.engine_args import engine_kwargs
-from batch_pipeline_tests.conftest import TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.support import TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
 
 
 @pytest.fixture
@@ -153,16 +153,13 @@ def test_the_heartbeat_does_not_log_while_logging_is_set_up():
 
     said: list[str] = []
     with heartbeat(said.append, "loading", every=0.01):
-        time.sleep(0.1)
+        wait_for("the heartbeat's first line", lambda: said, 10, interval=0.01)
         with LOGGING_SETUP:
             before = len(said)
-            time.sleep(0.3)
+            time.sleep(0.3)  # the scenario: a set-up lasting 30 heartbeats, in which it must not log
             during = len(said)
-        deadline = time.monotonic() + 10
-        while len(said) == during and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for("the heartbeat going on once the set-up was done", lambda: len(said) > during, 10, interval=0.01)
     assert before == during, "the heartbeat logged while logging was being set up"
-    assert len(said) > during, "the heartbeat did not go on once the set-up was done"
     assert said[-1].startswith("loading: ")
 
 

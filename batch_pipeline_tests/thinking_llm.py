@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from batch_pipeline_tests.conftest import SessionLLM
+from batch_pipeline_tests.support import SessionLLM
 from batch_pipeline_tests.thinking_model import build_thinking_smollm2
 
 THINKING = "smollm2-thinking"

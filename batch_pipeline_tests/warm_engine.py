@@ -25,8 +25,8 @@ from typing import Any
 
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.engine.server import health, server_command, server_env
-from batch_pipeline_tests.conftest import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
-from batch_pipeline_tests.dagster_server import free_port, wait_for
+from batch_pipeline_tests.support import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
+from batch_pipeline_tests.dagster_server import free_port
 
 START_SECONDS = 240.0  # imports, the engine core's start and the model, on 2 loaded cores (~25-80 s seen)
 
@@ -139,7 +139,7 @@ def stop_group(pgid: int) -> None:
                 return
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pgid, os.WNOHANG)
-            time.sleep(0.2)
+            time.sleep(0.2)  # a poll interval: cleanup waits out the grace, then escalates; it never fails
 
 
 # -- a stand-in server, for failure injection -------------------------------------------------
