@@ -28,8 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from batch_pipeline_tests.support import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
-# Imported by name from here by the Batch API's test files; the helper is the support package's.
-from batch_pipeline_tests.support import wait_for  # noqa: F401
 
 LOCATION = "batch_pipeline"  # workspace.yaml's location_name
 REPOSITORY = "__repository__"  # the repository name of a @dg.definitions module

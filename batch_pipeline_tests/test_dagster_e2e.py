@@ -192,7 +192,8 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
     import signal
     import subprocess
 
-    from batch_pipeline_tests.dagster_server import REPO, DagsterDev, free_port
+    from batch_pipeline_tests.dagster_server import DagsterDev, free_port
+    from batch_pipeline_tests.support import REPO
 
     import urllib.request
 

@@ -20,7 +20,7 @@ import pytest
 
 from batch_pipeline.config.model_versions import checksums_of
 from batch_pipeline_tests.api_service import RUN_TIMEOUT, client, serve_env, service_stack, upload
-from batch_pipeline_tests.dagster_server import wait_for
+from batch_pipeline_tests.support import wait_for
 
 KEY = "key-versions-0123456789"
 TERMINAL = ("completed", "failed", "expired", "cancelled")

@@ -40,14 +40,14 @@ import yaml
 
 from batch_pipeline_tests.api_service import (RUN_TIMEOUT, batch_runs, client, lower_priority, refused_line, request_line,
                                               run_status, serve_env, service_stack, upload, wait_run_status)
-from batch_pipeline_tests.dagster_server import REPO, wait_for
+from batch_pipeline_tests.support import REPO, wait_for
 
 KEY_A, KEY_B, KEY_C = "key-prio-a-0123456789", "key-prio-b-0123456789", "key-prio-c-0123456789"
 TENANT_TAG = "batch_pipeline/tenant"
 IN_PROGRESS = ("STARTING", "STARTED")
 ENDED = ("CANCELED", "FAILURE", "SUCCESS")
 DEQUEUE_INTERVAL = 1  # seconds between the daemon's looks at its queue (the instance's; Dagster's default 5)
-DEQUEUE_WAIT = 3.0  # three of its looks: a run it could start, it has started
+DEQUEUE_WAIT = 3.0  # three of its looks: a run it could start, it has started (slept as a window in which nothing may start)
 
 
 @pytest.fixture(scope="module")

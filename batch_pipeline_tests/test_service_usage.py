@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from batch_pipeline_tests.api_service import RUN_TIMEOUT, client, request_line, serve_env, service_stack, upload
-from batch_pipeline_tests.dagster_server import wait_for
+from batch_pipeline_tests.support import wait_for
 
 KEY_A, KEY_B = "key-usage-a-0123456789", "key-usage-b-0123456789"
 COST_KEYS = {"cost_gpus", "cost_engine_seconds", "cost_gpu_seconds", "cost_model_load_seconds", "cost_input_tokens",
