@@ -337,7 +337,9 @@ def test_cancel_mid_run_keeps_the_answers_and_reports_the_rest_cancelled(service
     assert running.status == "in_progress" and running.request_counts.total == len(ids)
     assert 0 < running.request_counts.completed < len(ids)
     cancelling = sdk.batches.cancel(batch.id)
-    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    # "cancelling"; or already "cancelled" when the run stopped before the answer was made (a loaded
+    # machine can cancel it within the same second).
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at, cancelling
     done = finished(sdk, batch.id, service["server"])
     assert done.status == "cancelled", done
     outputs = jsonl_records(sdk.files.content(done.output_file_id).text)
