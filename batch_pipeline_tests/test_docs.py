@@ -519,3 +519,19 @@ def test_operations_lists_every_doctor_check():
 
     listed = [row.cells[0].strip("`") for row in table_rows(DOCS / "OPERATIONS.md", "check")]
     assert listed == list(CHECKS), "docs/OPERATIONS.md's doctor table: every check, in CHECKS order"
+
+
+LONGEST_FUNCTION = 80  # lines, docstring included (docs/DEVELOPMENT.md)
+
+
+def test_no_function_is_longer_than_a_screen():
+    """Every function and method of the package fits in LONGEST_FUNCTION lines: a longer one is split
+    into named parts (as steps/inference.py's _Answering), not allowed to grow."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST_FUNCTION:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
