@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batch_pipeline_tests.support import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME
+from batch_pipeline_tests.support import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
 
 LOCATION = "batch_pipeline"  # workspace.yaml's location_name
 REPOSITORY = "__repository__"  # the repository name of a @dg.definitions module
