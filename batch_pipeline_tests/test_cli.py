@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import dagster as dg
-import pytest
 
 from batch_pipeline.cli import EXIT_FAILED, EXIT_INVALID_LINES, EXIT_OK, main
 from batch_pipeline.contract import contract

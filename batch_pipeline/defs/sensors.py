@@ -46,7 +46,6 @@ from batch_pipeline.io.uploads import (
     PartitionRange,
     UploadCursor,
     already_completed,
-    completed,
     folder_prefix,
     list_inputs,
     partition_of,
