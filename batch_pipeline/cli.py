@@ -353,9 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_sub = p.add_subparsers(dest="model_command", required=True)
     prep = model_sub.add_parser("prepare", help="build the bundled SmolLM2 checkpoint if missing; prints its folder")
     prep.set_defaults(func=cmd_model_prepare)
-    from batch_pipeline import registry
+    from batch_pipeline import model_commands
 
-    registry.add_commands(model_sub)  # list, checksum, verify, use, rollback (registry.py)
+    model_commands.add_commands(model_sub)  # list, checksum, verify, use, rollback
     _add_engine_commands(sub)
     return parser
 

@@ -172,7 +172,7 @@ def metrics_page(tmp_path, monkeypatch) -> str:
                       "expires_at": int(time.time()) + OPEN_EXPIRY}
         (out / "_batch_api" / "batches" / "batch_stillqueued.json").write_text(json.dumps(open_batch))
         from batch_pipeline.io.tables import write_metrics_table
-        from batch_pipeline.service.metrics import recent_dates
+        from batch_pipeline.service.prometheus import recent_dates
 
         rows = [{"batch": name, "requests_completed": c, "requests_failed": f} for name, c, f in FILE_ROWS]
         write_metrics_table(str(out / recent_dates()[1] / "metrics.parquet"), [
@@ -232,7 +232,7 @@ def test_the_line_figures_the_success_rate_reads_are_those_of_the_store(metrics_
 
 
 def test_the_figures_the_queue_expiry_and_file_rules_read(metrics_page):
-    from batch_pipeline.service.metrics import recent_dates
+    from batch_pipeline.service.prometheus import recent_dates
 
     values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
               for line in metrics_page.splitlines() if line and not line.startswith("#")}

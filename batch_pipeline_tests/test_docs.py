@@ -64,7 +64,7 @@ READS = [
 DIRECT_ENVIRON = {
     "base/runtime.py": "sets vLLM's and Hugging Face's defaults for this process (setdefault), reads none",
     "cli.py": "quiets vLLM's log lines for `batch-pipeline run` (setdefault)",
-    "registry.py": "the same for `batch-pipeline model verify`",
+    "model_commands.py": "the same for `batch-pipeline model verify`",
     "engine/ranks.py": "sets a rank process's own environment (its devices) before vLLM loads",
     "engine/server.py": "hands the whole environment to vLLM's server process",
     "doctor.py": "lends DAGSTER_PG_PASSWORD (Helm's name) as DAGSTER_POSTGRES_PASSWORD while it loads "

@@ -1,4 +1,4 @@
-"""The vLLM engine wrapper (engine/engines.py, engine/generation.py) against real vLLM on the CPU, with the tiny random Llama.
+"""The vLLM engine wrapper (engine/local.py, engine/generation.py) against real vLLM on the CPU, with the tiny random Llama.
 
 Covers the mapping of body fields to sampling parameters, the OpenAI response bodies (parsed with
 the official `openai` SDK types), context-length handling and per-request failure isolation. Does
@@ -15,7 +15,7 @@ from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
 from batch_pipeline.contract import contract
-from batch_pipeline.engine.engines import Engines
+from batch_pipeline.engine.local import Engines
 from batch_pipeline_tests.support import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
 
 
@@ -164,7 +164,7 @@ def test_embedding_dimensions_the_model_cannot_do_is_a_400(engines):
 def test_a_model_load_reports_its_phase_and_time_while_it_runs(tiny_llm, monkeypatch):
     import time
 
-    from batch_pipeline.engine import engines as engines_module
+    from batch_pipeline.engine import local as engines_module
     from batch_pipeline_tests.support import SessionLLM
 
     class SlowLoad(SessionLLM):

@@ -24,7 +24,7 @@ from batch_pipeline.config.model_versions import (
 from batch_pipeline.config.settings import ConfigError, EngineSettings
 from batch_pipeline.contract import contract
 from batch_pipeline.io import model_aliases
-from batch_pipeline.registry import compare
+from batch_pipeline.model_commands import compare
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 
 FRANCE = "What is the capital of France?"
@@ -299,7 +299,7 @@ def test_schedule_and_sensor_runs_are_pinned_to_the_versions_of_their_tick(tmp_p
 
 def test_an_unversioned_entry_with_checksums_is_verified_too(tmp_path):
     """sha256 on a plain MODELS_FILE entry is checked before its load like a version's (no builder is reached)."""
-    from batch_pipeline.engine.engines import Engines
+    from batch_pipeline.engine.local import Engines
 
     folder = tmp_path / "plain"
     folder.mkdir()

@@ -279,7 +279,7 @@ def test_a_listing_marker_without_its_record_is_skipped(unlimited):
 
 def test_a_second_metrics_scrape_reads_only_batches_not_seen_finished(unlimited):
     from batch_pipeline.service.app import figures
-    from batch_pipeline.service.metrics import FinishedBatches
+    from batch_pipeline.service.prometheus import FinishedBatches
 
     service, store = unlimited, unlimited.store
     write_finished(store, TENANT, 200)

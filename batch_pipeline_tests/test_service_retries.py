@@ -85,7 +85,7 @@ def service(tmp_path: Path) -> Any:
 
 def metrics_line(service: Any, status: str) -> str:
     from batch_pipeline.service.app import figures
-    from batch_pipeline.service.metrics import DateLines, FinishedBatches
+    from batch_pipeline.service.prometheus import DateLines, FinishedBatches
 
     text = figures(service, FinishedBatches(), DateLines())
     return next(line for line in text.splitlines() if line.startswith(f'batch_pipeline_api_batches{{status="{status}"}}'))
@@ -113,7 +113,7 @@ def test_a_retrying_batch_stays_in_progress_everywhere_and_a_failed_one_says_why
     assert metrics_line(service, "failed").endswith(" 1")
     # A retry Dagster launched after all (its daemon was behind): the batch is taken up again, back
     # among its tenant's open batches and counted as not over, not kept as failed.
-    from batch_pipeline.service.metrics import FinishedBatches
+    from batch_pipeline.service.prometheus import FinishedBatches
 
     kept = FinishedBatches()
     assert [b["status"] for _, b in kept.batches(store, service.batch_object)] == ["failed"]

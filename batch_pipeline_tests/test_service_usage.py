@@ -129,7 +129,7 @@ def test_cost_adds_up_per_tenant_on_the_batch_in_metrics_and_in_usage(stack, war
 
 
 def test_metric_labels_are_escaped_and_sums_exact():
-    from batch_pipeline.service.metrics import prometheus
+    from batch_pipeline.service.prometheus import prometheus
 
     tenant = 'team "a"\\'  # an operator's free text: quotes and a backslash
     batch = {"status": "completed", "model": 'm"1', "request_counts": {"completed": 1, "failed": 0},

@@ -17,7 +17,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from batch_pipeline.contract import contract
-from batch_pipeline.engine.engines import Engines
+from batch_pipeline.engine.local import Engines
 from batch_pipeline.engine.tool_calls import ToolParserConfigError, required_schema
 from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
 

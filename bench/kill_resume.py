@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DEFAULT_CACHE, REPO, say  # noqa: E402
 from workloads import prepare_chat_workload  # noqa: E402
 
-LOADED_MARK = "loaded in"  # "generate model <name> loaded in 12.3s" (engine/engines.py)
+LOADED_MARK = "loaded in"  # "generate model <name> loaded in 12.3s" (engine/local.py)
 
 
 def run_cli(cmd: list[str], env: dict[str, str], log: Path, kill_after: float | None, timeout: float) -> dict[str, Any]:

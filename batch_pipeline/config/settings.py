@@ -94,7 +94,7 @@ class EngineSettings:
     # None: the largest rank among the adapters
     max_lora_rank: int | None = setting("MAX_LORA_RANK", None, per_model=True, inherited=False)
     # More generation models (YAML: served name -> folder, preset, engine settings): each line runs
-    # on the model its body.model names (engine/engines.py loads one at a time).
+    # on the model its body.model names (engine/local.py loads one at a time).
     models_file: str = setting("MODELS_FILE", "", inherited=False)
     # The versions of MODELS_FILE's versioned models this run answers with, "name=version ..."; a
     # model not named here takes its current alias (config/model_versions.py).
@@ -167,7 +167,7 @@ class EngineSettings:
 
     def weight_checksums(self) -> dict[str, dict[str, str]]:
         """{served name: {weight file: sha256}} of MODELS_FILE's entries that list checksums, each
-        verified before that model loads (engine/engines.py)."""
+        verified before that model loads (engine/local.py)."""
         return self._models_file.checksums
 
     @functools.cached_property

@@ -17,7 +17,7 @@ from pydantic import Field, PrivateAttr
 
 from batch_pipeline.config import models
 from batch_pipeline.engine.engine_args import engine_kwargs, require_hardware
-from batch_pipeline.engine.engines import Engines
+from batch_pipeline.engine.local import Engines
 from batch_pipeline.engine.remote import EngineClient, RemoteEngines, base_url, pooling_routes, warm_routes
 from batch_pipeline.engine.placement import plan_ranks
 from batch_pipeline.engine.ranks import RankedEngines

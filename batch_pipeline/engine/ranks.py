@@ -388,7 +388,7 @@ def rank_main(plan: RankPlan, settings: EngineSettings, models: tuple[Any, ...],
     os.environ.update(plan.env)
     if plan.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, plan.cpus)
-    from batch_pipeline.engine.engines import Engines
+    from batch_pipeline.engine.local import Engines
     from batch_pipeline.base.runtime import peak_memory_mb
     from batch_pipeline.base.runtime import exit_without_teardown
 

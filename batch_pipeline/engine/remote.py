@@ -390,7 +390,7 @@ class EngineMeter:
 
 class RemoteEngines:
     """The engines of one run when ENGINE_URL names a warm engine: the same interface as
-    engine/engines.Engines (stream, close, the figures steps/inference.py records)."""
+    engine/local.Engines (stream, close, the figures steps/inference.py records)."""
 
     data_parallel_size = 1
     rank_peak_memory_mb: list[float] = []

@@ -15,7 +15,7 @@ This module assembles the app (`create_app`: one router per area, `files/`, `bat
 each area's models in its `protocol.py` and what its calls do in its `serving.py`) and builds the
 service from the environment (`service_from_env`, an `operations.Service`); the settings are in
 `settings.py`, the Dagster client in `dagster_client.py`, a batch's status in `status.py`, the
-Prometheus figures in `metrics.py`.
+Prometheus figures in `prometheus.py`.
 """
 
 import logging

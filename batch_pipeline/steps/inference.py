@@ -14,7 +14,7 @@ from batch_pipeline.contract import contract
 from batch_pipeline.contract.prompts import SharesPrefix
 from batch_pipeline.io import images, storage
 from batch_pipeline.io.checkpoints import Checkpoint, LineSet, answered_lines, answers_folder, checkpoint_key, record_line
-from batch_pipeline.engine.engines import Engines
+from batch_pipeline.engine.local import Engines
 from batch_pipeline.engine.ranks import RankedEngines
 from batch_pipeline.engine.remote import RemoteEngines
 from batch_pipeline.io.shards import Shard, merge_if_complete

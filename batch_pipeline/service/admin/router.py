@@ -7,7 +7,7 @@ from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, Response
 
 from batch_pipeline.io import storage
-from batch_pipeline.service.metrics import DateLines, FinishedBatches, prometheus, read_queue, recent_dates
+from batch_pipeline.service.prometheus import DateLines, FinishedBatches, prometheus, read_queue, recent_dates
 from batch_pipeline.service.operations import Service
 
 
