@@ -15,7 +15,7 @@ The instance is the repo's dagster.yaml with its limits made small enough to fil
 `max_concurrent_runs: 2` and one run in progress per tenant (the repo has 4 and 2), and the `gpu` pool
 as the Helm values have it, `granularity: run` with room for both (2): a run waits in the queue, not
 in a started run blocked on the pool (where a cancel is not seen until the pool frees). The daemon
-looks at its queue every second (`dequeue_interval_seconds: 1`, Dagster's default is 5), so a wait for
+looks at its queue every second (the repo's `run_queue: dequeue_interval_seconds: 1`; Dagster's default is 5), so a wait for
 what it has not started is 3 s, not 7. Runs that would take long are cancelled once they have shown
 what they show; none is answered to the end here. Batches whose runs only have to start (or to take a
 slot) hold one line the run refuses (`refused_line`): their runs end at validation without importing
@@ -59,8 +59,7 @@ def queue(tiny_model_dir: Path, warm_engine_url: str, tmp_path_factory: pytest.T
     assert per_tenant["value"] == {"applyLimitPerUniqueValue": True}  # one limit for each tenant, not for all
     runs["max_concurrent_runs"], per_tenant["limit"] = 2, 1
     settings["concurrency"]["pools"] = {"default_limit": 2, "granularity": "run"}
-    settings["run_coordinator"] = {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator",
-                                   "config": {"dequeue_interval_seconds": DEQUEUE_INTERVAL}}
+    assert settings["run_queue"]["dequeue_interval_seconds"] == DEQUEUE_INTERVAL  # the repo's own
     instance_yaml = root / "dagster.yaml"
     instance_yaml.write_text(yaml.safe_dump(settings))
     extra = {"BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B},team-c:{KEY_C}",
