@@ -258,7 +258,10 @@ def test_file_runs_on_the_warm_engine_killed_cancelled_and_left_alone(warm_engin
 
     inbox, out, home = tmp_path / "in", tmp_path / "out", tmp_path / "home"
     home.mkdir()
-    ids = {name: [f"{name}-{i:03d}" for i in range(160)] for name in ("killed", "cancelled", "alone")}
+    # The cancelled file is the longest: it is stopped after the killed one is handled, and a warm run
+    # (no torch to import) could otherwise be through its 160 lines by then.
+    ids = {name: [f"{name}-{i:03d}" for i in range(480 if name == "cancelled" else 160)]
+           for name in ("killed", "cancelled", "alone")}
     for name, names in ids.items():
         write_batch(inbox / DATE, f"{name}.jsonl", [chat_line(i, max_tokens=16, ignore_eos=True) for i in names])
     env = tiny_env(tiny_model_dir, DAGSTER_HOME=str(home), ENGINE_URL=warm_engine_url, ENGINE_WINDOW="4",
