@@ -195,8 +195,12 @@ def test_a_taken_port_is_refused_before_anything_starts(engines_cache, monkeypat
 
 
 def fake_server(monkeypatch, code: str) -> None:
-    """`start` launches this Python snippet instead of vLLM's server."""
-    monkeypatch.setattr(server, "server_command", lambda *a, **k: [sys.executable, "-c", code])
+    """`start` launches this Python snippet instead of vLLM's server. Like vLLM's server (uvicorn sets
+    its own handlers), the stand-in stops on SIGTERM even when started under a shell or harness that
+    ignores it: an ignored disposition is inherited across exec, and then `stop` waited its whole
+    grace and sent SIGKILL (seen when the suite was started from such a harness)."""
+    prologue = "import signal; signal.signal(signal.SIGTERM, signal.SIG_DFL); signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+    monkeypatch.setattr(server, "server_command", lambda *a, **k: [sys.executable, "-c", prologue + code])
 
 
 def test_a_server_that_exits_fails_the_start_with_its_log(engines_cache, monkeypatch):
