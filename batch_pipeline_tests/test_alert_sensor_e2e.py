@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from batch_pipeline_tests.dagster_server import pipeline_env, start_dagster_dev
+from batch_pipeline_tests.support.dagster_server import pipeline_env, start_dagster_dev
 from batch_pipeline_tests.support import wait_for
 
 SENSOR = "run_failure_alert_sensor"

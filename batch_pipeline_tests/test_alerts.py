@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import yaml
 
-from batch_pipeline_tests.api_history import write_history
+from batch_pipeline_tests.support.api_history import write_history
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS = REPO / "deploy" / "prometheus"

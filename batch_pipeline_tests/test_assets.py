@@ -24,7 +24,7 @@ from batch_pipeline.steps.inference import infer_batch
 from batch_pipeline.steps.ingest import validate_batch
 from batch_pipeline.io.locations import BatchLocation
 from batch_pipeline.steps.results import finalize_batch
-from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
+from batch_pipeline_tests.support.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
 from batch_pipeline_tests.support import REPO, TINY_NAME, SessionLLM
 
 

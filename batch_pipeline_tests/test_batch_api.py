@@ -33,12 +33,12 @@ from typing import Any
 import openai
 import pytest
 
-from batch_pipeline_tests import api_service
-from batch_pipeline_tests.cli_runs import jsonl_records
+from batch_pipeline_tests.support import api_service
+from batch_pipeline_tests.support.cli_runs import jsonl_records
 from batch_pipeline_tests.support import TINY_NAME
-from batch_pipeline_tests.dagster_server import free_port, pipeline_env, start_dagster_dev
+from batch_pipeline_tests.support.dagster_server import free_port, pipeline_env, start_dagster_dev
 from batch_pipeline_tests.support import REPO, wait_for
-from batch_pipeline_tests.postgres_db import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, connect, fresh_database, reachable
+from batch_pipeline_tests.support.postgres_db import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, connect, fresh_database, reachable
 
 KEY_A, KEY_B, KEY_C = "key-team-a-0123456789", "key-team-b-0123456789", "key-team-c-0123456789"
 RUN_TIMEOUT = 300.0  # create to completed: the daemon's queue, a model load and a few answers on 2 loaded cores

@@ -25,7 +25,7 @@ from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.partitions import batch_file_partitions, split_file_key
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
-from batch_pipeline_tests.asset_runs import chat_line, metadata_of, write_batch
+from batch_pipeline_tests.support.asset_runs import chat_line, metadata_of, write_batch
 
 DATE = "2026-11-27"
 FILES = dg.AssetKey("batch_files")
@@ -253,7 +253,7 @@ def test_file_runs_on_the_warm_engine_killed_cancelled_and_left_alone(warm_engin
     import subprocess
     import sys
 
-    from batch_pipeline_tests.cli_runs import answered_once, part_files, read_results
+    from batch_pipeline_tests.support.cli_runs import answered_once, part_files, read_results
     from batch_pipeline_tests.support import tiny_env, wait_for
 
     inbox, out, home = tmp_path / "in", tmp_path / "out", tmp_path / "home"

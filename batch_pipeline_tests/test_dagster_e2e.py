@@ -37,12 +37,12 @@ from typing import Any
 
 import pytest
 
-from batch_pipeline_tests.cli_runs import jsonl_records
+from batch_pipeline_tests.support.cli_runs import jsonl_records
 from batch_pipeline_tests.support import TINY_NAME, wait_for
-from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev
-from batch_pipeline_tests.fault_proxy import FaultProxy
-from batch_pipeline_tests.s3_server import _FOREIGN_AWS_VARS, MotoS3
-from batch_pipeline_tests.sqs_queue import notifying_queue, queue_depth
+from batch_pipeline_tests.support.dagster_server import DagsterDev, pipeline_env, start_dagster_dev
+from batch_pipeline_tests.support.fault_proxy import FaultProxy
+from batch_pipeline_tests.support.s3_server import _FOREIGN_AWS_VARS, MotoS3
+from batch_pipeline_tests.support.sqs_queue import notifying_queue, queue_depth
 
 SENSOR = "batch_upload_sensor"
 SCHEDULE = "nightly_batch_schedule"
@@ -192,7 +192,7 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
     import signal
     import subprocess
 
-    from batch_pipeline_tests.dagster_server import DagsterDev, free_port
+    from batch_pipeline_tests.support.dagster_server import DagsterDev, free_port
     from batch_pipeline_tests.support import REPO
 
     import urllib.request

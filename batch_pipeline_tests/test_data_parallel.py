@@ -38,7 +38,7 @@ from batch_pipeline.engine import placement
 from batch_pipeline.doctor import run_checks
 from batch_pipeline.engine.ranks import RANK_TITLE
 from batch_pipeline.config.settings import ConfigError, EngineSettings, engine_settings_from_env
-from batch_pipeline_tests.cli_runs import (
+from batch_pipeline_tests.support.cli_runs import (
     CLI,
     CliRun,
     InterruptedRun,
@@ -207,7 +207,7 @@ def capitals_batch(path: Path, model: str) -> tuple[Path, list[str]]:
 
 def image_batch(path: Path, name: str) -> tuple[Path, list[str]]:
     """Eight lines with an image each (their colours differ) and a line whose image is not one."""
-    from batch_pipeline_tests.image_data import data_url, png
+    from batch_pipeline_tests.support.image_data import data_url, png
 
     rows = []
     for i in range(8):
@@ -242,7 +242,7 @@ def two_rank_runs(bundled_model_dir, tmp_path_factory):
     capitals on the bundled SmolLM2 ("capitals") and the image lines on the tiny vision model
     ("images", tiny_vlm.py). The tests wait for them."""
     from batch_pipeline.config import models
-    from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
+    from batch_pipeline_tests.support.tiny_vlm import build_tiny_vlm
 
     base = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "SERVED_MODEL_NAME", "DAGSTER_HOME")}
     vlm_name = "tiny-idefics3"

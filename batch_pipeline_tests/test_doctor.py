@@ -21,8 +21,8 @@ import pytest
 
 from batch_pipeline import doctor
 from batch_pipeline.io import storage
-from batch_pipeline_tests.s3_server import MotoS3
-from batch_pipeline_tests.sqs_queue import notifying_queue, sqs_client
+from batch_pipeline_tests.support.s3_server import MotoS3
+from batch_pipeline_tests.support.sqs_queue import notifying_queue, sqs_client
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_VARS = (
@@ -347,7 +347,7 @@ def test_models_file_versions_say_which_one_new_batches_use_and_which_load_unche
 def test_the_warm_engine_check_names_what_the_server_serves_and_its_policy(monkeypatch: pytest.MonkeyPatch):
     """ENGINE_URL unset: nothing to check. Set: the server must serve SERVED_MODEL_NAME; its scheduling
     policy shows only on /server_info (vLLM's dev mode): priority passes, fcfs fails, unseen warns."""
-    from batch_pipeline_tests.warm_engine import StandIn
+    from batch_pipeline_tests.support.warm_engine import StandIn
 
     monkeypatch.delenv("ENGINE_URL", raising=False)
     monkeypatch.setenv("SERVED_MODEL_NAME", "tiny-llama")
@@ -375,7 +375,7 @@ def test_the_warm_engine_check_names_what_the_server_serves_and_its_policy(monke
 
 def test_the_warm_engine_check_covers_the_pooling_models_engine(monkeypatch: pytest.MonkeyPatch):
     """EMBEDDING_ENGINE_URL alone: its server must serve the embedding model's name."""
-    from batch_pipeline_tests.warm_engine import StandIn
+    from batch_pipeline_tests.support.warm_engine import StandIn
 
     for var in ("ENGINE_URL", "EMBEDDING_MODEL_PATH", "EMBEDDING_SERVED_MODEL_NAME", "MODELS_FILE"):
         monkeypatch.delenv(var, raising=False)

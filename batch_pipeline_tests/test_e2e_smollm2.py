@@ -17,7 +17,7 @@ from openai.types.chat import ChatCompletion
 
 from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
-from batch_pipeline_tests.cli_runs import read_results
+from batch_pipeline_tests.support.cli_runs import read_results
 
 pytestmark = pytest.mark.smollm2
 

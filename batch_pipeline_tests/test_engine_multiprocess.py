@@ -41,7 +41,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline_tests.cli_runs import (
+from batch_pipeline_tests.support.cli_runs import (
     CliRun,
     InterruptedRun,
     answered_once,

@@ -28,7 +28,7 @@ from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.engine import engine_args, server
 from batch_pipeline.engine.engine_args import engine_kwargs
 from batch_pipeline_tests.support import TINY_NAME, tiny_env, wait_for
-from batch_pipeline_tests.dagster_server import free_port
+from batch_pipeline_tests.support.dagster_server import free_port
 
 MODEL = "/models/SmolLM2-135M-Instruct"
 NAME = "SmolLM2-135M-Instruct"

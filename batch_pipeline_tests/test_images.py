@@ -19,8 +19,8 @@ from batch_pipeline.io import images, storage
 from batch_pipeline.contract.contract import CHAT_URL, RESPONSES_URL
 from batch_pipeline.io.images import ImageError, ImageRef, ImageResolver, ImageSettings
 from batch_pipeline.config.settings import ConfigError
-from batch_pipeline_tests.image_data import data_url, png
-from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
+from batch_pipeline_tests.support.image_data import data_url, png
+from batch_pipeline_tests.support.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 
 
 def chat(*parts: dict, text: str = "describe") -> dict:
@@ -318,7 +318,7 @@ def test_doctor_and_models_say_whether_the_model_takes_images(tmp_path, monkeypa
 
     from batch_pipeline import doctor
     from batch_pipeline.config import models
-    from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
+    from batch_pipeline_tests.support.tiny_vlm import build_tiny_vlm
 
     vlm = build_tiny_vlm(models.cache_root() / "test-models" / "tiny-idefics3")
     assert models.takes_images(vlm)

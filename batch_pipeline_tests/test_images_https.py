@@ -24,7 +24,7 @@ import pytest
 
 from batch_pipeline.io import images
 from batch_pipeline.io.images import ImageError, ImageRef, ImageSettings
-from batch_pipeline_tests.image_data import data_url, png
+from batch_pipeline_tests.support.image_data import data_url, png
 
 WHERE = "body.messages[0].content[1].image_url"
 PICTURE = png("teal", (33, 21))

@@ -18,9 +18,9 @@ from batch_pipeline.config import models
 from batch_pipeline.contract.contract import CHAT_URL
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline_tests.support import session_engine
-from batch_pipeline_tests.image_data import data_url, png
-from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
-from batch_pipeline_tests.tiny_vlm import IMAGE_SEQ_LEN, build_tiny_vlm
+from batch_pipeline_tests.support.image_data import data_url, png
+from batch_pipeline_tests.support.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
+from batch_pipeline_tests.support.tiny_vlm import IMAGE_SEQ_LEN, build_tiny_vlm
 
 pytestmark = pytest.mark.engine
 

@@ -32,12 +32,12 @@ from batch_pipeline.contract import contract
 from batch_pipeline.defs.resources import LLMResource, StorageResource
 from batch_pipeline.io import images, storage
 from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidLine
-from batch_pipeline_tests import image_data
-from batch_pipeline_tests.asset_runs import write_batch
-from batch_pipeline_tests.cli_runs import answered_once, killed_after_parts, read_results
-from batch_pipeline_tests.image_data import data_url
+from batch_pipeline_tests.support import image_data
+from batch_pipeline_tests.support.asset_runs import write_batch
+from batch_pipeline_tests.support.cli_runs import answered_once, killed_after_parts, read_results
+from batch_pipeline_tests.support.image_data import data_url
 from batch_pipeline_tests.support import SessionLLM
-from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
+from batch_pipeline_tests.support.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 
 VLM = "tiny-idefics3"
 CHAT, RESPONSES = contract.CHAT_URL, contract.RESPONSES_URL
@@ -227,7 +227,7 @@ def test_a_responses_line_runs_as_the_chat_with_its_images_in_place():
 
 @pytest.fixture(scope="module")
 def vlm_dir() -> Path:
-    from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
+    from batch_pipeline_tests.support.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(models.cache_root() / "test-models" / VLM)
 
@@ -332,7 +332,7 @@ def test_images_reach_the_model_through_the_pipeline_and_bad_ones_fail_their_lin
     assert text("red") != text("blue")  # the image decides the greedy answer
     assert text("red") == text("red-s3") == text("red-responses")  # wherever the same image comes from
     # Usage counts the image's tokens in the prompt, as vLLM counts them.
-    from batch_pipeline_tests.tiny_vlm import IMAGE_SEQ_LEN
+    from batch_pipeline_tests.support.tiny_vlm import IMAGE_SEQ_LEN
 
     prompt = {i: (b.get("usage") or {}).get("prompt_tokens", (b.get("usage") or {}).get("input_tokens")) for i, b in by_id.items()}
     assert prompt["red"] >= prompt["text"] + IMAGE_SEQ_LEN
@@ -578,7 +578,7 @@ def test_parquet_with_an_image_column_runs_on_the_vision_model(vlm_llm, s3_bucke
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from batch_pipeline_tests.asset_runs import DATE, materialize
+    from batch_pipeline_tests.support.asset_runs import DATE, materialize
 
     red, blue = png("red"), png("blue")
     inbox, out = tmp_path / "in", tmp_path / "out"
@@ -620,8 +620,8 @@ def test_the_upload_sensor_runs_an_image_table_by_table_image_column(vlm_llm, s3
 
     from batch_pipeline.defs.batch_files import batch_files
     from batch_pipeline.defs.resources import BatchSelection
-    from batch_pipeline_tests.asset_runs import DATE
-    from batch_pipeline_tests.sensor_ticks import evaluate, turned_on
+    from batch_pipeline_tests.support.asset_runs import DATE
+    from batch_pipeline_tests.support.sensor_ticks import evaluate, turned_on
 
     monkeypatch.setenv("SENSOR_WINDOW_DAYS", "all")  # DATE is fixed; the default window follows today
     monkeypatch.setenv("TABLE_IMAGE_COLUMN", "image")
@@ -678,7 +678,7 @@ def test_batch_pipeline_run_takes_a_tables_image_column(vlm_dir, tmp_path):
     the model; a row with an empty cell runs as text."""
     import pandas as pd
 
-    from batch_pipeline_tests.tiny_vlm import IMAGE_SEQ_LEN
+    from batch_pipeline_tests.support.tiny_vlm import IMAGE_SEQ_LEN
 
     red, blue = png("red"), png("blue")
     (tmp_path / "in" / "imgs").mkdir(parents=True)

@@ -25,7 +25,7 @@ from batch_pipeline.config.settings import ConfigError, EngineSettings
 from batch_pipeline.contract import contract
 from batch_pipeline.io import model_aliases
 from batch_pipeline.model_commands import compare
-from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch
 
 FRANCE = "What is the capital of France?"
 

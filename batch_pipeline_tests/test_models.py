@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from batch_pipeline.config import models
-from batch_pipeline_tests.tiny_model import build_tiny_llama
+from batch_pipeline_tests.support.tiny_model import build_tiny_llama
 
 
 @pytest.fixture(scope="session")

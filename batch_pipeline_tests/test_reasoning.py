@@ -20,8 +20,8 @@ from batch_pipeline.contract import contract
 from batch_pipeline.io import storage
 from batch_pipeline.engine.reasoning import ReasoningConfigError
 from batch_pipeline.config.settings import ConfigError
-from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
-from batch_pipeline_tests.thinking_llm import REGEX, TAGS, THINKING
+from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.support.thinking_llm import REGEX, TAGS, THINKING
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

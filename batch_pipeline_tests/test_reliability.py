@@ -32,8 +32,8 @@ from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.defs import assets
 from batch_pipeline.defs.assets import RETRY_DELAY_SECONDS
 from batch_pipeline.defs.resources import StorageResource
-from batch_pipeline_tests.asset_runs import materialize
-from batch_pipeline_tests.cli_runs import answered_once, killed_after_parts, read_results
+from batch_pipeline_tests.support.asset_runs import materialize
+from batch_pipeline_tests.support.cli_runs import answered_once, killed_after_parts, read_results
 from batch_pipeline_tests.support import TINY_NAME, SessionLLM, tiny_env, wait_for
 
 

@@ -30,9 +30,9 @@ from batch_pipeline.contract import contract
 from batch_pipeline.contract import prompts
 from batch_pipeline.engine.remote import (BATCH_SCALE, EPOCH_SECONDS, EngineUnavailable, RemoteEngines, Reply, Sent,
                                           Window, answer_of, base_url, vllm_priority, window_size)
-from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.support import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
-from batch_pipeline_tests.warm_engine import StandIn, chat_answer
+from batch_pipeline_tests.support.warm_engine import StandIn, chat_answer
 
 
 
@@ -172,7 +172,7 @@ def test_push_back_and_dropped_connections_are_waited_out_with_every_line_answer
 
 
 def test_images_go_to_the_server_inline_and_a_bad_one_is_its_lines_error():
-    from batch_pipeline_tests.image_data import data_url, png
+    from batch_pipeline_tests.support.image_data import data_url, png
 
     bodies: list[dict[str, Any]] = []
     server = StandIn(lambda n, body: (bodies.append(body), (200, chat_answer(body)))[1])
@@ -443,7 +443,7 @@ def test_at_run_start_a_wrong_server_is_refused_naming_the_url_and_its_models():
 def small_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """vLLM's server on the tiny model (as `batch-pipeline engine start` runs it), decoding 4 sequences
     at a time (--max-num-seqs 4) so that requests queue in it; killed and restarted by the last test here."""
-    from batch_pipeline_tests.warm_engine import WarmServer
+    from batch_pipeline_tests.support.warm_engine import WarmServer
 
     server = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("small_engine") / "server.log", batch_size=4)
     try:
@@ -615,7 +615,7 @@ def test_a_server_killed_and_restarted_mid_stream_loses_no_line_and_doubles_none
 def pooling_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """vLLM's server on the bundled all-MiniLM-L6-v2 (`batch-pipeline engine start --runner pooling`)."""
     from batch_pipeline.config import models
-    from batch_pipeline_tests.warm_engine import WarmServer
+    from batch_pipeline_tests.support.warm_engine import WarmServer
 
     server = WarmServer(models.embedding_model_dir(), EMBED_NAME, tmp_path_factory.mktemp("pooling") / "server.log",
                         runner="pooling")

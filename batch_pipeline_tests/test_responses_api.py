@@ -22,9 +22,9 @@ from batch_pipeline.contract import contract
 from batch_pipeline.base import ids
 from batch_pipeline.io import storage
 from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidationSettings
-from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.support import TINY_NAME
-from batch_pipeline_tests.thinking_llm import REGEX, TAGS, THINKING
+from batch_pipeline_tests.support.thinking_llm import REGEX, TAGS, THINKING
 
 BATCH = "batch_test"
 QUESTION = "What is the capital of France?"

@@ -20,7 +20,7 @@ import dagster as dg
 
 from batch_pipeline.defs import run_watch
 from batch_pipeline.defs.run_watch import CancelWatch
-from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.support.asset_runs import DATE, chat_line, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.support import wait_for
 
 

@@ -31,7 +31,7 @@ from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageRe
 from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_requests, nightly_schedule_for, previous_day
 
 nightly_batch_schedule = nightly_schedule_for(NIGHTLY_CRON)
-from batch_pipeline_tests.cli_runs import jsonl_records
+from batch_pipeline_tests.support.cli_runs import jsonl_records
 from batch_pipeline_tests.support import TINY_NAME
 
 UTC = dt.timezone.utc

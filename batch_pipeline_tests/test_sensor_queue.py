@@ -27,9 +27,9 @@ from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.io import notifications
 from batch_pipeline.io import storage as store
 from batch_pipeline.io.uploads import BASELINE_SLACK_SECONDS, UploadCursor
-from batch_pipeline_tests.s3_server import MotoS3
-from batch_pipeline_tests.sensor_ticks import by_uri, evaluate, files_of
-from batch_pipeline_tests.sqs_queue import notifying_queue, queue_depth
+from batch_pipeline_tests.support.s3_server import MotoS3
+from batch_pipeline_tests.support.sensor_ticks import by_uri, evaluate, files_of
+from batch_pipeline_tests.support.sqs_queue import notifying_queue, queue_depth
 from batch_pipeline_tests.support import wait_for
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'

@@ -37,9 +37,9 @@ from batch_pipeline.defs.sensors import partition_range
 from batch_pipeline.io import storage as store
 from batch_pipeline.config.settings import ConfigError, sensor_settings_from_env
 from batch_pipeline.io.uploads import BASELINE_SLACK_SECONDS, LOOKBACK_SECONDS, UploadCursor
-from batch_pipeline_tests.fault_proxy import FaultProxy, start_proxy
-from batch_pipeline_tests.s3_server import MotoS3, apply_env, running_moto_server
-from batch_pipeline_tests.sensor_ticks import by_uri, evaluate, write
+from batch_pipeline_tests.support.fault_proxy import FaultProxy, start_proxy
+from batch_pipeline_tests.support.s3_server import MotoS3, apply_env, running_moto_server
+from batch_pipeline_tests.support.sensor_ticks import by_uri, evaluate, write
 
 pytestmark = pytest.mark.usefixtures("sensor_env")  # the sensor settings' defaults, whatever the shell has set
 

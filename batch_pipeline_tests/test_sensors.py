@@ -31,8 +31,8 @@ from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.defs.sensors import SENSOR_INTERVAL_SECONDS
 from batch_pipeline.io.uploads import LOOKBACK_SECONDS, UploadCursor
-from batch_pipeline_tests.s3_server import MotoS3
-from batch_pipeline_tests.sensor_ticks import LINE, by_uri, evaluate, files_of, turned_on, write
+from batch_pipeline_tests.support.s3_server import MotoS3
+from batch_pipeline_tests.support.sensor_ticks import LINE, by_uri, evaluate, files_of, turned_on, write
 
 pytestmark = pytest.mark.usefixtures("sensor_env")  # the sensor settings' defaults, whatever the shell has set
 

@@ -31,7 +31,7 @@ import openai
 import pytest
 import yaml
 
-from batch_pipeline_tests.api_service import Serve, client, request_line, serve_env, service_stack
+from batch_pipeline_tests.support.api_service import Serve, client, request_line, serve_env, service_stack
 from batch_pipeline_tests.support import REPO
 
 KEY_A, KEY_B = "key-audit-a-0123456789", "key-audit-b-0123456789"

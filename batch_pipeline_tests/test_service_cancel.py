@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from batch_pipeline_tests.api_service import (RUN_TIMEOUT, client, request_line, run_status, service_stack, upload)
+from batch_pipeline_tests.support.api_service import (RUN_TIMEOUT, client, request_line, run_status, service_stack, upload)
 from batch_pipeline_tests.support import wait_for
 
 KEY = "key-cancel-0123456789"

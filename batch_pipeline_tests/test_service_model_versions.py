@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from batch_pipeline.config.model_versions import checksums_of
-from batch_pipeline_tests.api_service import RUN_TIMEOUT, client, serve_env, service_stack, upload
+from batch_pipeline_tests.support.api_service import RUN_TIMEOUT, client, serve_env, service_stack, upload
 from batch_pipeline_tests.support import wait_for
 
 KEY = "key-versions-0123456789"

@@ -38,7 +38,7 @@ import openai
 import pytest
 import yaml
 
-from batch_pipeline_tests.api_service import (RUN_TIMEOUT, batch_runs, client, lower_priority, refused_line, request_line,
+from batch_pipeline_tests.support.api_service import (RUN_TIMEOUT, batch_runs, client, lower_priority, refused_line, request_line,
                                               run_status, serve_env, service_stack, upload, wait_run_status)
 from batch_pipeline_tests.support import REPO, wait_for
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from batch_pipeline_tests.api_service import RUN_TIMEOUT, client, request_line, serve_env, service_stack, upload
+from batch_pipeline_tests.support.api_service import RUN_TIMEOUT, client, request_line, serve_env, service_stack, upload
 from batch_pipeline_tests.support import wait_for
 
 KEY_A, KEY_B = "key-usage-a-0123456789", "key-usage-b-0123456789"

@@ -25,11 +25,11 @@ from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.io import shards
 from batch_pipeline.config.settings import ConfigError, shards_from_env
-from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl
-from batch_pipeline_tests.asset_runs import write_batch as write_date_batch
-from batch_pipeline_tests.cli_runs import CLI, answered_once, read_results, write_batch
+from batch_pipeline_tests.support.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl
+from batch_pipeline_tests.support.asset_runs import write_batch as write_date_batch
+from batch_pipeline_tests.support.cli_runs import CLI, answered_once, read_results, write_batch
 from batch_pipeline_tests.support import tiny_env
-from batch_pipeline_tests.sensor_ticks import evaluate, turned_on, write
+from batch_pipeline_tests.support.sensor_ticks import evaluate, turned_on, write
 
 
 @pytest.mark.parametrize("valid", [0, 1, 7, 10, 1001])

@@ -22,7 +22,7 @@ import pytest
 
 from batch_pipeline.config.settings import S3Settings
 from batch_pipeline.io import storage
-from batch_pipeline_tests.s3_server import MotoS3
+from batch_pipeline_tests.support.s3_server import MotoS3
 
 KINDS = ["local", "file", "s3"]
 

@@ -33,8 +33,8 @@ from batch_pipeline.io import storage
 from batch_pipeline.steps.ingest import validate_batch
 from batch_pipeline.io.locations import BatchLocation
 from batch_pipeline.steps.validation import ValidationSettings
-from batch_pipeline_tests.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
-from batch_pipeline_tests.s3_server import MotoS3, apply_env
+from batch_pipeline_tests.support.fault_proxy import FaultProxy, fault_proxy  # noqa: F401 - fixture
+from batch_pipeline_tests.support.s3_server import MotoS3, apply_env
 
 READ_TIMEOUT = 10.0  # seconds: generous, so a slow moment of moto is never taken for a fault
 SHORT_READ_TIMEOUT = 1.0  # seconds: only where a "timeout" fault must be noticed quickly

@@ -24,9 +24,9 @@ import pytest
 from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
 from batch_pipeline.io import table_inputs, tables
-from batch_pipeline_tests.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
+from batch_pipeline_tests.support.asset_runs import DATE, chat_line, materialize, metadata_of, read_jsonl, write_batch
 from batch_pipeline_tests.support import TINY_NAME
-from batch_pipeline_tests.sensor_ticks import evaluate, turned_on
+from batch_pipeline_tests.support.sensor_ticks import evaluate, turned_on
 
 
 def test_rows_of_every_kind_of_result_line():

@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletion
 from batch_pipeline.contract import contract
 from batch_pipeline.engine.local import Engines
 from batch_pipeline.engine.tool_calls import ToolParserConfigError, required_schema
-from batch_pipeline_tests.asset_runs import DATE, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch
 
 try:
     import jsonschema

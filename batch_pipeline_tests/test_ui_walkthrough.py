@@ -49,7 +49,7 @@ import pytest
 
 from batch_pipeline.defs.partitions import batch_file_partitions
 from batch_pipeline_tests.support import REPO, TINY_NAME, wait_for
-from batch_pipeline_tests.dagster_server import DagsterDev, pipeline_env, start_dagster_dev
+from batch_pipeline_tests.support.dagster_server import DagsterDev, pipeline_env, start_dagster_dev
 
 CHROMIUM = Path("/usr/bin/chromium")
 # Keep the browser off the network (these flags stop its background fetches).

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from batch_pipeline.config.models import build_once
-from batch_pipeline_tests.tiny_model import _seeded, _write_tiny_tokenizer
+from batch_pipeline_tests.support.tiny_model import _seeded, _write_tiny_tokenizer
 
 TINY_VLM_FORMAT = 1
 TINY_VLM_SEED = 0

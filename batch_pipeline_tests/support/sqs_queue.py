@@ -15,7 +15,7 @@ from typing import Any
 
 import boto3
 
-from batch_pipeline_tests.s3_server import REGION, MotoS3
+from batch_pipeline_tests.support.s3_server import REGION, MotoS3
 
 
 def sqs_client(moto_server: MotoS3) -> Any:

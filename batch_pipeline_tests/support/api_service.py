@@ -24,7 +24,7 @@ from typing import Any
 import openai
 
 from batch_pipeline_tests.support import TINY_NAME
-from batch_pipeline_tests.dagster_server import DagsterDev, free_port, pipeline_env, start_dagster_dev
+from batch_pipeline_tests.support.dagster_server import DagsterDev, free_port, pipeline_env, start_dagster_dev
 from batch_pipeline_tests.support import REPO, wait_for
 
 RUN_TIMEOUT = 300.0  # create to a run's change of status: the daemon's queue and a run worker on 2 loaded cores

@@ -26,7 +26,7 @@ from typing import Any
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.engine.server import health, server_command, server_env
 from batch_pipeline_tests.support import TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
-from batch_pipeline_tests.dagster_server import free_port
+from batch_pipeline_tests.support.dagster_server import free_port
 
 START_SECONDS = 240.0  # imports, the engine core's start and the model, on 2 loaded cores (~25-80 s seen)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from batch_pipeline_tests.support import SessionLLM
-from batch_pipeline_tests.thinking_model import build_thinking_smollm2
+from batch_pipeline_tests.support.thinking_model import build_thinking_smollm2
 
 THINKING = "smollm2-thinking"
 THINK_OPEN, THINK_CLOSE = 8, 9  # the token ids thinking_model.py renames

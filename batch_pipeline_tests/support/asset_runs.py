@@ -19,7 +19,7 @@ import dagster as dg
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.resources import BatchSelection, StorageResource
 from batch_pipeline.io import storage
-from batch_pipeline_tests.cli_runs import jsonl_records
+from batch_pipeline_tests.support.cli_runs import jsonl_records
 from batch_pipeline_tests.support import TINY_NAME
 
 DATE = "2026-11-29"

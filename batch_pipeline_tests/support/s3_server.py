@@ -7,7 +7,7 @@ mock boto3, and does not read ~/.aws (the config/credentials files are pointed a
 
 Use from a test module::
 
-    from batch_pipeline_tests.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
+    from batch_pipeline_tests.support.s3_server import moto_server, s3_bucket, s3_env  # noqa: F401
 
     def test_x(s3_bucket):            # env set, storage clients reset, bucket created
         uri = f"s3://{s3_bucket}/a.jsonl"
