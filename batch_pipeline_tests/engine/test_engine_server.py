@@ -27,7 +27,7 @@ import pytest
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.engine import engine_args, server
 from batch_pipeline.engine.engine_args import engine_kwargs
-from batch_pipeline_tests.support import TINY_NAME, tiny_env, wait_for
+from batch_pipeline_tests.support import REPO, TINY_NAME, tiny_env, wait_for
 from batch_pipeline_tests.support.dagster_server import free_port
 
 MODEL = "/models/SmolLM2-135M-Instruct"
@@ -296,7 +296,7 @@ def chat(url: str, priority: int) -> tuple[int, dict]:
 @pytest.mark.server
 def test_engine_start_status_chat_refused_second_start_stop(tiny_model_dir, tmp_path):
     env = tiny_env(tiny_model_dir, BATCH_PIPELINE_CACHE=str(tmp_path / "cache"),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
                                                             os.environ.get("PYTHONPATH")])))
     port = free_port()
     url = f"http://127.0.0.1:{port}"

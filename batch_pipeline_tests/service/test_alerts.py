@@ -26,15 +26,14 @@ import subprocess
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from batch_pipeline_tests.support import REPO
 from batch_pipeline_tests.support.api_history import write_history
 
-REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS = REPO / "deploy" / "prometheus"
 RULES = PROMETHEUS / "alerts.yaml"
 API_GROUP, KUBE_GROUP = "batch-pipeline-api", "batch-pipeline-kubernetes"

@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,13 +33,13 @@ import yaml
 
 from batch_pipeline.engine import placement
 from batch_pipeline.config.settings import ENGINE_ENV, EngineSettings
+from batch_pipeline_tests.support import REPO
 
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10; dagster depends on tomli
     import tomli as tomllib
 
-REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 PACKAGE = REPO / "batch_pipeline"
 LOCATION = "batch_pipeline"

@@ -21,10 +21,10 @@ import pytest
 
 from batch_pipeline import doctor
 from batch_pipeline.io import storage
+from batch_pipeline_tests.support import REPO
 from batch_pipeline_tests.support.s3_server import MotoS3
 from batch_pipeline_tests.support.sqs_queue import notifying_queue, sqs_client
 
-REPO = Path(__file__).resolve().parent.parent
 ENGINE_VARS = (
     "MODEL_PATH",
     "SERVED_MODEL_NAME",

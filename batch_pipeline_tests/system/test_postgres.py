@@ -27,9 +27,9 @@ from batch_pipeline.defs.assets import validated_requests
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
 from batch_pipeline import doctor
+from batch_pipeline_tests.support import REPO
 from batch_pipeline_tests.support.postgres_db import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, connect, fresh_database, reachable
 
-REPO = Path(__file__).resolve().parent.parent
 PARTITION = "2024-06-01"
 SERVED = "test-model"
 
