@@ -14,7 +14,8 @@ a file, and a heading in it, inside the repository. README.md stays a front door
 `make` targets that exist); docs/DEVELOPMENT.md's module table lists every module, and the layers
 README.md draws are the ones the imports keep (each name imports only those on the lines below it,
 never one beside it on its own line); docs/OPERATIONS.md
-lists every doctor check. deploy/'s manifests are checked by test_deploy.py, not here.
+lists every doctor check. The test tree mirrors the package: every test file in the folder of a
+layer (a folder or top-level module of batch_pipeline/) or in system/, helpers only in support/. deploy/'s manifests are checked by test_deploy.py, not here.
 
 Touches nothing outside tmp_path: reads files and imports modules. No engine, no storage, no Dagster
 instance, no network (the Batch API's defaults come from building its service object in memory).
@@ -37,6 +38,7 @@ from batch_pipeline_tests.support import REPO
 
 PACKAGE = REPO / "batch_pipeline"
 DOCS = REPO / "docs"
+TESTS = REPO / "batch_pipeline_tests"
 CONFIGURATION = DOCS / "CONFIGURATION.md"
 MARKDOWN = [REPO / "README.md", *sorted(DOCS.glob("*.md")), REPO / "deploy" / "README.md", REPO / "bench" / "README.md"]
 README_MAX_LINES = 200
@@ -265,8 +267,7 @@ def test_configuration_names_every_variable_the_code_reads_and_no_other():
         problems.append(f"documented, but nothing reads them: {unknown}")
     # A library's variable is documented because something here uses it: the package's source, a
     # deployment manifest or the test suite's set-up.
-    tests = REPO / "batch_pipeline_tests"
-    used = "\n".join(p.read_text() for p in [*PACKAGE.rglob("*.py"), tests / "conftest.py", *(tests / "support").glob("*.py")])
+    used = "\n".join(p.read_text() for p in [*PACKAGE.rglob("*.py"), TESTS / "conftest.py", *(TESTS / "support").glob("*.py")])
     used += "\n".join(p.read_text() for p in (REPO / "deploy").rglob("*") if p.is_file() and p.suffix != ".md")
     unused = sorted(name for name in LIBRARY_ENV if name not in used)
     if unused:
@@ -512,6 +513,28 @@ def test_imports_point_down_the_layers_the_readme_draws():
             if rank[part] > rank["engine"] and parts[0] == "vllm":
                 wrong.append(f"{path.relative_to(PACKAGE)} imports vLLM below engine/")
     assert not wrong, "\n".join(wrong)
+
+
+TEST_FOLDERS_BEYOND_LAYERS = {"system"}  # the whole-system tests, which span every layer
+
+
+def test_the_test_tree_mirrors_the_package():
+    """docs/DEVELOPMENT.md's test tree: each test file one folder down, in the folder named for the
+    layer it tests (a folder of batch_pipeline/, or a top-level module: cli/ for cli.py) or in system/;
+    nothing but conftest.py at the top; every helper module in support/, imported by name."""
+    layers = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    folders = layers | TEST_FOLDERS_BEYOND_LAYERS
+    wrong = []
+    for path in sorted(TESTS.rglob("*.py")):
+        where = path.relative_to(TESTS)
+        if path.name.startswith("test_"):
+            if len(where.parts) != 2 or where.parts[0] not in folders:
+                wrong.append(f"{where}: a test file goes in one of {sorted(folders)}")
+            elif not (path.parent / "__init__.py").is_file():
+                wrong.append(f"{where}: its folder has no __init__.py")
+        elif path.name not in ("__init__.py", "conftest.py") and where.parts[0] != "support":
+            wrong.append(f"{where}: a helper module goes in support/")
+    assert not wrong, "batch_pipeline_tests/:\n" + "\n".join(wrong)
 
 
 def test_operations_lists_every_doctor_check():
