@@ -45,13 +45,13 @@ from batch_pipeline_tests.support import (  # noqa: E402  (the shared helpers; t
     SessionLLM,
     shutdown_session_engines,
 )
-from batch_pipeline_tests.tiny_model import build_tiny_llama  # noqa: E402
+from batch_pipeline_tests.support.tiny_model import build_tiny_llama  # noqa: E402
 
 pytest_plugins = [
-    "batch_pipeline_tests.s3_server",
-    "batch_pipeline_tests.cli_runs",
-    "batch_pipeline_tests.sensor_ticks",
-    "batch_pipeline_tests.thinking_llm",
+    "batch_pipeline_tests.support.s3_server",
+    "batch_pipeline_tests.support.cli_runs",
+    "batch_pipeline_tests.support.sensor_ticks",
+    "batch_pipeline_tests.support.thinking_llm",
 ]
 
 
@@ -76,7 +76,7 @@ def bundled_model_dir() -> Path:
 def warm_engine_url(tiny_model_dir: Path) -> str:
     """The test run's one warm engine on the tiny model (vLLM's server, shared by both pytest workers,
     stopped when the run ends): ENGINE_URL for the files that run many pipelines."""
-    from batch_pipeline_tests.warm_engine import shared_url
+    from batch_pipeline_tests.support.warm_engine import shared_url
 
     return shared_url(tiny_model_dir)
 
@@ -142,7 +142,7 @@ SERVER_FIXTURES = {"moto_server", "history_server", "database", "warm_engine_url
 def pytest_configure(config: pytest.Config) -> None:
     """The controller (or the only process) makes the folder the run's shared warm engine is kept in;
     pytest-xdist's workers inherit it through the environment."""
-    from batch_pipeline_tests.warm_engine import SHARED_ENV
+    from batch_pipeline_tests.support.warm_engine import SHARED_ENV
 
     if not hasattr(config, "workerinput"):
         os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="batch-pipeline-tests-")
@@ -150,7 +150,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The controller stops the shared warm engine once every worker is done."""
-    from batch_pipeline_tests.warm_engine import SHARED_ENV, stop_shared
+    from batch_pipeline_tests.support.warm_engine import SHARED_ENV, stop_shared
 
     if not hasattr(config, "workerinput") and SHARED_ENV in os.environ:
         stop_shared()

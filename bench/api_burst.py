@@ -90,7 +90,7 @@ class Stack:
     def __init__(self, root: Path, model_dir: Path, engine_url: str | None, tenants: list[str]) -> None:
         import openai
 
-        from batch_pipeline_tests.dagster_server import free_port, start_dagster_dev, wait_for
+        from batch_pipeline_tests.support.dagster_server import free_port, start_dagster_dev, wait_for
 
         root.mkdir(parents=True)
         self.out = root / "out"

@@ -106,9 +106,9 @@ def main() -> int:
     import openai
 
     from batch_pipeline.config import models
-    from batch_pipeline_tests.conftest import TINY_NAME
-    from batch_pipeline_tests.dagster_server import free_port, pipeline_env, start_dagster_dev, wait_for
-    from batch_pipeline_tests.tiny_model import build_tiny_llama
+    from batch_pipeline_tests.support import TINY_NAME
+    from batch_pipeline_tests.support.dagster_server import free_port, pipeline_env, start_dagster_dev, wait_for
+    from batch_pipeline_tests.support.tiny_model import build_tiny_llama
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="api-latency-"))
     work.mkdir(parents=True, exist_ok=True)

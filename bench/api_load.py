@@ -15,7 +15,7 @@ What runs, all on 127.0.0.1:
   worker or model competes with the service for the cores;
 - `batch-pipeline serve` (one uvicorn process, as deployed) on a local STORAGE_OUTPUT_PATH holding
   `--history` finished batches of tenant `history` (records and the pipeline's batch.json and
-  output.jsonl, written as the service and the pipeline write them: batch_pipeline_tests/api_history.py);
+  output.jsonl, written as the service and the pipeline write them: batch_pipeline_tests/support/api_history.py);
 - this process: `level` asyncio clients (httpx, one connection each) per level, each doing its share
   of `max(1, ceil(min_samples / level))` requests of one operation, then the next operation:
     create    POST /v1/batches (tenant `creator`, one uploaded file): the record, the turn query
@@ -157,10 +157,10 @@ def main() -> int:
 
     os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
     from batch_pipeline.config import models
-    from batch_pipeline_tests.api_history import write_history
-    from batch_pipeline_tests.conftest import TINY_NAME
-    from batch_pipeline_tests.dagster_server import free_port, pipeline_env, prepare_home
-    from batch_pipeline_tests.tiny_model import build_tiny_llama
+    from batch_pipeline_tests.support.api_history import write_history
+    from batch_pipeline_tests.support import TINY_NAME
+    from batch_pipeline_tests.support.dagster_server import free_port, pipeline_env, prepare_home
+    from batch_pipeline_tests.support.tiny_model import build_tiny_llama
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="api-load-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -151,7 +151,7 @@ class Round:
     """One fresh `dagster dev` over this round's files, with ENGINE_URL at the warm engine."""
 
     def __init__(self, root: Path, model_dir: Path, served: str, engine_url: str, date: str) -> None:
-        from batch_pipeline_tests.dagster_server import start_dagster_dev
+        from batch_pipeline_tests.support.dagster_server import start_dagster_dev
 
         root.mkdir(parents=True)
         self.root = root
@@ -176,7 +176,7 @@ class Round:
 
 
 def launch_backfill(rnd: Round, keys: list[str]) -> tuple[str, str]:
-    from batch_pipeline_tests.dagster_server import LOCATION, REPOSITORY, GraphQLError
+    from batch_pipeline_tests.support.dagster_server import LOCATION, REPOSITORY, GraphQLError
 
     repo = {"repositoryLocationName": LOCATION, "repositoryName": REPOSITORY}
     sets = rnd.dagster.graphql(PARTITION_SETS, {"r": repo, "job": JOB})["partitionSetsOrError"]

@@ -6,7 +6,7 @@ A script, not a test. From the repository root:
     .venv/bin/python bench/images.py                                   # 240 lines, 1 image each, concurrency 8
     .venv/bin/python bench/images.py --lines 480 --images 2 --concurrency 1,8 --rounds 2 --json /tmp/images.json
 
-Each line of the batch asks the tiny random Idefics3 (batch_pipeline_tests/tiny_vlm.py, the test
+Each line of the batch asks the tiny random Idefics3 (batch_pipeline_tests/support/tiny_vlm.py, the test
 suite's vision-language model) about `--images` JPEGs (320x240, drawn here, all different) on the
 repo's S3 test server (moto's, over HTTP, seeded before it serves), with `--max-tokens` output
 tokens each (ignore_eos). Each run is `batch-pipeline run` in its own process with
@@ -92,8 +92,8 @@ def main() -> int:
     os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
     sys.path.insert(0, str(REPO))
     from batch_pipeline.config import models
-    from batch_pipeline_tests.s3_server import running_moto_server
-    from batch_pipeline_tests.tiny_vlm import build_tiny_vlm
+    from batch_pipeline_tests.support.s3_server import running_moto_server
+    from batch_pipeline_tests.support.tiny_vlm import build_tiny_vlm
 
     vlm = build_tiny_vlm(models.cache_root() / "test-models" / VLM)
     bucket = "bench-images"

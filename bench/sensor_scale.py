@@ -14,7 +14,7 @@ The three triggers (README "Triggers"):
 2. `window`: SENSOR_WINDOW_DAYS unset, the top of the input folder and the last 3 date folders;
 3. `queue`: INPUT_QUEUE_URL set to an SQS queue the bucket notifies on ObjectCreated.
 
-How: moto's S3+SQS server runs as a subprocess (batch_pipeline_tests/s3_server.py) and is spoken to
+How: moto's S3+SQS server runs as a subprocess (batch_pipeline_tests/support/s3_server.py) and is spoken to
 over HTTP; the sensor is evaluated in this process (dg.build_sensor_context, as the tests do). One
 bucket is filled incrementally (16 threads, notifications off) up to each size: old files in date
 folders from the first partition onwards (100 per date, before the window), then, 3 s later so they
@@ -67,7 +67,7 @@ from batch_pipeline.defs.sensors import batch_upload_sensor, partition_range
 from batch_pipeline.io import notifications
 from batch_pipeline.io import storage as store
 from batch_pipeline.io.uploads import BASELINE_SLACK_SECONDS
-from batch_pipeline_tests.s3_server import (
+from batch_pipeline_tests.support.s3_server import (
     _FOREIGN_AWS_VARS,
     REGION,
     MotoS3,

@@ -7,7 +7,7 @@ A script, not a test. From the repository root:
     nice -n 19 .venv/bin/python bench/soak.py --minutes 60 --json /tmp/soak.json   # the issue's hour
     .venv/bin/python bench/soak.py --minutes 3 --batch-every 30 --sample-every 30  # a smoke run, ~5 min
 
-What runs, all on 127.0.0.1, as the API tests start them (batch_pipeline_tests/api_service.py):
+What runs, all on 127.0.0.1, as the API tests start them (batch_pipeline_tests/support/api_service.py):
 
 - a real `dagster dev` (web server, daemon, code server; the repo's dagster.yaml: SQLite, the queued
   run coordinator, the `gpu` pool) on a fresh DAGSTER_HOME, with the tests' tiny random Llama
@@ -147,7 +147,7 @@ class Client:
     """The tenant's side: batches created, followed to their end; what went wrong, counted."""
 
     def __init__(self, base: str, lines: int, max_tokens: int) -> None:
-        from batch_pipeline_tests.api_service import client
+        from batch_pipeline_tests.support.api_service import client
 
         self.base = base
         self.sdk = client(f"{base}/v1", KEY)
@@ -165,7 +165,7 @@ class Client:
         return [i for i, b in self.batches.items() if b["status"] not in TERMINAL]
 
     def create(self, max_open: int) -> None:
-        from batch_pipeline_tests.api_service import request_line, upload
+        from batch_pipeline_tests.support.api_service import request_line, upload
 
         if len(self.open()) >= max_open:
             self.skipped += 1
@@ -264,10 +264,10 @@ def main() -> int:
     os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
     from batch_pipeline.base.runtime import configure_runtime_env
     from batch_pipeline.config import models
-    from batch_pipeline_tests.api_service import Serve, serve_env
-    from batch_pipeline_tests.conftest import TINY_NAME
-    from batch_pipeline_tests.dagster_server import pipeline_env, start_dagster_dev
-    from batch_pipeline_tests.tiny_model import build_tiny_llama
+    from batch_pipeline_tests.support.api_service import Serve, serve_env
+    from batch_pipeline_tests.support import TINY_NAME
+    from batch_pipeline_tests.support.dagster_server import pipeline_env, start_dagster_dev
+    from batch_pipeline_tests.support.tiny_model import build_tiny_llama
 
     configure_runtime_env(models.cache_root())  # as the tests' session: vLLM's caches, the in-process engine core
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="soak-"))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The browser for the UI test (batch_pipeline_tests/test_ui_walkthrough.py): Debian's Chromium at
+# The browser for the UI test (batch_pipeline_tests/system/test_ui_walkthrough.py): Debian's Chromium at
 # /usr/bin/chromium and the Python `playwright` package in the given virtualenv. Idempotent: does
 # nothing when both are there. Playwright's own browser download is never used (it cannot reach
 # its CDN from the machines this project runs on, and Debian's build works).

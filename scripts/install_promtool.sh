@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# promtool for the alert rules' test (batch_pipeline_tests/test_alerts.py: `promtool check rules` and
+# promtool for the alert rules' test (batch_pipeline_tests/service/test_alerts.py: `promtool check rules` and
 # the rule unit tests in deploy/prometheus/alerts.test.yaml), from Debian's `prometheus` package.
 # Idempotent: does nothing when promtool is on the PATH. Exits 0 when it cannot be installed (no
 # root, no apt-get): that one test then skips and says why; the rest of test_alerts.py still runs.

@@ -5,7 +5,7 @@ vLLM's offline API has no public "feed requests and collect them as they finish"
 `LLM.generate` runs `llm_engine.step()` until nothing is left. The streaming loop here does the
 same, so it needs a few engine-level calls; and reasoning models and tool calls need vLLM's
 reasoning and tool parsers, which live in its server code. Each is wrapped below, and
-`batch_pipeline_tests/test_vllm_adapter.py` pins their behaviour on the installed build: a vLLM
+`batch_pipeline_tests/engine/test_vllm_adapter.py` pins their behaviour on the installed build: a vLLM
 upgrade that changes one of them (the CPU build 0.32 and the CUDA build 0.33 differ in places)
 fails that test, not a production run.
 """

@@ -1,0 +1,1 @@
+"""Tests of batch_pipeline/base/: the process runtime, errors and settings readers."""

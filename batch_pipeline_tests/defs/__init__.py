@@ -1,0 +1,1 @@
+"""Tests of batch_pipeline/defs/: the Dagster assets, jobs, sensors, schedules and run watch."""

@@ -1,0 +1,91 @@
+"""A cancel whose interrupt never reaches the run still stops it (defs/run_watch.py).
+
+Dagster terminates a run by marking it CANCELING and then asking the code server to interrupt the
+worker; the failure injected here is the second move lost: the run is marked CANCELING in its real
+instance and nothing else is sent. Covered: the watch itself on a real (ephemeral) instance (quiet
+while the run is started, and for the grace after CANCELING; then it says so and logs why), and a
+whole in-process run of the four assets on the tiny model marked cancelling mid-answering: the run
+ends CANCELED soon after, the batch is reported cancelled with every answer it had kept, the step
+names the cancel, and the next run answers only the rest. Dagster's own interrupt path is covered by
+test_engine_multiprocess.py and test_batch_api.py.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import dagster as dg
+
+from batch_pipeline.defs import run_watch
+from batch_pipeline.defs.run_watch import CancelWatch
+from batch_pipeline_tests.support.asset_runs import DATE, chat_line, materialize, read_jsonl, write_batch
+from batch_pipeline_tests.support import wait_for
+
+
+LINES = 160
+
+
+def started_run(instance: dg.DagsterInstance) -> dg.DagsterRun:
+    run = dg.DagsterRun(job_name="batch_job", run_id="watch-run", status=dg.DagsterRunStatus.STARTED)
+    return instance.add_run(run)
+
+
+def test_the_watch_is_quiet_while_started_and_speaks_after_the_grace_of_cancelling():
+    with dg.DagsterInstance.ephemeral() as instance:
+        run = started_run(instance)
+        said: list[str] = []
+        watch = CancelWatch(instance, run.run_id, said.append, poll=0.02, grace=0.5)
+        with watch.running():
+            time.sleep(0.3)  # a dozen polls of a started run
+            assert not watch.requested() and said == []
+            instance.report_run_canceling(run)
+            marked = time.monotonic()
+            wait_for("the watch to see the cancel", watch.requested, timeout=10, interval=0.01)
+            assert time.monotonic() - marked >= 0.5  # not before the grace: Dagster's interrupt comes first
+        assert len(said) == 1 and "cancelling for over 0.5s" in said[0] and "every answer so far is kept" in said[0]
+
+
+def test_a_run_marked_cancelling_without_its_interrupt_stops_keeps_its_answers_and_resumes(tiny_llm, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.setattr(run_watch, "POLL_SECONDS", 0.05)
+    monkeypatch.setattr(run_watch, "GRACE_SECONDS", 0.2)
+    monkeypatch.setenv("CHECKPOINT_ANSWERS", "1")  # every answer is in a part file as soon as it is given
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    # Lengths from 4 to 202 tokens: answers keep arriving for seconds, the longest last.
+    lines = [chat_line(f"c{i}", max_tokens=4 + 2 * (i % 100), ignore_eos=True) for i in range(LINES)]
+    write_batch(inbox / DATE, "long.jsonl", lines)
+    instance = dg.DagsterInstance.ephemeral()
+    marked: dict[str, float] = {}
+
+    def cancel_without_interrupt() -> None:
+        wait_for("a first checkpointed answer", lambda: any(out.rglob("part-*.jsonl")), timeout=300, interval=0.02)
+        [run] = instance.get_runs()
+        instance.report_run_canceling(run)  # what the terminate mutation does first; the interrupt never follows
+        marked["at"] = time.monotonic()
+
+    canceller = threading.Thread(target=cancel_without_interrupt, daemon=True)
+    canceller.start()
+    result = materialize(tiny_llm, str(inbox), str(out), instance=instance)
+    ended = time.monotonic()
+    canceller.join(timeout=5)
+    assert "at" in marked and not result.success
+    assert ended - marked["at"] < 30  # a few polls, then the next answer: not the rest of the batch
+    assert instance.get_run_by_id(result.run_id).status == dg.DagsterRunStatus.CANCELED
+    [failure] = [e for e in result.all_events if e.event_type == dg.DagsterEventType.STEP_FAILURE]
+    assert failure.step_key == "inference_results" and "cancelled: long" in failure.step_failure_data.error.message
+    warnings = [e.message for e in instance.all_logs(result.run_id) if e.level == 30]  # logging.WARNING
+    assert any("without Dagster's interrupt reaching it" in (m or "") for m in warnings), warnings
+
+    folder = out / DATE / "long"
+    batch = json.loads((folder / "batch.json").read_text())
+    kept = batch["request_counts"]["completed"]
+    assert batch["status"] == "cancelled" and 1 <= kept < LINES
+    assert len(read_jsonl(str(folder / "output.jsonl"))) == kept
+
+    again = materialize(tiny_llm, str(inbox), str(out))
+    assert again.success
+    inference = json.loads(next(out.rglob("inference.json")).read_text())
+    assert inference["resumed_requests"] == kept and inference["computed_requests"] == LINES - kept
+    assert json.loads((folder / "batch.json").read_text())["request_counts"] == {"total": LINES, "completed": LINES, "failed": 0}

@@ -1,0 +1,1 @@
+"""Tests of batch_pipeline/service/: the Batch API, its metrics and alerting rules."""

@@ -1,0 +1,1 @@
+"""Tests of batch_pipeline/steps/: validation and the planned order of lines."""
