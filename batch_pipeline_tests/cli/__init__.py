@@ -1,1 +1,1 @@
-"""Tests of the entry points at the top of batch_pipeline/: cli.py, doctor.py, model_commands.py."""
+"""Tests of the command line, batch_pipeline/cli/: `batch-pipeline` (main.py), its doctor and its model-version commands."""

@@ -1,4 +1,4 @@
-"""Tests for batch_pipeline.doctor: the pre-flight checks behind `batch-pipeline doctor`.
+"""Tests for batch_pipeline.cli.doctor: the pre-flight checks behind `batch-pipeline doctor`.
 
 Covers: every check passing on a working local setup (the installed CPU engine really imported, the
 tiny test model, storage folders in tmp_path, a SQLite Dagster instance), the report format, and
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from batch_pipeline import doctor
+from batch_pipeline.cli import doctor
 from batch_pipeline.io import storage
 from batch_pipeline_tests.support import REPO
 from batch_pipeline_tests.support.s3_server import MotoS3

@@ -14,7 +14,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from batch_pipeline import cli
+from batch_pipeline.cli import main as cli
 from batch_pipeline.config.model_versions import (
     checksums_of,
     parse_pins,
@@ -24,7 +24,7 @@ from batch_pipeline.config.model_versions import (
 from batch_pipeline.config.settings import ConfigError, EngineSettings
 from batch_pipeline.contract import contract
 from batch_pipeline.io import model_aliases
-from batch_pipeline.model_commands import compare
+from batch_pipeline.cli.model_commands import compare
 from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch
 
 FRANCE = "What is the capital of France?"

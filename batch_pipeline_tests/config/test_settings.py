@@ -345,7 +345,7 @@ def test_an_engine_setting_is_its_field():
 
 
 def test_the_doctor_parses_the_s3_settings_before_any_run(monkeypatch):
-    from batch_pipeline import doctor
+    from batch_pipeline.cli import doctor
 
     monkeypatch.setenv("AWS_RETRY_MODE", "fast")
     result = doctor.check_settings()

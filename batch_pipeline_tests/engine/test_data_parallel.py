@@ -35,7 +35,7 @@ import pytest
 from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.engine import placement
-from batch_pipeline.doctor import run_checks
+from batch_pipeline.cli.doctor import run_checks
 from batch_pipeline.engine.ranks import RANK_TITLE
 from batch_pipeline.config.settings import ConfigError, EngineSettings, engine_settings_from_env
 from batch_pipeline_tests.support.cli_runs import (

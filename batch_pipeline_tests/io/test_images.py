@@ -316,7 +316,7 @@ def test_text_lines_are_untouched_by_the_image_check():
 def test_doctor_and_models_say_whether_the_model_takes_images(tmp_path, monkeypatch):
     import json
 
-    from batch_pipeline import doctor
+    from batch_pipeline.cli import doctor
     from batch_pipeline.config import models
     from batch_pipeline_tests.support.tiny_vlm import build_tiny_vlm
 

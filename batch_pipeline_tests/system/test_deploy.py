@@ -606,7 +606,7 @@ def serve_routes() -> set[str]:
 def test_compose_runs_the_batch_api():
     from urllib.parse import urlparse
 
-    from batch_pipeline.cli import build_parser
+    from batch_pipeline.cli.main import build_parser
 
     spec = compose()
     services = spec["services"]

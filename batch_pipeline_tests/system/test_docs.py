@@ -65,11 +65,11 @@ READS = [
 # setting of its own there.
 DIRECT_ENVIRON = {
     "base/runtime.py": "sets vLLM's and Hugging Face's defaults for this process (setdefault), reads none",
-    "cli.py": "quiets vLLM's log lines for `batch-pipeline run` (setdefault)",
-    "model_commands.py": "the same for `batch-pipeline model verify`",
+    "cli/main.py": "quiets vLLM's log lines for `batch-pipeline run` (setdefault)",
+    "cli/model_commands.py": "the same for `batch-pipeline model verify`",
     "engine/ranks.py": "sets a rank process's own environment (its devices) before vLLM loads",
     "engine/server.py": "hands the whole environment to vLLM's server process",
-    "doctor.py": "lends DAGSTER_PG_PASSWORD (Helm's name) as DAGSTER_POSTGRES_PASSWORD while it loads "
+    "cli/doctor.py": "lends DAGSTER_PG_PASSWORD (Helm's name) as DAGSTER_POSTGRES_PASSWORD while it loads "
                  "Dagster's instance, then takes it back",
 }
 
@@ -473,7 +473,7 @@ def test_module_map_lists_every_module():
 def _layers(path: Path) -> list[list[str]]:
     """The layers of the package as a doc's picture draws them, top first: each line's names."""
     text = path.read_text()
-    start = text.index("```\ncli.py ")
+    start = text.index("```\ncli/ ")
     picture = text[start + 4:text.index("```", start + 4)]
     return [re.findall(r"([a-z_]+(?:\.py|/))[, ]", line.split("  ")[0] + " ") for line in picture.splitlines()]
 
@@ -520,7 +520,7 @@ TEST_FOLDERS_BEYOND_LAYERS = {"system"}  # the whole-system tests, which span ev
 
 def test_the_test_tree_mirrors_the_package():
     """docs/DEVELOPMENT.md's test tree: each test file one folder down, in the folder named for the
-    layer it tests (a folder of batch_pipeline/, or a top-level module: cli/ for cli.py) or in system/;
+    layer it tests (a folder of batch_pipeline/) or in system/;
     nothing but conftest.py at the top; every helper module in support/, imported by name."""
     layers = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.rglob("*.py")} - {"__init__"}
     folders = layers | TEST_FOLDERS_BEYOND_LAYERS
@@ -538,7 +538,7 @@ def test_the_test_tree_mirrors_the_package():
 
 
 def test_operations_lists_every_doctor_check():
-    from batch_pipeline.doctor import CHECKS
+    from batch_pipeline.cli.doctor import CHECKS
 
     listed = [row.cells[0].strip("`") for row in table_rows(DOCS / "OPERATIONS.md", "check")]
     assert listed == list(CHECKS), "docs/OPERATIONS.md's doctor table: every check, in CHECKS order"

@@ -170,7 +170,7 @@ def test_validation_refuses_bad_images_per_line_with_the_runs_own_message(vision
 
 
 def test_validate_command_reports_bad_images_without_fetching_or_decoding(vision_folder, tmp_path, monkeypatch, capsys):
-    from batch_pipeline.cli import EXIT_INVALID_LINES, main
+    from batch_pipeline.cli.main import EXIT_INVALID_LINES, main
 
     for var in ("MODELS_FILE", "LORA_MODULES", "DAGSTER_HOME"):
         monkeypatch.delenv(var, raising=False)
@@ -710,7 +710,7 @@ def test_batch_pipeline_run_image_column_is_for_tables_and_must_be_there(tmp_pat
     column fails its batch in validation (the model is never loaded for a batch without valid lines)."""
     import pandas as pd
 
-    from batch_pipeline.cli import EXIT_FAILED, main
+    from batch_pipeline.cli.main import EXIT_FAILED, main
 
     monkeypatch.delenv("DAGSTER_HOME", raising=False)
     jsonl = tmp_path / "lines.jsonl"
@@ -766,7 +766,7 @@ def test_batch_pipeline_validate_takes_a_tables_image_column(tmp_path, vision_fo
     without fetching or decoding it; without the flag the rows are text; JSONL is refused."""
     import pandas as pd
 
-    from batch_pipeline import cli
+    from batch_pipeline.cli import main as cli
 
     for var in ("MODELS_FILE", "LORA_MODULES", "TABLE_IMAGE_COLUMN"):
         monkeypatch.delenv(var, raising=False)

@@ -26,7 +26,7 @@ import pytest
 from batch_pipeline.defs.assets import validated_requests
 from batch_pipeline.defs.jobs import batch_run_config
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
-from batch_pipeline import doctor
+from batch_pipeline.cli import doctor
 from batch_pipeline_tests.support import REPO
 from batch_pipeline_tests.support.postgres_db import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, connect, fresh_database, reachable
 

@@ -229,7 +229,7 @@ def cmd_engine_status(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from batch_pipeline import doctor
+    from batch_pipeline.cli import doctor
 
     results = doctor.run_checks(only=args.only or None)
     print(doctor.format_report(results))
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_sub = p.add_subparsers(dest="model_command", required=True)
     prep = model_sub.add_parser("prepare", help="build the bundled SmolLM2 checkpoint if missing; prints its folder")
     prep.set_defaults(func=cmd_model_prepare)
-    from batch_pipeline import model_commands
+    from batch_pipeline.cli import model_commands
 
     model_commands.add_commands(model_sub)  # list, checksum, verify, use, rollback
     _add_engine_commands(sub)

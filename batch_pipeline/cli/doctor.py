@@ -1,6 +1,6 @@
 """Checks that a machine or container can run batches, before a run finds out the hard way.
 
-    from batch_pipeline.doctor import format_report, run_checks
+    from batch_pipeline.cli.doctor import format_report, run_checks
     print(format_report(run_checks()))
 
 Each check reads the same environment a run reads (docs/CONFIGURATION.md) and reports one
