@@ -45,7 +45,7 @@ def validate_bench(args: argparse.Namespace) -> dict[str, Any]:
     source = pipeline_source(args.pipeline_rev, work, {})
     if "path" in source:
         sys.path.insert(0, source["path"])  # before batch_pipeline is first imported
-    from batch_pipeline.contract import contract
+    from batch_pipeline import contract
     from batch_pipeline.steps import validation
     from batch_pipeline.steps.validation import ValidationSettings, validate_stream
 

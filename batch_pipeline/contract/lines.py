@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from batch_pipeline.base import ids
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 
 
 @dataclass

@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 
 # Cut points of the rendered prompt, in characters (bytes of its UTF-8).
 LEVELS = (64, 256, 1024, 4096, 16384, 65536)

@@ -14,7 +14,7 @@ from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource, answering_pool
 from batch_pipeline.defs.run_watch import CancelWatch
 from batch_pipeline.io import checkpoints, locations, tables
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.steps import metrics
 from batch_pipeline.base import progress
 from batch_pipeline.engine import vllm_adapter

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from batch_pipeline.base import ids
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.contract.lines import Answer, success
 from batch_pipeline.engine import tool_calls
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from batch_pipeline.contract import contract, lines
+from batch_pipeline import contract
+from batch_pipeline.contract import lines
 from batch_pipeline.engine import bodies, vllm_adapter
 from batch_pipeline.contract.lines import Answer
 

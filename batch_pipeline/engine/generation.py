@@ -24,7 +24,8 @@ import json
 import time
 from collections import deque
 
-from batch_pipeline.contract import contract, lines
+from batch_pipeline import contract
+from batch_pipeline.contract import lines
 from batch_pipeline.engine import bodies, tool_calls, vllm_adapter
 from batch_pipeline.io import images
 from batch_pipeline.engine.reasoning import Reasoning, template_takes

@@ -10,7 +10,7 @@ from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.engine.embeddings import EmbeddingEngine
 from batch_pipeline.engine.engine_args import engine_kwargs
 from batch_pipeline.engine.generation import NOTHING_YET, EngineClock, GenerationEngine

@@ -36,7 +36,7 @@ from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.engine.placement import RankPlan
 from batch_pipeline.contract.lines import Answer
 from batch_pipeline.contract.prompts import SharesPrefix

@@ -40,7 +40,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from batch_pipeline.base import ids
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.contract import lines
 from batch_pipeline.contract.lines import Answer
 from batch_pipeline.contract.prompts import RANK_SPAN, prefix_rank

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from batch_pipeline.contract import contract, lines
+from batch_pipeline import contract
+from batch_pipeline.contract import lines
 from batch_pipeline.base import ids
 from batch_pipeline.engine import vllm_adapter
 from batch_pipeline.contract.lines import Answer

@@ -41,7 +41,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from batch_pipeline.base.env import read_text
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.io import images, storage
 
 TABLE_SUFFIXES = (".parquet", ".csv")

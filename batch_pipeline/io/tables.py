@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.io import storage
 
 RESULTS_NAME = "results.parquet"

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.contract.prompts import SharesPrefix
 from batch_pipeline.io import images, storage
 from batch_pipeline.io.checkpoints import Checkpoint, LineSet, answered_lines, answers_folder, checkpoint_key, record_line

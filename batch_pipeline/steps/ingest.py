@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.base import ids
 from batch_pipeline.io import storage, table_inputs
 from batch_pipeline.io.locations import BatchLocation

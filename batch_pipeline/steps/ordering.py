@@ -49,7 +49,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.contract.prompts import LEVELS, Render, prefix_hashes, prompt_text
 
 # A request's key; its index in the keys array is its position among the requests keyed.

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.io import storage
 from batch_pipeline.io.checkpoints import LineSet, answers_in_line_order
 from batch_pipeline.io.locations import BatchLocation

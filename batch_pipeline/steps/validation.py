@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, NamedTuple
 
 from pydantic import ValidationError
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.contract import fastpath
 from batch_pipeline.io import images
 from batch_pipeline.contract.lines import error_line

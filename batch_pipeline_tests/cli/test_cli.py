@@ -18,7 +18,7 @@ from typing import Any
 import dagster as dg
 
 from batch_pipeline.cli.main import EXIT_FAILED, EXIT_INVALID_LINES, EXIT_OK, main
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline_tests.support.cli_runs import EXIT_AFTER_RESULTS, jsonl_records, read_results
 from batch_pipeline_tests.support import EMBED_NAME, REPO, TINY_NAME, tiny_env
 

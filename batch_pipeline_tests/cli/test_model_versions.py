@@ -22,7 +22,7 @@ from batch_pipeline.config.model_versions import (
     verify_checksums,
 )
 from batch_pipeline.config.settings import ConfigError, EngineSettings
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.io import model_aliases
 from batch_pipeline.cli.model_commands import compare
 from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch

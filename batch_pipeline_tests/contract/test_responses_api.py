@@ -18,7 +18,7 @@ import pytest
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.base import ids
 from batch_pipeline.io import storage
 from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidationSettings

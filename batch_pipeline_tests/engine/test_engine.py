@@ -14,7 +14,7 @@ import pytest
 from openai.types import Completion, CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.engine.local import Engines
 from batch_pipeline_tests.support import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME
 

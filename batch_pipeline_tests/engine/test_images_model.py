@@ -15,7 +15,7 @@ import pytest
 from batch_pipeline.engine import engine_args
 from batch_pipeline.io import images, storage
 from batch_pipeline.config import models
-from batch_pipeline.contract.contract import CHAT_URL
+from batch_pipeline.contract import CHAT_URL
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline_tests.support import session_engine
 from batch_pipeline_tests.support.image_data import data_url, png

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.io import storage
 from batch_pipeline.config.settings import ConfigError
 from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch

@@ -16,7 +16,7 @@ import re
 import pytest
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.io import storage
 from batch_pipeline.engine.reasoning import ReasoningConfigError
 from batch_pipeline.config.settings import ConfigError

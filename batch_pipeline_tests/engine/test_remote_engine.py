@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from batch_pipeline.config.settings import ConfigError, EngineSettings
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.contract import prompts
 from batch_pipeline.engine.remote import (BATCH_SCALE, EPOCH_SECONDS, EngineUnavailable, RemoteEngines, Reply, Sent,
                                           Window, answer_of, base_url, vllm_priority, window_size)

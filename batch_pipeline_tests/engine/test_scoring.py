@@ -13,7 +13,7 @@ import math
 from openai.types import CreateEmbeddingResponse
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.io import storage
 from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.support import EMBED_NAME, TINY_NAME

@@ -16,7 +16,7 @@ import re
 import pytest
 from openai.types.chat import ChatCompletion
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.engine.local import Engines
 from batch_pipeline.engine.tool_calls import ToolParserConfigError, required_schema
 from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from batch_pipeline.io import images, storage
-from batch_pipeline.contract.contract import CHAT_URL, RESPONSES_URL
+from batch_pipeline.contract import CHAT_URL, RESPONSES_URL
 from batch_pipeline.io.images import ImageError, ImageRef, ImageResolver, ImageSettings
 from batch_pipeline.config.settings import ConfigError
 from batch_pipeline_tests.support.image_data import data_url, png

@@ -13,7 +13,7 @@ import tracemalloc
 
 import pytest
 
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.contract import fastpath
 from batch_pipeline.steps.validation import (
     InvalidLine,

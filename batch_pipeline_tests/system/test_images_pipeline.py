@@ -28,7 +28,7 @@ import pytest
 
 from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.config import models
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.defs.resources import LLMResource, StorageResource
 from batch_pipeline.io import images, storage
 from batch_pipeline.steps.validation import InvalidLine, LineValidator, ValidLine

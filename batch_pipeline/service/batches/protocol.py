@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from batch_pipeline.contract.contract import BatchErrors, BatchStatus, RequestCounts, Usage
+from batch_pipeline.contract import BatchErrors, BatchStatus, RequestCounts, Usage
 from batch_pipeline.service.protocol import Record
 
 

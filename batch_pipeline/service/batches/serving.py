@@ -12,7 +12,7 @@ from typing import Any
 
 from batch_pipeline.config.priority import PRIORITY_BOUND
 from batch_pipeline.config.settings import ConfigError, engine_settings_from_env
-from batch_pipeline.contract import contract
+from batch_pipeline import contract
 from batch_pipeline.io import storage
 from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.service import status

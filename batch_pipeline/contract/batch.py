@@ -1,11 +1,6 @@
-"""The OpenAI Batch contract (docs/CONTRACT.md): a line's envelope, the Batch object, and every body.
-
-The request bodies live in one module per endpoint family (chat.py, completions.py, embeddings.py,
-scoring.py, responses.py; what they share in common.py). Input bodies are validated strictly where
-OpenAI is strict (ranges, types, roles) and leniently where it is lenient. Their names are
-re-exported here, so a caller imports this one module and reads `contract.ChatBody`,
-`contract.CHAT_URL`, `contract.INVALID_REQUEST`.
-"""
+"""A line's envelope and the Batch object (docs/CONTRACT.md): `BatchRequest` (custom_id, method,
+url, body, with each endpoint's body model in `BODY_MODELS`), the request counts, usage and errors,
+and `Batch`, the object OpenAI's Batch API returns."""
 
 from __future__ import annotations
 
@@ -13,82 +8,13 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, Field
 
-from batch_pipeline.contract.chat import (  # noqa: F401  re-exported
-    FUNCTION_NAME,
-    CalledFunction,
-    ChatBody,
-    ChatMessage,
-    ChatTool,
-    FunctionDef,
-    ImagePart,
-    ImageUrl,
-    JsonSchemaSpec,
-    NamedFunction,
-    NamedToolChoice,
-    ResponseFormat,
-    TextPart,
-    ToolCall,
-    ToolChoice,
-    tool_choice_problem,
-)
-from batch_pipeline.contract.common import (  # noqa: F401  re-exported
-    BATCH_CANCELLED,
-    BATCH_EXPIRED,
-    CHAT_URL,
-    COMPLETIONS_DEFAULT_MAX_TOKENS,
-    COMPLETIONS_URL,
-    CONTEXT_LENGTH_EXCEEDED,
-    DUPLICATE_CUSTOM_ID,
-    EMBEDDINGS_URL,
-    IGNORED_FIELDS,
-    INVALID_JSON,
-    INVALID_METHOD,
-    INVALID_REQUEST,
-    MAX_CUSTOM_ID_LENGTH,
-    MODEL_NOT_FOUND,
-    REFUSED_FIELDS,
-    RERANK_URL,
-    RESPONSES_URL,
-    SCORE_URL,
-    SCORING_URLS,
-    SUPPORTED_URLS,
-    UNSUPPORTED_URL,
-    URL_MISMATCH,
-    VLLM_SAMPLING_EXTRAS,
-    LenientModel,
-    ReasoningEffort,
-    SamplingBody,
-    StopField,
-    StrictModel,
-    check_fields,
-)
-from batch_pipeline.contract.completions import (  # noqa: F401  re-exported
-    CompletionBody,
-)
-from batch_pipeline.contract.embeddings import (  # noqa: F401  re-exported
-    EmbeddingBody,
-)
-from batch_pipeline.contract.responses import (  # noqa: F401  re-exported
-    HOSTED_TOOL_CHOICE,
-    ResponsesBody,
-    ResponsesFunctionCall,
-    ResponsesFunctionCallOutput,
-    ResponsesImagePart,
-    ResponsesInputItem,
-    ResponsesMessage,
-    ResponsesReasoning,
-    ResponsesText,
-    ResponsesTextFormat,
-    ResponsesTextPart,
-    ResponsesTool,
-)
-from batch_pipeline.contract.scoring import (  # noqa: F401  re-exported
-    SCORE_SIDES,
-    RerankBody,
-    ScoreBody,
-    ScoreText,
-    ScoreTexts,
-)
+from batch_pipeline.contract.chat import ChatBody
+from batch_pipeline.contract.common import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, RERANK_URL, RESPONSES_URL, SCORE_URL
+from batch_pipeline.contract.completions import CompletionBody
+from batch_pipeline.contract.embeddings import EmbeddingBody
+from batch_pipeline.contract.responses import ResponsesBody
+from batch_pipeline.contract.scoring import RerankBody, ScoreBody
+
 
 # OpenAI's Batch statuses (the Batch object's `status`).
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
