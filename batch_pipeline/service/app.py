@@ -33,7 +33,7 @@ from batch_pipeline.service.batches.protocol import BatchRecord
 from batch_pipeline.service.errors import ApiError
 from batch_pipeline.service.files import router as files
 from batch_pipeline.service.operations import Service
-from batch_pipeline.service.settings import (completion_windows, dagster_url, file_limits, load_keys, load_limits,
+from batch_pipeline.service.api_settings import (completion_windows, dagster_url, file_limits, load_keys, load_limits,
                                              load_priority_caps, min_expiry_seconds)
 from batch_pipeline.service.status import TERMINAL_STATUSES, pipeline_batch
 from batch_pipeline.service.store import Store

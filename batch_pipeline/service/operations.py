@@ -11,7 +11,7 @@ from batch_pipeline.service.batches.serving import (BATCH_ENDPOINTS, PENDING_FOL
                                                     BatchServing)
 from batch_pipeline.service.dagster_client import DagsterClient
 from batch_pipeline.service.errors import ApiError
-from batch_pipeline.service.settings import COMPLETION_WINDOWS, MAX_FILE_BYTES, MAX_FILE_REQUESTS, MIN_EXPIRY_SECONDS
+from batch_pipeline.service.api_settings import COMPLETION_WINDOWS, MAX_FILE_BYTES, MAX_FILE_REQUESTS, MIN_EXPIRY_SECONDS
 from batch_pipeline.service.store import Store
 
 

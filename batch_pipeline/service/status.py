@@ -12,7 +12,7 @@ from batch_pipeline.io import storage
 from batch_pipeline.io.checkpoints import LineSet, iter_answers
 from batch_pipeline.io.locations import BatchLocation
 from batch_pipeline.service.batches.protocol import BatchObject, BatchRecord, RunFailure
-from batch_pipeline.service.settings import COMPLETION_WINDOWS
+from batch_pipeline.service.api_settings import COMPLETION_WINDOWS
 from batch_pipeline.steps.metrics import COST_PREFIX
 
 TERMINAL_STATUSES = ("completed", "failed", "cancelled", "expired")

@@ -25,7 +25,7 @@ from batch_pipeline.config.settings import (
     validation_limits_from_env,
 )
 from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_cron_from_env
-from batch_pipeline.service.settings import file_limits, min_expiry_seconds
+from batch_pipeline.service.api_settings import file_limits, min_expiry_seconds
 
 
 def test_deployment_guide_names_map_to_engine_settings():

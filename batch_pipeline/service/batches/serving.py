@@ -20,7 +20,7 @@ from batch_pipeline.service.batches.protocol import BatchObject, BatchRecord, Pe
 from batch_pipeline.service.dagster_client import RETRYING, DagsterClient
 from batch_pipeline.service.errors import ApiError
 from batch_pipeline.service.files.serving import FileServing
-from batch_pipeline.service.settings import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, PRIORITY_KEY
+from batch_pipeline.service.api_settings import MAX_METADATA_KEY, MAX_METADATA_PAIRS, MAX_METADATA_VALUE, PRIORITY_KEY
 from batch_pipeline.service.status import TERMINAL_STATUSES
 from batch_pipeline.service.store import new_id
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from batch_pipeline.service.errors import ApiError
 from batch_pipeline.service.files.protocol import FileRecord
-from batch_pipeline.service.settings import MAX_EXPIRY_SECONDS
+from batch_pipeline.service.api_settings import MAX_EXPIRY_SECONDS
 from batch_pipeline.service.store import Store
 
 log = logging.getLogger("batch_pipeline.service")
