@@ -41,15 +41,17 @@ DEFAULT_ORDER = "planned"
 
 def setting(var: str, default: Any = None, *, factory: Callable[[], Any] | None = None, low: float | None = None,
             high: float | None = None, note: str = "", above_low: bool = False, choices: tuple[str, ...] = (),
-            secret: bool = False, old: str = "", per_model: bool = False, inherited: bool = True) -> Any:
+            secret: bool = False, old: str = "", per_model: bool = False, inherited: bool = True, doc: str = "") -> Any:
     """An EngineSettings field and everything about its variable, in one place: its name (`var`),
     its range (`low`..`high`, checked for a value from the environment and from the launchpad
     alike, worded by base/env.py) or `choices`, `secret` (environment only, never shown), an older
     name still read (`old`), whether a MODELS_FILE entry may set it (`per_model`) and whether an
-    entry takes it over from the default model (`inherited`). ENGINE_ENV and the tables below are
-    read from these, so a new engine setting is its field here and its row in CONFIGURATION.md."""
+    entry takes it over from the default model (`inherited`), and `doc`, what the launchpad says of
+    it after its name. ENGINE_ENV, the tables below and the `llm` resource's launchpad fields
+    (defs/resources.py) are read from these, so a new engine setting is its field here and its row
+    in CONFIGURATION.md."""
     metadata = {"env": var, "range": (low, high, note, above_low) if low is not None else None, "choices": choices,
-                "secret": secret, "old": old, "per_model": per_model, "inherited": inherited}
+                "secret": secret, "old": old, "per_model": per_model, "inherited": inherited, "doc": doc}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata, repr=not secret)
@@ -57,70 +59,113 @@ def setting(var: str, default: Any = None, *, factory: Callable[[], Any] | None 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """Everything needed to build the engines; empty/None means "the default for this machine"."""
+    """Everything needed to build the engines; empty/None means "the default for this machine".
 
-    # empty: the bundled SmolLM2-135M-Instruct checkpoint
-    model_path: str = setting("MODEL_PATH", "", inherited=False)
-    # empty: the model folder's name
-    served_model_name: str = setting("SERVED_MODEL_NAME", "", inherited=False)
-    tensor_parallel_size: int = setting("TENSOR_PARALLEL_SIZE", 1, low=1, per_model=True)
-    # engine ranks, each on its own TENSOR_PARALLEL_SIZE GPUs (placement.py)
-    data_parallel_size: int = setting("DATA_PARALLEL_SIZE", 1, low=1)
-    max_model_len: int | None = setting("MAX_MODEL_LEN", None, low=16, per_model=True)
-    batch_size: int | None = setting("BATCH_SIZE", None, low=1, per_model=True)  # vLLM's max_num_seqs
+    Each field's `doc` is what the Dagster launchpad shows after the variable's name (the `llm`
+    resource's fields are made from these); the comments say what the code needs to know besides."""
+
+    model_path: str = setting("MODEL_PATH", "", inherited=False,
+                              doc="model folder; blank = bundled SmolLM2-135M-Instruct")
+    served_model_name: str = setting("SERVED_MODEL_NAME", "", inherited=False,
+                                     doc="what body.model must say; blank = the model folder's name")
+    tensor_parallel_size: int = setting("TENSOR_PARALLEL_SIZE", 1, low=1, per_model=True, doc="GPUs per engine")
+    # ranks placed by engine/placement.py
+    data_parallel_size: int = setting("DATA_PARALLEL_SIZE", 1, low=1,
+                                      doc="engines (ranks), each on its own TENSOR_PARALLEL_SIZE GPUs")
+    max_model_len: int | None = setting("MAX_MODEL_LEN", None, low=16, per_model=True, doc="context length in tokens")
+    batch_size: int | None = setting("BATCH_SIZE", None, low=1, per_model=True, doc="vLLM max_num_seqs")
     # auto: float32 on CPU (bfloat16 ran ~10x slower there), the model's dtype on GPU
-    dtype: str = setting("DTYPE", "auto", per_model=True)
+    dtype: str = setting("DTYPE", "auto", per_model=True, doc="auto, float32, bfloat16, float16")
     gpu_memory_utilization: float = setting("GPU_MEMORY_UTILIZATION", 0.90, low=0, above_low=True, high=1,
-                                            per_model=True)
-    max_num_batched_tokens: int | None = setting("MAX_NUM_BATCHED_TOKENS", None, low=1, per_model=True)
-    enable_prefix_caching: bool | None = setting("ENABLE_PREFIX_CACHING", None, per_model=True)
-    seed: int = setting("SEED", 0, per_model=True)
-    kv_cache_memory_bytes: int | None = setting("KV_CACHE_MEMORY_BYTES", None, per_model=True)  # CPU default: engine_args.py
+                                            per_model=True, doc="0-1")
+    max_num_batched_tokens: int | None = setting("MAX_NUM_BATCHED_TOKENS", None, low=1, per_model=True,
+                                                 doc="tokens per scheduler step; blank = vLLM's default")
+    enable_prefix_caching: bool | None = setting(
+        "ENABLE_PREFIX_CACHING", None, per_model=True,
+        doc="share KV cache across requests with a common prefix; blank = on")
+    seed: int = setting("SEED", 0, per_model=True, doc="engine seed")
+    # the CPU default is engine/engine_args.py's
+    kv_cache_memory_bytes: int | None = setting(
+        "KV_CACHE_MEMORY_BYTES", None, per_model=True,
+        doc="KV cache size on CPU (default 1 GiB; GPUs use GPU_MEMORY_UTILIZATION)")
     # None: eager on CPU (compiled mode took ~50 s to start here)
-    enforce_eager: bool | None = setting("ENFORCE_EAGER", None, per_model=True)
-    extra_engine_args: dict[str, Any] = setting("ENGINE_ARGS", factory=dict, per_model=True)
-    embedding_model_path: str = setting("EMBEDDING_MODEL_PATH", "")  # empty: the bundled all-MiniLM-L6-v2
-    embedding_served_model_name: str = setting("EMBEDDING_SERVED_MODEL_NAME", "")
-    # vLLM's reasoning parser name (deepseek_r1, qwen3, ...); empty: none
-    reasoning_parser: str = setting("REASONING_PARSER", "", per_model=True, inherited=False)
-    # vLLM's tool parser name (hermes, llama3_json, ...) for tool_choice auto; empty: none
-    tool_call_parser: str = setting("TOOL_CALL_PARSER", "", per_model=True, inherited=False)
-    # /v1/score and /v1/rerank: a cross-encoder; empty: the embedding model
-    score_model_path: str = setting("SCORE_MODEL_PATH", "")
-    score_served_model_name: str = setting("SCORE_SERVED_MODEL_NAME", "")
-    # LoRA adapters served on the generation model: "name=path name2=path2" (commas work too); a
-    # line selects one by naming it in body.model.
-    lora_modules: str = setting("LORA_MODULES", "", per_model=True, inherited=False)
-    # None: the largest rank among the adapters
-    max_lora_rank: int | None = setting("MAX_LORA_RANK", None, per_model=True, inherited=False)
-    # More generation models (YAML: served name -> folder, preset, engine settings): each line runs
-    # on the model its body.model names (engine/local.py loads one at a time).
-    models_file: str = setting("MODELS_FILE", "", inherited=False)
-    # The versions of MODELS_FILE's versioned models this run answers with, "name=version ..."; a
-    # model not named here takes its current alias (config/model_versions.py).
-    model_versions: str = setting("MODEL_VERSIONS", "", inherited=False)
+    enforce_eager: bool | None = setting(
+        "ENFORCE_EAGER", None, per_model=True,
+        doc="no CUDA graphs / compilation (default: eager on CPU, compiled on GPU)")
+    # the launchpad takes it as JSON text (the resource's `engine_args`)
+    extra_engine_args: dict[str, Any] = setting(
+        "ENGINE_ARGS", factory=dict, per_model=True,
+        doc='JSON object of further vllm.LLM arguments, e.g. {"swap_space": 8}; blank = {}')
+    embedding_model_path: str = setting("EMBEDDING_MODEL_PATH", "",
+                                        doc="model for /v1/embeddings; blank = bundled all-MiniLM-L6-v2")
+    embedding_served_model_name: str = setting(
+        "EMBEDDING_SERVED_MODEL_NAME", "", doc="what embeddings lines' body.model must say; blank = folder name")
+    reasoning_parser: str = setting(
+        "REASONING_PARSER", "", per_model=True, inherited=False,
+        doc="vLLM reasoning parser (deepseek_r1, qwen3, openai_gptoss, ...) that splits chat answers into "
+            "reasoning_content and content; blank = none")
+    tool_call_parser: str = setting(
+        "TOOL_CALL_PARSER", "", per_model=True, inherited=False,
+        doc="vLLM tool parser (hermes, llama3_json, mistral, ...) that reads tool calls from chat answers for "
+            "tool_choice auto; blank = none (lines with tools and tool_choice auto are refused)")
+    score_model_path: str = setting(
+        "SCORE_MODEL_PATH", "", doc="cross-encoder for /v1/score and /v1/rerank; blank = the embedding model (cosine)")
+    score_served_model_name: str = setting(
+        "SCORE_SERVED_MODEL_NAME", "", doc="what score and rerank lines' body.model must say; blank = folder name")
+    # commas between adapters work too
+    lora_modules: str = setting(
+        "LORA_MODULES", "", per_model=True, inherited=False,
+        doc="LoRA adapters on the generation model, 'name=path name2=path2'; a line names one in body.model; "
+            "blank = none")
+    max_lora_rank: int | None = setting("MAX_LORA_RANK", None, per_model=True, inherited=False,
+                                        doc="blank = the adapters' largest rank")
+    # engine/local.py loads one model at a time
+    models_file: str = setting(
+        "MODELS_FILE", "", inherited=False,
+        doc="YAML of more generation models (served name -> path, preset, settings); each line runs on the model "
+            "its body.model names; blank = only MODEL_PATH")
+    # aliases: config/model_versions.py
+    model_versions: str = setting(
+        "MODEL_VERSIONS", "", inherited=False,
+        doc="the versions of MODELS_FILE's versioned models this run answers with, 'name=version ...'; blank = "
+            "each model's current alias (`batch-pipeline model use`), resolved once when the run is requested or "
+            "starts")
     # A checkpoint part is written every `checkpoint_answers` answers or `checkpoint_seconds`,
     # whichever comes first: a kill -9 loses at most that much work, and S3 sees few, large PUTs.
-    checkpoint_answers: int = setting("CHECKPOINT_ANSWERS", 256, low=1, old="SHARD_SIZE")
-    checkpoint_seconds: float = setting("CHECKPOINT_SECONDS", 5.0, low=0.5, high=3600, note=" seconds")
-    # The order requests are fed to the engine: "planned" (shared prompt prefixes together, long
-    # decodes first: steps/ordering.py) or "input" (file order). Only the speed depends on it.
-    order: str = setting("ORDER", DEFAULT_ORDER, choices=ORDERS)
+    checkpoint_answers: int = setting("CHECKPOINT_ANSWERS", 256, low=1, old="SHARD_SIZE",
+                                      doc="answers per checkpoint part (default 256)")
+    checkpoint_seconds: float = setting(
+        "CHECKPOINT_SECONDS", 5.0, low=0.5, high=3600, note=" seconds",
+        doc="longest an answer waits before its checkpoint part is written (default 5)")
+    # Only the speed depends on the order (steps/ordering.py plans it).
+    order: str = setting(
+        "ORDER", DEFAULT_ORDER, choices=ORDERS,
+        doc="planned (shared prompt prefixes together, long decodes first: faster, same answers and files) or "
+            "input (file order); blank = planned")
     preset: str = field(default="", metadata={"inherited": False})  # ENGINE_PRESET that filled in the defaults, if any
-    # A warm engine: vLLM's OpenAI-compatible server at this URL answers the default model's requests
-    # (engine/remote.py); empty: the engine runs in the run's own process. The key (if the server
+    # A warm engine answers the default model's requests (engine/remote.py). The key (if the server
     # wants one) is sent as a bearer token and never shown. The default model's warm engine serves it
     # alone: a MODELS_FILE entry has a `url` of its own or none.
-    engine_url: str = setting("ENGINE_URL", "", per_model=True, inherited=False)
+    engine_url: str = setting(
+        "ENGINE_URL", "", per_model=True, inherited=False,
+        doc="a warm engine (vLLM's OpenAI-compatible server) that answers this run's requests; blank = the engine "
+            "runs in the run's own process")
     engine_api_key: str = setting("ENGINE_API_KEY", "", secret=True, inherited=False)
-    # requests in flight at once on the server; None: engine/remote.py's default
-    engine_window: int | None = setting("ENGINE_WINDOW", None, low=1)
-    # how long a run waits for a server that went away before failing
-    engine_wait_seconds: float = setting("ENGINE_WAIT_SECONDS", 300.0, low=0, high=86400, note=" seconds")
-    # Warm engines of the pooling models (a server started with --runner pooling): the embedding model's
-    # (embeddings, and score/rerank when no SCORE_MODEL_PATH) and the scoring model's; empty: in-process.
-    embedding_engine_url: str = setting("EMBEDDING_ENGINE_URL", "", inherited=False)
-    score_engine_url: str = setting("SCORE_ENGINE_URL", "", inherited=False)
+    # None: engine/remote.py's default
+    engine_window: int | None = setting("ENGINE_WINDOW", None, low=1,
+                                        doc="requests in flight on the warm engine; blank = twice BATCH_SIZE, else 64")
+    engine_wait_seconds: float = setting(
+        "ENGINE_WAIT_SECONDS", 300.0, low=0, high=86400, note=" seconds",
+        doc="how long a run waits for a warm engine that stopped answering")
+    # Warm engines of the pooling models: the embedding model's (embeddings, and score/rerank when
+    # no SCORE_MODEL_PATH) and the scoring model's.
+    embedding_engine_url: str = setting(
+        "EMBEDDING_ENGINE_URL", "", inherited=False,
+        doc="a warm engine (vLLM's server, --runner pooling) for the embedding model's lines (and score/rerank "
+            "without SCORE_MODEL_PATH); blank = in the run's own process")
+    score_engine_url: str = setting(
+        "SCORE_ENGINE_URL", "", inherited=False,
+        doc="a warm engine for SCORE_MODEL_PATH's score and rerank lines; blank = in the run's own process")
 
     def __post_init__(self) -> None:
         for f in fields(self):

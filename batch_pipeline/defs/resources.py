@@ -7,13 +7,14 @@ Every field left blank in the launchpad falls back to the environment variable o
 
 import dataclasses
 import json
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
 
 import dagster as dg
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, create_model
 
 from batch_pipeline.config import models
 from batch_pipeline.engine.engine_args import engine_kwargs, require_hardware
@@ -71,105 +72,40 @@ def refuse_slotless_engine() -> None:
 BUNDLED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
 
 
-class LLMResource(dg.ConfigurableResource):
-    """vLLM offline engines: one generation model (chat, completions) and one embedding model."""
+def _launchpad_fields() -> dict[str, Any]:
+    """The `llm` resource's launchpad fields, one per engine setting (config/settings.py): the
+    field's name, its type (blank when unset: "" for text, None otherwise) and a description that is
+    the variable's name and the setting's `doc`. ENGINE_API_KEY (a secret) is the environment's only;
+    ENGINE_ARGS is the JSON text `engine_args`, beside ENGINE_PRESET's `engine_preset`."""
+    hints = typing.get_type_hints(EngineSettings)
+    made: dict[str, Any] = {}
+    for f in dataclasses.fields(EngineSettings):
+        var = f.metadata.get("env")
+        if var is None or f.metadata["secret"] or f.name == "extra_engine_args":
+            continue
+        kind = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+        description = f"{var}: {f.metadata['doc']}" if f.metadata["doc"] else var
+        made[f.name] = (str, Field(default="", description=description)) if kind is str else (
+            Optional[kind], Field(default=None, description=description))
+    return made
+
+
+# The engine settings as launchpad fields; a new engine setting appears here by itself.
+_EngineSettingFields = create_model("_EngineSettingFields", __base__=dg.ConfigurableResource, **_launchpad_fields())
+
+
+class LLMResource(_EngineSettingFields):
+    """vLLM offline engines: one generation model (chat, completions) and one embedding model. Every
+    engine setting is a field (blank: its variable, then its default), made from config/settings.py."""
 
     engine_preset: str = Field(
         default="",
         description=f"ENGINE_PRESET: engine defaults for a hardware ({', '.join(sorted(PRESETS))}); settings below "
         "still win; blank = none",
     )
-    model_path: str = Field(default="", description="MODEL_PATH: model folder; blank = bundled SmolLM2-135M-Instruct")
-    served_model_name: str = Field(
-        default="", description="SERVED_MODEL_NAME: what body.model must say; blank = the model folder's name"
-    )
-    tensor_parallel_size: Optional[int] = Field(default=None, description="TENSOR_PARALLEL_SIZE: GPUs per engine")
-    data_parallel_size: Optional[int] = Field(
-        default=None, description="DATA_PARALLEL_SIZE: engines (ranks), each on its own TENSOR_PARALLEL_SIZE GPUs"
-    )
-    max_model_len: Optional[int] = Field(default=None, description="MAX_MODEL_LEN: context length in tokens")
-    batch_size: Optional[int] = Field(default=None, description="BATCH_SIZE: vLLM max_num_seqs")
-    dtype: str = Field(default="", description="DTYPE: auto, float32, bfloat16, float16")
-    gpu_memory_utilization: Optional[float] = Field(default=None, description="GPU_MEMORY_UTILIZATION: 0-1")
-    max_num_batched_tokens: Optional[int] = Field(default=None, description="MAX_NUM_BATCHED_TOKENS")
-    enable_prefix_caching: Optional[bool] = Field(default=None, description="ENABLE_PREFIX_CACHING")
-    seed: Optional[int] = Field(default=None, description="SEED: engine seed")
-    kv_cache_memory_bytes: Optional[int] = Field(
-        default=None, description="KV_CACHE_MEMORY_BYTES: KV cache size on CPU (default 1 GiB; GPUs use GPU_MEMORY_UTILIZATION)"
-    )
-    enforce_eager: Optional[bool] = Field(
-        default=None, description="ENFORCE_EAGER: no CUDA graphs / compilation (default: eager on CPU, compiled on GPU)"
-    )
     engine_args: str = Field(
-        default="", description='ENGINE_ARGS: JSON object of further vllm.LLM arguments, e.g. {"swap_space": 8}; blank = {}'
+        default="", description=f"ENGINE_ARGS: {EngineSettings.__dataclass_fields__['extra_engine_args'].metadata['doc']}"
     )
-    embedding_model_path: str = Field(
-        default="", description="EMBEDDING_MODEL_PATH: model for /v1/embeddings; blank = bundled all-MiniLM-L6-v2"
-    )
-    embedding_served_model_name: str = Field(
-        default="", description="EMBEDDING_SERVED_MODEL_NAME: what embeddings lines' body.model must say; blank = folder name"
-    )
-    reasoning_parser: str = Field(
-        default="",
-        description="REASONING_PARSER: vLLM reasoning parser (deepseek_r1, qwen3, openai_gptoss, ...) that splits "
-        "chat answers into reasoning_content and content; blank = none",
-    )
-    tool_call_parser: str = Field(
-        default="",
-        description="TOOL_CALL_PARSER: vLLM tool parser (hermes, llama3_json, mistral, ...) that reads tool calls from "
-        "chat answers for tool_choice auto; blank = none (lines with tools and tool_choice auto are refused)",
-    )
-    score_model_path: str = Field(
-        default="",
-        description="SCORE_MODEL_PATH: cross-encoder for /v1/score and /v1/rerank; blank = the embedding model (cosine)",
-    )
-    score_served_model_name: str = Field(
-        default="", description="SCORE_SERVED_MODEL_NAME: what score and rerank lines' body.model must say; blank = folder name"
-    )
-    lora_modules: str = Field(
-        default="",
-        description="LORA_MODULES: LoRA adapters on the generation model, 'name=path name2=path2'; a line names one "
-        "in body.model; blank = none",
-    )
-    max_lora_rank: Optional[int] = Field(default=None, description="MAX_LORA_RANK: blank = the adapters' largest rank")
-    models_file: str = Field(
-        default="",
-        description="MODELS_FILE: YAML of more generation models (served name -> path, preset, settings); each line "
-        "runs on the model its body.model names; blank = only MODEL_PATH",
-    )
-    model_versions: str = Field(
-        default="",
-        description="MODEL_VERSIONS: the versions of MODELS_FILE's versioned models this run answers with, "
-        "'name=version ...'; blank = each model's current alias (`batch-pipeline model use`), resolved once when the "
-        "run is requested or starts",
-    )
-    checkpoint_answers: Optional[int] = Field(
-        default=None, description="CHECKPOINT_ANSWERS: answers per checkpoint part (default 256)"
-    )
-    checkpoint_seconds: Optional[float] = Field(
-        default=None,
-        description="CHECKPOINT_SECONDS: longest an answer waits before its checkpoint part is written (default 5)",
-    )
-    order: str = Field(
-        default="",
-        description="ORDER: planned (shared prompt prefixes together, long decodes first: faster, same answers and "
-        "files) or input (file order); blank = planned",
-    )
-    engine_url: str = Field(
-        default="",
-        description="ENGINE_URL: a warm engine (vLLM's OpenAI-compatible server) that answers this run's requests; "
-        "blank = the engine runs in the run's own process",
-    )
-    embedding_engine_url: str = Field(
-        default="", description="EMBEDDING_ENGINE_URL: a warm engine (vLLM's server, --runner pooling) for the embedding "
-        "model's lines (and score/rerank without SCORE_MODEL_PATH); blank = in the run's own process")
-    score_engine_url: str = Field(
-        default="", description="SCORE_ENGINE_URL: a warm engine for SCORE_MODEL_PATH's score and rerank lines; blank = "
-        "in the run's own process")
-    engine_window: Optional[int] = Field(
-        default=None, description="ENGINE_WINDOW: requests in flight on the warm engine; blank = twice BATCH_SIZE, else 64")
-    engine_wait_seconds: Optional[float] = Field(
-        default=None, description="ENGINE_WAIT_SECONDS: how long a run waits for a warm engine that stopped answering")
 
     _versions: Optional[str] = PrivateAttr(default=None)  # MODEL_VERSIONS as resolved (see _pinned)
     _server: Optional[dict[str, Any]] = PrivateAttr(default=None)  # what the warm engine runs (see _server_model)

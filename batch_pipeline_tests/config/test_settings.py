@@ -9,6 +9,8 @@ Pure unit tests: no engine is built, no storage is touched.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from batch_pipeline.base import env as env_parse
@@ -189,6 +191,12 @@ def test_every_engine_setting_is_a_launchpad_field_naming_its_variable():
     described = {f.description.split(":")[0] for f in LLMResource.model_fields.values()}
     assert (set(ENGINE_ENV) - SECRET_ENGINE_ENV) | {"ENGINE_PRESET"} <= described, set(ENGINE_ENV) - described
     assert not SECRET_ENGINE_ENV & described  # a key in the launchpad would be kept in every run's config
+    # the fields are made from EngineSettings: each says what its setting's doc says
+    for f in dataclasses.fields(EngineSettings):
+        if f.metadata.get("env") and not f.metadata["secret"]:
+            assert f.metadata["doc"], f"{f.metadata['env']} has no doc for the launchpad"
+            name = "engine_args" if f.name == "extra_engine_args" else f.name
+            assert LLMResource.model_fields[name].description == f"{f.metadata['env']}: {f.metadata['doc']}"
     assert {f.description.split(":")[0] for f in StorageResource.model_fields.values()} == {"STORAGE_INPUT_PATH", "STORAGE_OUTPUT_PATH"}
 
 

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from batch_pipeline.contract import BatchErrors, BatchStatus, RequestCounts, Usage
+from batch_pipeline.contract import Batch, Usage
 from batch_pipeline.service.protocol import Record
 
 
@@ -58,32 +58,13 @@ class PendingTermination(Record):
     tenant: str = ""
 
 
-class BatchObject(BaseModel):
-    """OpenAI's Batch object as the API answers it. Only the fields set are sent (`body`): a batch not
-    written by the pipeline yet has no `model`, `usage` or most `*_at`, as OpenAI leaves them out."""
+class BatchObject(Batch):
+    """OpenAI's Batch object as the API answers it: the contract's `Batch` (the object the pipeline
+    writes as batch.json), sent with only the fields set (`body`): a batch not written by the
+    pipeline yet has no `model`, `usage` or most `*_at`, as OpenAI leaves them out."""
 
-    id: str
-    object: Literal["batch"]
-    endpoint: str
-    input_file_id: str
-    completion_window: str
-    created_at: int
-    expires_at: int | None = None
-    metadata: dict[str, Any]
-    errors: BatchErrors | None = None
-    output_file_id: str | None = None
-    error_file_id: str | None = None
-    request_counts: RequestCounts
-    model: str | None = None
-    usage: Usage | None = None
-    in_progress_at: int | None = None
-    finalizing_at: int | None = None
-    completed_at: int | None = None
-    failed_at: int | None = None
-    cancelling_at: int | None = None
-    cancelled_at: int | None = None
-    expired_at: int | None = None
-    status: BatchStatus
+    usage: Usage | None = None  # none until the pipeline wrote the batch
+    metadata: dict[str, Any] = Field(default_factory=dict)  # as created: `priority` may be a number
 
     def body(self) -> dict[str, Any]:
         """The JSON answer: the fields set, nulls where they were set to None."""
