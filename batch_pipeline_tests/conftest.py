@@ -142,10 +142,11 @@ SERVER_FIXTURES = {"moto_server", "history_server", "database", "warm_engine_url
 def pytest_configure(config: pytest.Config) -> None:
     """The controller (or the only process) makes the folder the run's shared warm engine is kept in;
     pytest-xdist's workers inherit it through the environment."""
-    from batch_pipeline_tests.support.warm_engine import SHARED_ENV
+    from batch_pipeline_tests.support.warm_engine import CONTROLLER_ENV, SHARED_ENV
 
     if not hasattr(config, "workerinput"):
         os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="batch-pipeline-tests-")
+        os.environ[CONTROLLER_ENV] = str(os.getpid())  # the shared engine stops when this process is gone
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

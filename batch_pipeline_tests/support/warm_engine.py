@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -35,10 +36,12 @@ class WarmServer:
     """`python -m vllm.entrypoints.launchers.api_server.entry` in its own process group."""
 
     def __init__(self, model_dir: Path, name: str, log_path: Path, port: int | None = None, runner: str = "generate",
-                 **settings: Any) -> None:
+                 owner: int | None = None, **settings: Any) -> None:
         """The server `batch-pipeline engine start` runs (engine/server.py's flags), for the tiny model
         with the tests' settings (tiny_llm's) and any other EngineSettings field given; `runner`
-        "pooling" for an embedding or scoring model."""
+        "pooling" for an embedding or scoring model. It is stopped when `owner` (a process id; this
+        process by default) is gone, even killed with SIGKILL (orphan_watch.py)."""
+        self.owner = owner or os.getpid()
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -51,6 +54,7 @@ class WarmServer:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
                                             start_new_session=True)
+        watch_group(self.owner, self.process.pid)
         wait_for(f"the warm engine on port {self.port} healthy", self.healthy, START_SECONDS, interval=0.5,
                  on_timeout=self.log_tail)
         self.started_at = time.monotonic()
@@ -89,14 +93,25 @@ class WarmServer:
                 self.process.wait(10)
 
 
+def watch_group(owner: int, pgid: int, grace: float = 30.0) -> subprocess.Popen:
+    """A watcher (orphan_watch.py, in a session of its own) that stops process group `pgid` once
+    process `owner` is gone (SIGTERM, SIGKILL `grace` seconds later), and exits with the group."""
+    return subprocess.Popen([sys.executable, str(Path(__file__).with_name("orphan_watch.py")), str(owner), str(pgid),
+                             str(grace)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
 # -- one warm engine for the whole test run ----------------------------------------------------
 # The files that run many pipelines (the Batch API, its priorities, usage and audit, the UI walk-through,
 # the Dagster end-to-end files) send their runs to one real server on the tiny model, as a platform team
 # would run it, so their run workers import no vLLM (~14 CPU-s each). It is started on first use by
 # whichever pytest worker needs it first, under a file lock in a folder the controller made for the run
-# (SHARED_ENV, inherited by pytest-xdist's workers), and stopped by the controller when the run ends.
+# (SHARED_ENV, inherited by pytest-xdist's workers), and stopped by the controller when the run ends,
+# or by its watcher once the controller (CONTROLLER_ENV) is gone, say killed with SIGKILL.
 
 SHARED_ENV = "BATCH_PIPELINE_TEST_SHARED"
+CONTROLLER_ENV = "BATCH_PIPELINE_TEST_CONTROLLER"
 _STATE = "warm-engine.json"
 
 
@@ -111,7 +126,8 @@ def shared_url(model_dir: Path) -> str:
             if health(known["url"]) == 200:
                 return known["url"]
             stop_group(known["pgid"])
-        server = WarmServer(model_dir, TINY_NAME, folder / "warm-engine.log")
+        server = WarmServer(model_dir, TINY_NAME, folder / "warm-engine.log",
+                            owner=int(os.environ.get(CONTROLLER_ENV, os.getpid())))
         state.write_text(json.dumps({"url": server.url, "pgid": server.process.pid}))
         return server.url
 
