@@ -12,7 +12,7 @@ import dagster as dg
 from batch_pipeline.defs import file_status
 from batch_pipeline.defs.partitions import daily_partitions
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource, answering_pool
-from batch_pipeline.defs.run_watch import CancelWatch
+from batch_pipeline.defs.run_watch import CancelWatch, yielding_to_urgent_runs
 from batch_pipeline.io import checkpoints, locations, tables
 from batch_pipeline import contract
 from batch_pipeline.steps import metrics
@@ -266,7 +266,8 @@ def answer_batches(context: dg.AssetExecutionContext, batches: list[BatchLocatio
                 groups.setdefault(order.get(models[loc.name], 0), []).append(loc)
             # The watch: a cancel whose interrupt never came still stops the answering (run_watch.py).
             watch = CancelWatch(context.instance, context.run.run_id, context.log.warning)
-            with llm.open(log=context.log.info, priority=run_priority(context.run.tags)) as engines, watch.running():
+            with llm.open(log=context.log.info, priority=run_priority(context.run.tags)) as engines, watch.running(), \
+                    yielding_to_urgent_runs(context.instance, context.run, engines):
                 identity = llm.identity()
                 for _, group in sorted(groups.items()):
                     infos = infer_batches(

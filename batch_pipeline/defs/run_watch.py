@@ -1,4 +1,7 @@
-"""A run that Dagster marks as cancelling stops answering, even when Dagster's interrupt never reaches it.
+"""What a run watches in Dagster's instance while it answers: a cancel whose interrupt never reaches it
+(`CancelWatch`), and runs of higher priority answering on its warm engine (`PriorityWatch`).
+
+A run that Dagster marks as cancelling stops answering, even when Dagster's interrupt never reaches it.
 
 Dagster terminates a run in two moves: it marks the run CANCELING in the instance, then asks the code
 server that launched the run to interrupt the run's worker (SIGINT). When the second move is lost (the
@@ -8,6 +11,14 @@ status every POLL_SECONDS; once the run has been CANCELING for GRACE_SECONDS (Da
 lands well within that), it logs so and `requested()` turns True. The answering loop asks after every
 answer (steps/inference.py's `cancelled`) and stops as a cancel from the UI does: every answer kept,
 the batches reported cancelled, the next run resuming the rest. The interrupt stays the first way.
+
+A run on a warm engine gives way to a more urgent one there. vLLM's priority orders only its waiting
+queue, so an urgent batch arriving while a bulk batch's requests fill the running batch shares every
+decode step with them (engine/remote.py, "Yielding"). While a run answers on a warm engine it carries
+the tag ANSWERING_TAG (the engine's URL); `PriorityWatch` reads the started runs with that tag every
+PRIORITY_POLL_SECONDS, and while one of a higher priority (config/priority.py's scale) is among
+them, the run keeps few requests in flight. Dagster is the one place every run of every trigger
+(Batch API, schedule, sensor, UI) is known, so no other coordination is needed.
 """
 
 from __future__ import annotations
@@ -20,8 +31,14 @@ from typing import Any
 
 import dagster as dg
 
+from batch_pipeline.config.priority import run_priority
+from batch_pipeline.engine.remote import RemoteEngines
+
 POLL_SECONDS = 5.0
 GRACE_SECONDS = 10.0
+# The warm engine a run is answering on now (its URL; blank once it has stopped answering).
+ANSWERING_TAG = "batch_pipeline/answering_on"
+PRIORITY_POLL_SECONDS = 2.0
 
 
 class CancelWatch:
@@ -65,3 +82,68 @@ class CancelWatch:
             yield self
         finally:
             self._done.set()
+
+
+class PriorityWatch:
+    """Tags a run as answering on a warm engine and watches the other runs answering there;
+    `outranked()` names one of a higher priority, or is None."""
+
+    def __init__(self, instance: Any, run: Any, url: str, poll: float | None = None) -> None:
+        self.instance, self.run_id, self.url = instance, run.run_id, url
+        self.priority = run_priority(run.tags)
+        self.poll = PRIORITY_POLL_SECONDS if poll is None else poll
+        self._above: str | None = None
+        self._done = threading.Event()
+
+    def outranked(self) -> str | None:
+        return self._above
+
+    def look(self) -> str | None:
+        """The started runs answering on this engine now: a sentence naming the most urgent one above
+        this run's priority, or None."""
+        runs = self.instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED],
+                                                            tags={ANSWERING_TAG: self.url}), limit=100)
+        above = [(run_priority(r.tags), r.run_id) for r in runs if r.run_id != self.run_id]
+        above = [(p, run_id) for p, run_id in above if p > self.priority]
+        if not above:
+            return None
+        priority, run_id = max(above)
+        return f"run {run_id} (priority {priority}, this run's {self.priority}) is answering on {self.url}"
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.poll):
+            try:
+                self._above = self.look()
+            except Exception:  # noqa: BLE001 - the instance busy or restarting: ask again at the next poll
+                continue
+
+    @contextmanager
+    def answering(self) -> Iterator["PriorityWatch"]:
+        """The tag and the watch thread, for the duration of the block."""
+        self.instance.add_run_tags(self.run_id, {ANSWERING_TAG: self.url})
+        thread = threading.Thread(target=self._watch, name="priority-watch", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            self._done.set()
+            try:
+                self.instance.add_run_tags(self.run_id, {ANSWERING_TAG: ""})
+            except Exception:  # noqa: BLE001 - the run ends soon anyway: a started run's tag is what counts
+                pass
+
+
+@contextmanager
+def yielding_to_urgent_runs(instance: Any, run: Any, engines: Any) -> Iterator[None]:
+    """While the block runs, a run answering on a warm engine keeps few requests in flight whenever a
+    run of higher priority answers there too; a run answering in-process watches nothing."""
+    if not isinstance(engines, RemoteEngines):
+        yield
+        return
+    watch = PriorityWatch(instance, run, engines.url)
+    with watch.answering():
+        engines.outranked = watch.outranked
+        try:
+            yield
+        finally:
+            engines.outranked = lambda: None

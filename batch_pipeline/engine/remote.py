@@ -17,6 +17,13 @@ its KV blocks are still cached when the later ones arrive. Each request carries 
 prefix's rank, so that concurrent runs' requests for one prefix meet in the prefix cache) and the
 line's deterministic request id.
 
+Yielding. vLLM's priority orders only its waiting queue: a request already running is not put back
+for a more urgent one, and on a server whose running batch holds everything sent (a CPU, or a large
+`max_num_seqs`), an urgent batch's requests share every decode step with the bulk's. So a run also
+yields by itself: while `outranked()` names a run of higher priority answering on the same engine
+(defs/run_watch.py watches Dagster for one), it keeps at most YIELD_WINDOW requests in flight, and
+grows back to its window when that run is done.
+
 Faults. A refused connection, a dropped one, 408, 429 and 5xx are waited out: the request is sent
 again after a back-off, and the window halves (then grows back by one per answer: AIMD). A server
 that stays away ENGINE_WAIT_SECONDS fails the run naming its URL; the next run resumes from the
@@ -60,6 +67,9 @@ SHORT_SECONDS = 15.0  # the server's model list and /metrics: a server silent th
 # server that stays silent there for ENGINE_WAIT_SECONDS is out (hung, or its host gone without a
 # reset), and the run stops rather than wait out ANSWER_SECONDS on its open connections.
 STALL_CHECK_SECONDS = 30.0
+# Requests a run keeps in flight while a run of higher priority answers on its engine: enough that
+# it still moves, few enough that the urgent run's decode steps are nearly its own.
+YIELD_WINDOW = 2
 LINE_ERROR_TRIES = 3  # a 500 with an error body, this many times for one line: that line's error
 GENERATION_URLS = (contract.CHAT_URL, contract.COMPLETIONS_URL, contract.RESPONSES_URL)
 POOLING_URLS = (contract.EMBEDDINGS_URL, contract.SCORE_URL, contract.RERANK_URL)
@@ -417,6 +427,9 @@ class RemoteEngines:
         # Plain names of versioned models answer with the version this run is pinned to (as in-process).
         self.aliases = {name: versioned_name(name, version) for name, version in settings.resolved_versions({}).items()}
         self.figures: EngineFigures | None = None  # the server's figures over the last stream (one server)
+        # Who outranks this run on its engine now (a sentence naming the run), or None: see "Yielding".
+        self.outranked: Callable[[], str | None] = lambda: None
+        self._yielding: str | None = None
         self._lock = threading.Lock()
         self._last_answer: dict[str, float] = {}  # URL -> when it last answered (monotonic)
         self._unhealthy: dict[str, float] = {}  # URL -> since when its /health has not answered (monotonic)
@@ -484,7 +497,7 @@ class RemoteEngines:
             meter.start()
         try:
             while True:
-                while not exhausted and len(flying) < self.window.now():
+                while not exhausted and len(flying) < self._in_flight():
                     req = next(source, None)
                     if req is None:
                         exhausted = True
@@ -528,6 +541,16 @@ class RemoteEngines:
             self.log(f"{len(others)} request(s) the warm engine does not serve (other models, embeddings, "
                      "score): answering them in this process")
             yield from self._local_engines().stream(batch_id, others, created)
+
+    def _in_flight(self) -> int:
+        """How many requests may be in flight now: the window, or YIELD_WINDOW while outranked."""
+        outranked = self.outranked()
+        if (outranked is None) != (self._yielding is None):
+            self.log(f"{outranked}: this run keeps at most {YIELD_WINDOW} requests in flight until it is done"
+                     if outranked else f"no run of higher priority answers on the warm engine now: back to "
+                     f"{self.window.now()} requests in flight")
+        self._yielding = outranked
+        return min(self.window.now(), YIELD_WINDOW) if outranked else self.window.now()
 
     def _local_engines(self) -> Any:
         if self._local is None:

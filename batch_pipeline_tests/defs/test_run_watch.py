@@ -19,7 +19,8 @@ import time
 import dagster as dg
 
 from batch_pipeline.defs import run_watch
-from batch_pipeline.defs.run_watch import CancelWatch
+from batch_pipeline.defs.run_watch import ANSWERING_TAG, CancelWatch, PriorityWatch
+from batch_pipeline.config.priority import priority_tags
 from batch_pipeline_tests.support.asset_runs import DATE, chat_line, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.support import wait_for
 
@@ -89,3 +90,30 @@ def test_a_run_marked_cancelling_without_its_interrupt_stops_keeps_its_answers_a
     inference = json.loads(next(out.rglob("inference.json")).read_text())
     assert inference["resumed_requests"] == kept and inference["computed_requests"] == LINES - kept
     assert json.loads((folder / "batch.json").read_text())["request_counts"] == {"total": LINES, "completed": LINES, "failed": 0}
+
+
+def test_a_run_sees_a_more_urgent_run_answering_on_its_engine_and_only_that():
+    url, other = "http://127.0.0.1:8000", "http://127.0.0.1:8001"
+    with dg.DagsterInstance.ephemeral() as instance:
+        bulk = instance.add_run(dg.DagsterRun(job_name="batch_job", run_id="bulk", status=dg.DagsterRunStatus.STARTED,
+                                              tags=priority_tags(1)))
+
+        def run(run_id: str, priority: int, status: dg.DagsterRunStatus, answering_on: str) -> None:
+            instance.add_run(dg.DagsterRun(job_name="batch_job", run_id=run_id, status=status,
+                                           tags={**priority_tags(priority), ANSWERING_TAG: answering_on}))
+
+        watch = PriorityWatch(instance, bulk, url, poll=0.02)
+        with watch.answering():
+            assert instance.get_run_by_id("bulk").tags[ANSWERING_TAG] == url
+            run("same", 1, dg.DagsterRunStatus.STARTED, url)  # equal priority: no yielding
+            run("lower", 0, dg.DagsterRunStatus.STARTED, url)
+            run("elsewhere", 10, dg.DagsterRunStatus.STARTED, other)  # another engine
+            run("finished", 10, dg.DagsterRunStatus.SUCCESS, url)  # no longer answering
+            time.sleep(0.2)  # ten polls: none of these outranks the bulk run
+            assert watch.outranked() is None
+            run("urgent", 5, dg.DagsterRunStatus.STARTED, url)
+            wait_for("the urgent run seen", watch.outranked, timeout=10, interval=0.01)
+            assert watch.outranked() == f"run urgent (priority 5, this run's 1) is answering on {url}"
+            instance.add_run_tags("urgent", {ANSWERING_TAG: ""})  # what its own watch does when it stops answering
+            wait_for("the urgent run gone", lambda: watch.outranked() is None, timeout=10, interval=0.01)
+        assert instance.get_run_by_id("bulk").tags[ANSWERING_TAG] == ""

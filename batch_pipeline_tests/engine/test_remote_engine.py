@@ -171,6 +171,48 @@ def test_push_back_and_dropped_connections_are_waited_out_with_every_line_answer
     assert bodies[7] == "echo q7"
 
 
+def test_an_outranked_run_keeps_few_requests_in_flight_and_grows_back_when_the_urgent_run_is_done():
+    """While `outranked()` names a more urgent run on the engine, at most YIELD_WINDOW of this run's
+    requests are at the server at once; before and after, its whole window is."""
+    from batch_pipeline.engine.remote import YIELD_WINDOW
+
+    lock, at_once, peaks = threading.Lock(), [0], []
+    urgent: dict[str, str | None] = {"who": None}
+
+    def script(n: int, body: dict[str, Any]) -> tuple[int, Any]:
+        with lock:
+            at_once[0] += 1
+            peaks.append((urgent["who"] is not None, at_once[0]))
+        time.sleep(0.15)  # a request's time at the server, so that the window fills
+        with lock:
+            at_once[0] -= 1
+        return 200, chat_answer(body)
+
+    server = StandIn(script)
+    logged: list[str] = []
+    try:
+        engines = engines_at(server.url, engine_window=8)
+        engines.log = logged.append
+        engines.outranked = lambda: urgent["who"]
+        answers = []
+        for answer in engines.stream("bulk", [request(i, f"q{i}") for i in range(1, 121)], created=1):
+            answers.append(answer)
+            if len(answers) == 30:
+                urgent["who"] = "run urgent-1 (priority 10, this run's 0) is answering on the engine"
+            elif len(answers) == 80:
+                urgent["who"] = None
+    finally:
+        server.stop()
+    assert sorted(a.line for a in answers) == list(range(1, 121)) and sorted(server.answered.values()) == [1] * 120
+    before = [n for yielding, n in peaks[:30] if not yielding]
+    # Sent once the urgent run was seen (the requests already in flight then are let finish).
+    during = [n for yielding, n in peaks if yielding][8:]
+    assert max(before) == 8 and during and max(during) <= YIELD_WINDOW, (max(before), during)
+    assert max(n for _, n in peaks[-30:]) == 8  # grown back
+    assert any("run urgent-1" in m and f"at most {YIELD_WINDOW} requests" in m for m in logged), logged
+    assert any("back to" in m for m in logged), logged
+
+
 def test_images_go_to_the_server_inline_and_a_bad_one_is_its_lines_error():
     from batch_pipeline_tests.support.image_data import data_url, png
 
