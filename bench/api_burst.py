@@ -53,6 +53,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +269,28 @@ def med(values: list[float]) -> float:
     return round(statistics.median(values), 2)
 
 
-def main() -> int:
+@dataclass
+class _Setup:
+    """What every round shares: the bundled model, the work folder, the burst's tenants, the warm engine."""
+
+    model_dir: Path
+    served: str
+    work: Path
+    tenants: list[str]
+    server: WarmServer  # started once before the rounds, stopped at the end
+    load_start: str
+
+
+@dataclass
+class _Figures:
+    """Every round's figures: the burst per system, the priority runs (warm only)."""
+
+    results: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {s: [] for s in SYSTEMS})
+    prio: list[dict[str, Any]] = field(default_factory=list)
+    load_end: str = ""
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--batches", type=int, default=12, help="batches in the burst (default 12)")
@@ -284,8 +306,11 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1800, help="per burst or batch, seconds")
     p.add_argument("--work-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
-    args = p.parse_args()
+    return p.parse_args()
 
+
+def _prepare(args: argparse.Namespace) -> _Setup:
+    """The bundled model, the work folder, the tenants; the warm engine started (untimed)."""
     from batch_pipeline.config import models
 
     model_dir = models.prepare_bundled_model(log=say)
@@ -296,41 +321,61 @@ def main() -> int:
     load_start = loadavg()
     say(f"work folder {work}; load average {load_start}")
     server = WarmServer.engine_start(model_dir, served, work / "warm-engine.log").start()
-    results: dict[str, list[dict[str, Any]]] = {s: [] for s in SYSTEMS}
-    prio: list[dict[str, Any]] = []
+    return _Setup(model_dir=model_dir, served=served, work=work, tenants=tenants, server=server, load_start=load_start)
+
+
+def _run_system(args: argparse.Namespace, setup: _Setup, figures: _Figures, r: int, system: str,
+                files: list[bytes]) -> None:
+    """One system in round `r`: its own dagster dev and serve, the burst, then (warm) the priority runs."""
+    server, served = setup.server, setup.served
+    say(f"round {r}/{args.rounds}: {system}: starting dagster dev and batch-pipeline serve (untimed)")
+    stack = Stack(setup.work / f"r{r}-{system}", setup.model_dir, server.url if system == "warm" else None,
+                  setup.tenants + ["bulk", "urgent"])
+    try:
+        cpu = server.cpu_s()
+        say(f"  burst: {args.batches} x {args.lines} lines over {args.tenants} tenants (load {loadavg()})")
+        fig = burst(stack, files, setup.tenants, args)
+        fig["server_cpu_s"] = round(server.cpu_s() - cpu, 1)
+        figures.results[system].append({"round": r, **fig})
+        say(f"  {system}: last of {args.batches} completed after {fig['last_done_s']:.1f} s (load {loadavg()})")
+        if system == "warm" and not args.no_priority:
+            say(f"  priority: bulk {args.bulk_lines} x {args.bulk_max_tokens}, then urgent {args.lines} lines")
+            bulk_file = lines_of(f"r{r}-bulk", args.bulk_lines, served, args.bulk_max_tokens)
+            pr = priority(stack, bulk_file, lines_of(f"r{r}-urgent", args.lines, served, args.max_tokens), args)
+            figures.prio.append({"round": r, **pr})
+            say(f"  urgent beside bulk {pr['urgent_beside_bulk_s']:.1f} s, alone {pr['urgent_alone_s']:.1f} s, "
+                f"bulk {pr['bulk_s']:.1f} s")
+    finally:
+        stack.stop()
+
+
+def _measure(args: argparse.Namespace, setup: _Setup) -> _Figures:
+    """--rounds rounds of both systems, their order rotating; the warm engine stopped at the end."""
+    figures = _Figures()
     order = list(SYSTEMS)
     try:
         for r in range(1, args.rounds + 1):
-            files = [lines_of(f"r{r}-b{b:02d}", args.lines, served, args.max_tokens) for b in range(args.batches)]
+            files = [lines_of(f"r{r}-b{b:02d}", args.lines, setup.served, args.max_tokens) for b in range(args.batches)]
             for system in order:
-                say(f"round {r}/{args.rounds}: {system}: starting dagster dev and batch-pipeline serve (untimed)")
-                stack = Stack(work / f"r{r}-{system}", model_dir, server.url if system == "warm" else None,
-                              tenants + ["bulk", "urgent"])
-                try:
-                    cpu = server.cpu_s()
-                    say(f"  burst: {args.batches} x {args.lines} lines over {args.tenants} tenants (load {loadavg()})")
-                    fig = burst(stack, files, tenants, args)
-                    fig["server_cpu_s"] = round(server.cpu_s() - cpu, 1)
-                    results[system].append({"round": r, **fig})
-                    say(f"  {system}: last of {args.batches} completed after {fig['last_done_s']:.1f} s (load {loadavg()})")
-                    if system == "warm" and not args.no_priority:
-                        say(f"  priority: bulk {args.bulk_lines} x {args.bulk_max_tokens}, then urgent {args.lines} lines")
-                        bulk_file = lines_of(f"r{r}-bulk", args.bulk_lines, served, args.bulk_max_tokens)
-                        pr = priority(stack, bulk_file, lines_of(f"r{r}-urgent", args.lines, served, args.max_tokens), args)
-                        prio.append({"round": r, **pr})
-                        say(f"  urgent beside bulk {pr['urgent_beside_bulk_s']:.1f} s, alone {pr['urgent_alone_s']:.1f} s, "
-                            f"bulk {pr['bulk_s']:.1f} s")
-                finally:
-                    stack.stop()
+                _run_system(args, setup, figures, r, system, files)
             order = order[1:] + order[:1]
     finally:
-        server.stop()
+        setup.server.stop()
         say("warm engine stopped")
-    load_end = loadavg()
+    figures.load_end = loadavg()
+    return figures
 
-    equal = [sum(w["texts"].get(c) == t for c, t in i["texts"].items()) for i, w in zip(results["in_process"], results["warm"])]
+
+def _answers_equal(results: dict[str, list[dict[str, Any]]]) -> list[int]:
+    """Per round: the lines the warm engine answered as the in-process one did."""
+    return [sum(w["texts"].get(c) == t for c, t in i["texts"].items()) for i, w in zip(results["in_process"], results["warm"])]
+
+
+def _print_burst(args: argparse.Namespace, setup: _Setup, figures: _Figures, equal: list[int]) -> dict[str, Any]:
+    """The burst's table, per system and round; the summary of its target."""
+    results, server = figures.results, setup.server
     print(f"\nBatch API burst: {args.batches} batches x {args.lines} lines (max_tokens {args.max_tokens}) created at once "
-          f"over {args.tenants} tenants, {args.rounds} round(s); cpu count {os.cpu_count()}; load {load_start} -> {load_end}")
+          f"over {args.tenants} tenants, {args.rounds} round(s); cpu count {os.cpu_count()}; load {setup.load_start} -> {figures.load_end}")
     print(f"warm engine start (untimed): {server.start_s:.1f} s to healthy, first request {server.first_request_s:.2f} s")
     rh = "".join(f"{'round ' + str(i + 1) + ' s':>11}" for i in range(args.rounds))
     print(f"{'system':<11}{rh}{'first s':>9}{'batch med':>10}{'queued med':>11}{'infer step':>11}{'steps sum':>10}"
@@ -355,35 +400,54 @@ def main() -> int:
             print(f"  {system} round {x['round']}: all created {x['all_created_s']:.1f} s; first run's creation to first "
                   f"inference step {x['before_first_infer_s']:.1f} s; first inference step start to last end "
                   f"{x['infer_span_s']:.1f} s; load {x['load_before']} -> {x['load_after']}")
-    summary: dict[str, Any] = {"burst_ratio_per_round": ratios, "burst_target_met": verdict == "MET"}
-    if prio:
-        print(f"\nPriority on the warm engine: bulk {args.bulk_lines} x {args.bulk_max_tokens} tokens (tenant bulk), urgent "
-              f"{args.lines} x {args.max_tokens} with metadata priority {URGENT_PRIORITY} (tenant urgent)")
-        print(f"{'round':<7}{'urgent beside bulk s':>21}{'urgent alone s':>15}{'ratio':>7}{'bulk s':>8}"
-              f"{'bulk answered then':>20}{'urgent waited for pool':>23}")
-        for x in prio:
-            print(f"{x['round']:<7}{x['urgent_beside_bulk_s']:>21.1f}{x['urgent_alone_s']:>15.1f}{x['ratio']:>6.2f}x"
-                  f"{x['bulk_s']:>8.1f}{x['bulk_answered_when_urgent_created']:>13}/{args.bulk_lines:<6}"
-                  f"{'yes' if x['urgent_infer_waited_for_bulk'] else 'no':>23}")
-            print(f"  relative to the end of the bulk's inference step: the urgent run started "
-                  f"{x['urgent_run_start_after_bulk_infer_end_s']:+.1f} s, its inference step "
-                  f"{x['urgent_infer_start_after_bulk_infer_end_s']:+.1f} s; inference steps: urgent "
-                  f"{x['urgent_infer_step_s']} s, alone {x['alone_infer_step_s']} s, bulk {x['bulk_infer_step_s']} s")
-            print(f"  load {x['load_before']} -> {x['load_mid']} -> {x['load_after']}")
-        pr_ratio = statistics.median(x["ratio"] for x in prio)
-        print(f"urgent beside bulk / alone: {pr_ratio:.2f}x; target <= 1.5x: {'MET' if pr_ratio <= 1.5 else 'NOT MET'}")
-        summary.update(priority_ratio=pr_ratio, priority_target_met=pr_ratio <= 1.5)
+    return {"burst_ratio_per_round": ratios, "burst_target_met": verdict == "MET"}
+
+
+def _print_priority(args: argparse.Namespace, prio: list[dict[str, Any]]) -> dict[str, Any]:
+    """The priority runs' table; the summary of its target."""
+    print(f"\nPriority on the warm engine: bulk {args.bulk_lines} x {args.bulk_max_tokens} tokens (tenant bulk), urgent "
+          f"{args.lines} x {args.max_tokens} with metadata priority {URGENT_PRIORITY} (tenant urgent)")
+    print(f"{'round':<7}{'urgent beside bulk s':>21}{'urgent alone s':>15}{'ratio':>7}{'bulk s':>8}"
+          f"{'bulk answered then':>20}{'urgent waited for pool':>23}")
+    for x in prio:
+        print(f"{x['round']:<7}{x['urgent_beside_bulk_s']:>21.1f}{x['urgent_alone_s']:>15.1f}{x['ratio']:>6.2f}x"
+              f"{x['bulk_s']:>8.1f}{x['bulk_answered_when_urgent_created']:>13}/{args.bulk_lines:<6}"
+              f"{'yes' if x['urgent_infer_waited_for_bulk'] else 'no':>23}")
+        print(f"  relative to the end of the bulk's inference step: the urgent run started "
+              f"{x['urgent_run_start_after_bulk_infer_end_s']:+.1f} s, its inference step "
+              f"{x['urgent_infer_start_after_bulk_infer_end_s']:+.1f} s; inference steps: urgent "
+              f"{x['urgent_infer_step_s']} s, alone {x['alone_infer_step_s']} s, bulk {x['bulk_infer_step_s']} s")
+        print(f"  load {x['load_before']} -> {x['load_mid']} -> {x['load_after']}")
+    pr_ratio = statistics.median(x["ratio"] for x in prio)
+    print(f"urgent beside bulk / alone: {pr_ratio:.2f}x; target <= 1.5x: {'MET' if pr_ratio <= 1.5 else 'NOT MET'}")
+    return {"priority_ratio": pr_ratio, "priority_target_met": pr_ratio <= 1.5}
+
+
+def _write_json(args: argparse.Namespace, setup: _Setup, figures: _Figures, equal: list[int],
+                summary: dict[str, Any]) -> None:
+    for rs in figures.results.values():
+        for x in rs:
+            x.pop("texts", None)
+    server = setup.server
+    args.json.write_text(json.dumps({
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "model": str(setup.model_dir), "warm_engine": {"start_to_healthy_s": server.start_s, "first_request_s":
+                                                       server.first_request_s, "command": server.command},
+        "loadavg_start": setup.load_start, "loadavg_end": figures.load_end, "burst": figures.results,
+        "priority": figures.prio, "answers_equal": equal, "summary": summary}, indent=2))
+    say(f"wrote {args.json}")
+
+
+def main() -> int:
+    args = parse_args()
+    setup = _prepare(args)
+    figures = _measure(args, setup)
+    equal = _answers_equal(figures.results)
+    summary = _print_burst(args, setup, figures, equal)
+    if figures.prio:
+        summary.update(_print_priority(args, figures.prio))
     if args.json:
-        for rs in results.values():
-            for x in rs:
-                x.pop("texts", None)
-        args.json.write_text(json.dumps({
-            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "model": str(model_dir), "warm_engine": {"start_to_healthy_s": server.start_s, "first_request_s":
-                                                     server.first_request_s, "command": server.command},
-            "loadavg_start": load_start, "loadavg_end": load_end, "burst": results, "priority": prio,
-            "answers_equal": equal, "summary": summary}, indent=2))
-        say(f"wrote {args.json}")
+        _write_json(args, setup, figures, equal, summary)
     return 0
 
 

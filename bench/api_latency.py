@@ -34,6 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,18 @@ def run_api(sdk: Any, workload_path: Path, timeout: float) -> dict[str, Any]:
             "in_progress_s": (current.completed_at or 0) - (current.in_progress_at or current.created_at)}
 
 
-def main() -> int:
+@dataclass
+class _Setup:
+    """What every round uses: the work folder, the file both systems answer, the environment, the CLI."""
+
+    work: Path
+    workload_path: Path
+    extra: dict[str, str | None]  # the pipeline's variables, as the test support makes them
+    env: dict[str, str]  # this process's environment with `extra`
+    cli: str  # the batch-pipeline executable next to this interpreter
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=16)
@@ -100,14 +112,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="per run, seconds")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a new folder under $TMPDIR")
     parser.add_argument("--json", type=Path, default=None, help="write every run and the summary here")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
-    import openai
 
+def _prepare(args: argparse.Namespace) -> _Setup:
+    """The work folder, the tiny model, the workload file and the environment."""
     from batch_pipeline.config import models
     from batch_pipeline_tests.support import TINY_NAME
-    from batch_pipeline_tests.support.dagster_server import free_port, pipeline_env, start_dagster_dev, wait_for
+    from batch_pipeline_tests.support.dagster_server import pipeline_env
     from batch_pipeline_tests.support.tiny_model import build_tiny_llama
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="api-latency-"))
@@ -118,40 +130,56 @@ def main() -> int:
     extra = pipeline_env(model_dir, str(work / "in"), str(work / "out"))
     env = {k: v for k, v in {**os.environ, **extra}.items() if v is not None}
     cli = str(Path(sys.executable).with_name("batch-pipeline"))
+    return _Setup(work=work, workload_path=workload_path, extra=extra, env=env, cli=cli)
 
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _run_round(args: argparse.Namespace, setup: _Setup, sdk: Any, round_: int) -> list[dict[str, Any]]:
+    """One cli run, then one api run; each run's figures."""
+    runs = []
+    for system in ("cli", "api"):
+        load = os.getloadavg()[0]
+        say(f"round {round_ + 1}/{args.repeats}: {system} (load {load:.1f})")
+        if system == "cli":
+            out = setup.work / f"cli-{round_}"
+            result = run_cli(setup.cli, setup.workload_path, out, setup.env, setup.work / f"cli-{round_}.log", args.timeout)
+        else:
+            result = run_api(sdk, setup.workload_path, args.timeout)
+        if result["completed"] != args.num_requests:
+            raise RuntimeError(f"{system}: {result['completed']} of {args.num_requests} answered")
+        runs.append({"system": system, "round": round_, "load_before": load, **result})
+        say(f"  {system}: {result['wall_s']:.1f} s")
+    return runs
+
+
+def _measure(args: argparse.Namespace, setup: _Setup) -> list[dict[str, Any]]:
+    """Start `dagster dev` and `batch-pipeline serve`, run the rounds, stop both; every run's figures."""
+    import openai
+
+    from batch_pipeline_tests.support.dagster_server import free_port, start_dagster_dev, wait_for
+
+    work = setup.work
     say(f"starting dagster dev and batch-pipeline serve in {work}")
-    server = start_dagster_dev(work / "home", extra, work / "dagster-dev.log")
+    server = start_dagster_dev(work / "home", setup.extra, work / "dagster-dev.log")
     port = free_port()
-    serve_env = {**env, "DAGSTER_HOME": str(work / "home"), "DAGSTER_WEBSERVER_URL": server.url,
+    serve_env = {**setup.env, "DAGSTER_HOME": str(work / "home"), "DAGSTER_WEBSERVER_URL": server.url,
                  "BATCH_API_KEYS": f"bench:{KEY}"}
     serve_log = open(work / "serve.log", "wb")  # noqa: SIM115 - the child's, closed at the end
-    serve = subprocess.Popen([cli, "serve", "--port", str(port)], env=serve_env, cwd=REPO, stdout=serve_log,
+    serve = subprocess.Popen([setup.cli, "serve", "--port", str(port)], env=serve_env, cwd=REPO, stdout=serve_log,
                              stderr=subprocess.STDOUT, start_new_session=True)
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
     runs: list[dict[str, Any]] = []
     try:
-        wait_for("batch-pipeline serve healthy", healthy, 120, interval=0.5)
+        wait_for("batch-pipeline serve healthy", lambda: _healthy(port), 120, interval=0.5)
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
         for round_ in range(args.repeats):
-            for system in ("cli", "api"):
-                load = os.getloadavg()[0]
-                say(f"round {round_ + 1}/{args.repeats}: {system} (load {load:.1f})")
-                if system == "cli":
-                    out = work / f"cli-{round_}"
-                    result = run_cli(cli, workload_path, out, env, work / f"cli-{round_}.log", args.timeout)
-                else:
-                    result = run_api(sdk, workload_path, args.timeout)
-                if result["completed"] != args.num_requests:
-                    raise RuntimeError(f"{system}: {result['completed']} of {args.num_requests} answered")
-                runs.append({"system": system, "round": round_, "load_before": load, **result})
-                say(f"  {system}: {result['wall_s']:.1f} s")
+            runs += _run_round(args, setup, sdk, round_)
     finally:
         serve.terminate()
         try:
@@ -160,7 +188,11 @@ def main() -> int:
             serve.kill()
         serve_log.close()
         server.stop()
+    return runs
 
+
+def _report(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Print the figures; return the summary."""
     wall = {s: [r["wall_s"] for r in runs if r["system"] == s] for s in ("cli", "api")}
     cli_med, api_med = statistics.median(wall["cli"]), statistics.median(wall["api"])
     api_runs = [r for r in runs if r["system"] == "api"]
@@ -183,10 +215,19 @@ def main() -> int:
     print(f"api split (Batch object, whole seconds): upload+create {summary['api_submit_s_median']:.2f} s, "
           f"created->in_progress {summary['api_queued_s_median']:.0f} s, "
           f"in_progress->completed {summary['api_in_progress_s_median']:.0f} s")
+    return summary
+
+
+def main() -> int:
+    args = parse_args()
+    os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
+    setup = _prepare(args)
+    runs = _measure(args, setup)
+    summary = _report(args, runs)
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "runs": runs}, indent=2))
     if not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(setup.work, ignore_errors=True)
     return 0
 
 

@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,27 @@ async def one_level(base: str, level: int, op: str, samples: int, past: list[str
             "load_before": load_before, "load_after": loadavg()}
 
 
-def main() -> int:
+@dataclass
+class _Servers:
+    """The Dagster web server and `batch-pipeline serve`, started, with their logs."""
+
+    webserver: subprocess.Popen
+    dagster_port: int
+    dagster_log: Path
+    serve: subprocess.Popen
+    serve_log: Path
+    base: str  # the Batch API's URL
+
+    def wait_up(self) -> None:
+        wait_http(f"http://127.0.0.1:{self.dagster_port}/server_info", 180, self.webserver, self.dagster_log)
+        wait_http(f"{self.base}/ready", 120, self.serve, self.serve_log)
+
+    def stop(self) -> None:
+        stop(self.serve)
+        stop(self.webserver)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--levels", default="1,8,32,128", help="concurrent clients, comma-separated")
     parser.add_argument("--ops", default=",".join(OPS), help=f"operations, in this order at each level: {OPS}")
@@ -150,25 +171,27 @@ def main() -> int:
                         help="BATCH_API_MAX_IN_FLIGHT for the service (default: unset, no limit check at create)")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a new folder under $TMPDIR")
     parser.add_argument("--json", type=Path, default=None, help="write every level's figures here")
-    args = parser.parse_args()
-    levels = [int(x) for x in args.levels.split(",")]
-    ops = [op for op in args.ops.split(",") if op]
-    assert set(ops) <= set(OPS), f"--ops: {set(ops) - set(OPS)} unknown"
+    return parser.parse_args()
 
-    os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
-    from batch_pipeline.config import models
-    from batch_pipeline_tests.support.api_history import write_history
+
+def _write_history(args: argparse.Namespace, out: Path) -> list[str]:
+    """--history past batches of tenant `history` under `out`; their ids."""
     from batch_pipeline_tests.support import TINY_NAME
-    from batch_pipeline_tests.support.dagster_server import free_port, pipeline_env, prepare_home
-    from batch_pipeline_tests.support.tiny_model import build_tiny_llama
+    from batch_pipeline_tests.support.api_history import write_history
 
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="api-load-"))
-    work.mkdir(parents=True, exist_ok=True)
-    out = work / "out"
     say(f"writing {args.history} past batches under {out}")
     started = time.perf_counter()
     past = [r["id"] for r in write_history(out, args.history, ["history"], model=TINY_NAME)]
     say(f"  {time.perf_counter() - started:.1f} s")
+    return past
+
+
+def _start_servers(args: argparse.Namespace, work: Path, out: Path) -> _Servers:
+    """Start the web server (no daemon) and `batch-pipeline serve` over the store `out`."""
+    from batch_pipeline.config import models
+    from batch_pipeline_tests.support import TINY_NAME
+    from batch_pipeline_tests.support.dagster_server import free_port, pipeline_env, prepare_home
+    from batch_pipeline_tests.support.tiny_model import build_tiny_llama
 
     # The web server loads the code location (the job's config schema for submissions): the tiny
     # model's folder is named, never loaded (no daemon, so no run starts).
@@ -193,48 +216,64 @@ def main() -> int:
     with open(serve_log, "wb") as log:
         serve = subprocess.Popen([str(bin_dir / "batch-pipeline"), "serve", "--port", str(api_port)], cwd=REPO,
                                  env=serve_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{api_port}"
+    return _Servers(webserver=webserver, dagster_port=dagster_port, dagster_log=dagster_log, serve=serve,
+                    serve_log=serve_log, base=f"http://127.0.0.1:{api_port}")
+
+
+def _warm_up(base: str, past: list[str]) -> str:
+    """Upload the creates' input file; one create and one of each read, not measured; the file's id."""
+    import httpx
+
+    from batch_pipeline_tests.support import TINY_NAME
+
+    upload = httpx.post(f"{base}/v1/files", headers={"Authorization": f"Bearer {KEYS['creator']}"},
+                        data={"purpose": "batch"}, timeout=60,
+                        files={"file": ("load.jsonl", json.dumps({
+                            "custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
+                            "body": {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                     "max_tokens": 4}}) + "\n")})
+    upload.raise_for_status()
+    input_file_id = upload.json()["id"]
+    # Warm-up, not measured: the web server loads the code location after it answers, and a
+    # submission before that fails; one create once it is loaded (and one of each read).
+    deadline = time.monotonic() + 180
+    while True:
+        warm = httpx.post(f"{base}/v1/batches", headers={"Authorization": f"Bearer {KEYS['creator']}"}, timeout=60,
+                          json={"input_file_id": input_file_id, "endpoint": "/v1/chat/completions",
+                                "completion_window": "24h"})
+        if warm.status_code == 200:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"create never succeeded: {warm.status_code} {warm.text[:300]}")
+        time.sleep(2)
+    auth = {"Authorization": f"Bearer {KEYS['history']}"}
+    for path in (f"/v1/batches/{past[0]}", "/v1/batches?limit=20", f"/v1/files/file-{past[0]}-output/content"):
+        httpx.get(f"{base}{path}", headers=auth, timeout=120).raise_for_status()
+    return input_file_id
+
+
+def _measure(args: argparse.Namespace, servers: _Servers, levels: list[int], ops: list[str],
+             past: list[str]) -> list[dict[str, Any]]:
+    """Wait for the servers, warm up, then every operation at every level; stop the servers."""
     results: list[dict[str, Any]] = []
     try:
-        wait_http(f"http://127.0.0.1:{dagster_port}/server_info", 180, webserver, dagster_log)
-        wait_http(f"{base}/ready", 120, serve, serve_log)
-        import httpx
-
-        upload = httpx.post(f"{base}/v1/files", headers={"Authorization": f"Bearer {KEYS['creator']}"},
-                            data={"purpose": "batch"}, timeout=60,
-                            files={"file": ("load.jsonl", json.dumps({
-                                "custom_id": "q1", "method": "POST", "url": "/v1/chat/completions",
-                                "body": {"model": TINY_NAME, "messages": [{"role": "user", "content": "hi"}],
-                                         "max_tokens": 4}}) + "\n")})
-        upload.raise_for_status()
-        input_file_id = upload.json()["id"]
-        # Warm-up, not measured: the web server loads the code location after it answers, and a
-        # submission before that fails; one create once it is loaded (and one of each read).
-        deadline = time.monotonic() + 180
-        while True:
-            warm = httpx.post(f"{base}/v1/batches", headers={"Authorization": f"Bearer {KEYS['creator']}"}, timeout=60,
-                              json={"input_file_id": input_file_id, "endpoint": "/v1/chat/completions",
-                                    "completion_window": "24h"})
-            if warm.status_code == 200:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"create never succeeded: {warm.status_code} {warm.text[:300]}")
-            time.sleep(2)
-        auth = {"Authorization": f"Bearer {KEYS['history']}"}
-        for path in (f"/v1/batches/{past[0]}", "/v1/batches?limit=20", f"/v1/files/file-{past[0]}-output/content"):
-            httpx.get(f"{base}{path}", headers=auth, timeout=120).raise_for_status()
+        servers.wait_up()
+        input_file_id = _warm_up(servers.base, past)
         say(f"service up (load {loadavg()}); levels {levels}, ops {ops}")
         for level in levels:
             for op in ops:
-                figures = asyncio.run(one_level(base, level, op, args.min_samples, past, input_file_id, args.timeout))
+                figures = asyncio.run(one_level(servers.base, level, op, args.min_samples, past, input_file_id,
+                                                args.timeout))
                 results.append(figures)
                 say(f"  {level:>4} clients {op:<8} n={figures['requests']:<4} p50 {figures['p50_ms'] or 0:8.1f} ms "
                     f"p99 {figures['p99_ms'] or 0:8.1f} ms errors {figures['errors']} "
                     f"({figures['per_s']:.1f}/s; load {figures['load_after']})")
     finally:
-        stop(serve)
-        stop(webserver)
+        servers.stop()
+    return results
 
+
+def _report(args: argparse.Namespace, results: list[dict[str, Any]]) -> None:
     print(f"\nBatch API load: {args.history} past batches in the store, one `batch-pipeline serve` process, "
           f"Dagster web server without daemon; cpu count {os.cpu_count()}; one run")
     print(f"{'clients':>7} {'op':<8} {'requests':>8} {'p50 ms':>9} {'p99 ms':>9} {'errors':>6} {'req/s':>7}  load (1/5/15 min, after)")
@@ -243,6 +282,21 @@ def main() -> int:
         p99 = f"{r['p99_ms']:.1f}" if r["p99_ms"] is not None else "-"
         print(f"{r['level']:>7} {r['op']:<8} {r['requests']:>8} {p50:>9} {p99:>9} {r['errors']:>6} "
               f"{r['per_s']:>7.1f}  {r['load_after']}" + (f"  {r['error_kinds']}" if r["errors"] else ""))
+
+
+def main() -> int:
+    args = parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    ops = [op for op in args.ops.split(",") if op]
+    assert set(ops) <= set(OPS), f"--ops: {set(ops) - set(OPS)} unknown"
+
+    os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="api-load-"))
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "out"
+    past = _write_history(args, out)
+    results = _measure(args, _start_servers(args, work, out), levels, ops, past)
+    _report(args, results)
     if args.json:
         args.json.write_text(json.dumps({"history": args.history, "levels": levels, "results": results}, indent=2))
     if not args.work_dir:

@@ -51,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +164,29 @@ def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any
             "loadavg_before": load_before, **check_outputs(system, out, names, ctx["lines"], logs)}
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class _Setup:
+    """The date written and what every run gets: the pipeline, its environment, the files, the context."""
+
+    work: Path
+    env: dict[str, str]  # every run's environment (the engine settings, ORDER=planned, the pipeline first)
+    src: Path  # the folder holding the batch_pipeline package the runs import
+    pre: dict[str, Any]  # the preflight: served model name and model path
+    workload: dict[str, Any]  # write_date's figures
+    names: list[str]  # the date's files, without .jsonl
+    ctx: dict[str, Any]  # run_system's context
+
+
+@dataclass
+class _Timing:
+    """The timed runs and the load average around them."""
+
+    runs: list[dict[str, Any]]
+    load_start: str
+    load_end: str
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_date_options(p)
     p.add_argument("--systems", default=",".join(SYSTEMS))
@@ -179,15 +202,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lock", type=Path, default=Path("/tmp/bench.lock"), help="flock held while timing ('' for none)")
     p.add_argument("--json", type=Path, default=None, help="write every run and the summary here")
     add_engine_options(p)
-    args = p.parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
-    work = (args.work_dir or Path(tempfile.mkdtemp(prefix="bench-date-files-runs-"))).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    say(f"work folder {work}; load average {loadavg()}")
+    return p.parse_args(argv)
 
+
+def _prepare(args: argparse.Namespace, work: Path) -> _Setup:
+    """The runs' environment and pipeline, the date's files written under work/in, the children's scripts."""
     env = child_env(args.cache, work / "tmp")
     for name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ENGINE_ARGS", "BATCH_SIZE", "MAX_NUM_BATCHED_TOKENS",
                  "ENGINE_WINDOW", "MODEL_PATH", "SERVED_MODEL_NAME", "SHARDS"):
@@ -209,7 +228,27 @@ def main(argv: list[str] | None = None) -> int:
     ctx: dict[str, Any] = {"inbox": work / "in", "python": args.python, "timeout": args.timeout, "names": names,
                            "lines": lines, "env": env, "date_child": work / "date_child.py",
                            "file_child": work / "file_child.py", "server": None}
+    return _Setup(work=work, env=env, src=src, pre=pre, workload=workload, names=names, ctx=ctx)
 
+
+def _start_server(args: argparse.Namespace, setup: _Setup, lock: Path | None) -> WarmServer:
+    """The warm engine of file_runs_warm, started (untimed) under the lock; its handle (set in the context too)."""
+    env, pre = setup.env, setup.pre
+    # The server's command: engine/server.py's, from these engine settings (the bench process's view of them).
+    os.environ.update({k: env[k] for k in ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES", "ENABLE_PREFIX_CACHING") if k in env})
+    server_env = dict(env, VLLM_SERVER_DEV_MODE="1")  # for POST /reset_prefix_cache
+    server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default, as `engine start`
+    server = WarmServer.engine_start(pre["model_path"], pre["served_model_name"], setup.work / "server.log",
+                                     LLM_CLASS_SCHEDULER if args.server_scheduler == "match" else None, server_env)
+    with bench_lock(lock):  # its start loads the machine too
+        server.start()
+    setup.ctx["server"] = server
+    say("server flags: " + " ".join(server.command[3:]))
+    return server
+
+
+def _measure(args: argparse.Namespace, setup: _Setup, systems: list[str]) -> _Timing:
+    """The warm engine if wanted, then the rotating rounds under the lock; the engine stopped at the end."""
     lock = args.lock if str(args.lock) not in ("", ".") else None
     runs: list[dict[str, Any]] = []
     server: WarmServer | None = None
@@ -217,21 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     previous_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server is stopped on SIGTERM
     try:
         if "file_runs_warm" in systems:
-            # The server's command: engine/server.py's, from these engine settings (the bench process's view of them).
-            os.environ.update({k: env[k] for k in ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES", "ENABLE_PREFIX_CACHING") if k in env})
-            server_env = dict(env, VLLM_SERVER_DEV_MODE="1")  # for POST /reset_prefix_cache
-            server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default, as `engine start`
-            server = WarmServer.engine_start(pre["model_path"], pre["served_model_name"], work / "server.log",
-                                             LLM_CLASS_SCHEDULER if args.server_scheduler == "match" else None, server_env)
-            with bench_lock(lock):  # its start loads the machine too
-                server.start()
-            ctx["server"] = server
-            say("server flags: " + " ".join(server.command[3:]))
+            server = _start_server(args, setup, lock)
         with bench_lock(lock):
             load_start = loadavg()
             for round_no, system in rotating_rounds(systems, args.rounds):
                 say(f"round {round_no}/{args.rounds}: {system} ... (load {loadavg()})")
-                record = {"round": round_no, **run_system(system, ctx, work / f"r{round_no}-{system}")}
+                record = {"round": round_no, **run_system(system, setup.ctx, setup.work / f"r{round_no}-{system}")}
                 runs.append(record)
                 say(f"  {system}: {record['wall_s']:.1f} s wall (runs {record['runs_wall_s']}), inference "
                     f"{record['inference_s']:.1f} s, hit rate {record['hit_rate']:.1%}, {record['completed']} lines")
@@ -241,16 +271,22 @@ def main(argv: list[str] | None = None) -> int:
             say("warm engine stopped")
         signal.signal(signal.SIGTERM, previous_term)
         load_end = loadavg()
+    return _Timing(runs=runs, load_start=load_start, load_end=load_end)
 
+
+def _report(args: argparse.Namespace, setup: _Setup, timing: _Timing, systems: list[str]
+            ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Print every run, the medians and the targets' ratios; (the medians, the ratios)."""
+    runs = timing.runs
     # Greedy answers: how many lines each system answered word for word as the first system did.
     reference = runs[0]["texts"]
     for r in runs:
         r["same_texts"] = sum(1 for k, v in r.pop("texts").items() if reference.get(k) == v)
     summary = medians(runs, systems, ("wall_s", "inference_s", "model_load_s", "planning_s", "hit_rate"), digits=3)
-    total = workload["lines"]
-    print(f"\n{total} lines ({args.num_docs} documents x {args.questions_per_doc} questions) in {len(names)} files of one "
-          f"date, {args.rounds} rotating rounds; pipeline {src}; server scheduler {args.server_scheduler}; load average "
-          f"{load_start} when the timing started, {load_end} at the end")
+    total = setup.workload["lines"]
+    print(f"\n{total} lines ({args.num_docs} documents x {args.questions_per_doc} questions) in {len(setup.names)} files of one "
+          f"date, {args.rounds} rotating rounds; pipeline {setup.src}; server scheduler {args.server_scheduler}; load average "
+          f"{timing.load_start} when the timing started, {timing.load_end} at the end")
     print(f"{'round':<7}{'system':<21}{'wall s':>9}{'inference s':>13}{'model load s':>14}{'hit rate':>10}{'same answers':>14}")
     for r in runs:
         print(f"{r['round']:<7}{r['system']:<21}{r['wall_s']:>9.1f}{r['inference_s']:>13.1f}{r['model_load_s']:>14.1f}"
@@ -268,11 +304,28 @@ def main(argv: list[str] | None = None) -> int:
         ratios["file_runs_inprocess/file_runs_warm"] = round(summary["file_runs_inprocess"]["wall_s"] / w, 3)
         print(f"file_runs_inprocess / file_runs_warm: {ratios['file_runs_inprocess/file_runs_warm']:.2f}x (target: at least "
               f"1.40x) -> {'met' if ratios['file_runs_inprocess/file_runs_warm'] >= 1.40 else 'NOT met'}")
+    return summary, ratios
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    work = (args.work_dir or Path(tempfile.mkdtemp(prefix="bench-date-files-runs-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    say(f"work folder {work}; load average {loadavg()}")
+    setup = _prepare(args, work)
+    timing = _measure(args, setup, systems)
+    summary, ratios = _report(args, setup, timing, systems)
     if args.json:
-        args.json.write_text(json.dumps({"workload": workload, "pipeline": str(src), "server_scheduler": args.server_scheduler,
+        env = setup.env
+        args.json.write_text(json.dumps({"workload": setup.workload, "pipeline": str(setup.src),
+                                         "server_scheduler": args.server_scheduler,
                                          "engine": {k: env.get(k) for k in ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES",
                                                                              "ENABLE_PREFIX_CACHING")},
-                                         "load_start": load_start, "load_end": load_end, "runs": runs,
+                                         "load_start": timing.load_start, "load_end": timing.load_end, "runs": timing.runs,
                                          "summary": summary, "ratios": ratios}, indent=2))
         say(f"wrote {args.json}")
     return 0

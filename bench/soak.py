@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +250,16 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:+.{digits}f}"
 
 
-def main() -> int:
+@dataclass
+class _Setup:
+    """The soak's work folder, the pipeline's environment and the settings it reports."""
+
+    work: Path
+    env: dict[str, str | None]  # the pipeline's variables (None: unset), as the test support makes them
+    settings: dict[str, Any]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=60.0, help="how long the pipeline answers (sampling)")
     parser.add_argument("--batch-every", type=float, default=60.0, help="seconds between batches created")
@@ -259,14 +269,15 @@ def main() -> int:
     parser.add_argument("--max-open", type=int, default=2, help="create nothing while this many batches are unfinished")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a new folder under $TMPDIR")
     parser.add_argument("--json", type=Path, default=None, help="write every sample and the table here")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
+
+def _prepare(args: argparse.Namespace) -> _Setup:
+    """The runtime environment, the work folder, the tiny model, the pipeline's variables."""
     from batch_pipeline.base.runtime import configure_runtime_env
     from batch_pipeline.config import models
-    from batch_pipeline_tests.support.api_service import Serve, serve_env
     from batch_pipeline_tests.support import TINY_NAME
-    from batch_pipeline_tests.support.dagster_server import pipeline_env, start_dagster_dev
+    from batch_pipeline_tests.support.dagster_server import pipeline_env
     from batch_pipeline_tests.support.tiny_model import build_tiny_llama
 
     configure_runtime_env(models.cache_root())  # as the tests' session: vLLM's caches, the in-process engine core
@@ -280,56 +291,79 @@ def main() -> int:
     settings = {"minutes": args.minutes, "batch_every_s": args.batch_every, "sample_every_s": args.sample_every,
                 "lines": args.lines, "max_tokens": args.max_tokens, "max_open": args.max_open, "model": TINY_NAME,
                 "niceness": os.nice(0), "cpu_count": os.cpu_count(), "work_dir": str(work)}
-    say(f"settings {settings}; load {loadavg()}")
+    return _Setup(work=work, env=env, settings=settings)
+
+
+def _take_sample(roots: list[int], tenant: Client, elapsed: float) -> dict[str, Any]:
+    """One sample of the long-lived processes under `roots`, said in the log."""
+    processes, workers = long_lived(roots)
+    taken = {"t": round(elapsed, 1), "at": time.strftime("%H:%M:%S", time.gmtime()),
+             "load": loadavg(), "run_workers": workers, "processes": sample(processes)}
+    summary = ", ".join(f"{n} {p['rss_mb']:.0f} MB/{p['fds']} fd/{p['threads']} thr"
+                        for n, p in taken["processes"].items())
+    done = sum(1 for b in tenant.batches.values() if b["status"] in TERMINAL)
+    say(f"t={taken['t'] / 60:5.1f} min load {taken['load'][0]:.1f} batches {len(tenant.batches)} "
+        f"({done} done) workers {workers}: {summary}")
+    return taken
+
+
+def _answer(args: argparse.Namespace, settings: dict[str, Any], roots: list[int], tenant: Client) -> list[dict[str, Any]]:
+    """--minutes of batches created, followed and scraped, the processes sampled; every sample."""
+    samples: list[dict[str, Any]] = []
+    started = time.monotonic()
+    end = started + args.minutes * 60
+    next_sample = next_batch = next_poll = next_scrape = started
+    while True:
+        now = time.monotonic()
+        if now >= next_sample:
+            samples.append(_take_sample(roots, tenant, now - started))
+            next_sample += args.sample_every
+            if args.json:  # as it goes: a run stopped early keeps its samples
+                args.json.write_text(json.dumps({"settings": settings, "samples": samples}, indent=1))
+            if now >= end:
+                break
+        if now >= next_batch and now < end:
+            tenant.create(args.max_open)
+            next_batch += args.batch_every
+        if now >= next_poll:
+            tenant.poll()
+            next_poll = time.monotonic() + 10
+        if now >= next_scrape:
+            tenant.list_and_scrape()
+            next_scrape += 60
+        wake = min(next_sample, next_poll, next_scrape, next_batch if next_batch < end else next_sample)
+        time.sleep(min(10.0, max(0.0, wake - time.monotonic())))
+    tenant.poll()
+    return samples
+
+
+def _soak(args: argparse.Namespace, setup: _Setup) -> tuple[list[dict[str, Any]], Client]:
+    """Start `dagster dev` and `batch-pipeline serve`, soak, stop both; the samples and the tenant."""
+    from batch_pipeline_tests.support.api_service import Serve, serve_env
+    from batch_pipeline_tests.support.dagster_server import start_dagster_dev
+
+    work, env = setup.work, setup.env
+    say(f"settings {setup.settings}; load {loadavg()}")
     server = start_dagster_dev(work / "home", env, work / "dagster-dev.log")
     api = None
-    samples: list[dict[str, Any]] = []
     try:
         api = Serve(serve_env({**env, "DAGSTER_HOME": str(work / "home"), "DAGSTER_WEBSERVER_URL": server.url,
                                "BATCH_API_KEYS": f"{TENANT}:{KEY}"}), work / "serve.log").start()
         tenant = Client(api.base, args.lines, args.max_tokens)
         say(f"up: dagster dev {server.url}, Batch API {api.base}; load {loadavg()}")
-        started = time.monotonic()
-        end = started + args.minutes * 60
-        next_sample = next_batch = next_poll = next_scrape = started
-        while True:
-            now = time.monotonic()
-            if now >= next_sample:
-                processes, workers = long_lived([server.process.pid, api.process.pid])
-                taken = {"t": round(now - started, 1), "at": time.strftime("%H:%M:%S", time.gmtime()),
-                         "load": loadavg(), "run_workers": workers, "processes": sample(processes)}
-                samples.append(taken)
-                summary = ", ".join(f"{n} {p['rss_mb']:.0f} MB/{p['fds']} fd/{p['threads']} thr"
-                                    for n, p in taken["processes"].items())
-                done = sum(1 for b in tenant.batches.values() if b["status"] in TERMINAL)
-                say(f"t={taken['t'] / 60:5.1f} min load {taken['load'][0]:.1f} batches {len(tenant.batches)} "
-                    f"({done} done) workers {workers}: {summary}")
-                next_sample += args.sample_every
-                if args.json:  # as it goes: a run stopped early keeps its samples
-                    args.json.write_text(json.dumps({"settings": settings, "samples": samples}, indent=1))
-                if now >= end:
-                    break
-            if now >= next_batch and now < end:
-                tenant.create(args.max_open)
-                next_batch += args.batch_every
-            if now >= next_poll:
-                tenant.poll()
-                next_poll = time.monotonic() + 10
-            if now >= next_scrape:
-                tenant.list_and_scrape()
-                next_scrape += 60
-            wake = min(next_sample, next_poll, next_scrape, next_batch if next_batch < end else next_sample)
-            time.sleep(min(10.0, max(0.0, wake - time.monotonic())))
-        tenant.poll()
+        samples = _answer(args, setup.settings, [server.process.pid, api.process.pid], tenant)
     finally:
         if api is not None:
             api.stop()
         server.stop()
+    return samples, tenant
 
-    rows = report(samples)
-    batches = tenant.summary()
+
+def _print_table(args: argparse.Namespace, settings: dict[str, Any], samples: list[dict[str, Any]],
+                 rows: list[dict[str, Any]], batches: dict[str, Any]) -> None:
+    """The soak's settings, a row per process, the batches."""
     loads = [s["load"][0] for s in samples]
-    print(f"\nSoak: {args.minutes:g} min, {len(samples)} samples every {args.sample_every:g} s, model {TINY_NAME}, "
+    print(f"\nSoak: {args.minutes:g} min, {len(samples)} samples every {args.sample_every:g} s, model {settings['model']}, "
           f"a batch of {args.lines} x {args.max_tokens} tokens every {args.batch_every:g} s (at most {args.max_open} "
           f"unfinished); nice {settings['niceness']}; {os.cpu_count()} cores; load average (1 min) "
           f"{min(loads):.1f}-{max(loads):.1f}, median {statistics.median(loads):.1f}; one run")
@@ -344,8 +378,18 @@ def main() -> int:
         (rss, rss_h), (fds, fds_h), (thr, thr_h) = cells
         print(f"{r['process']:<20} {len(r['pids']):>4}  {rss:<22} {rss_h:<18}  {fds:<12} {fds_h:<13}  {thr:<15} {thr_h:<13}")
     print(f"batches: {json.dumps(batches)}")
+
+
+def main() -> int:
+    args = parse_args()
+    os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
+    setup = _prepare(args)
+    samples, tenant = _soak(args, setup)
+    rows = report(samples)
+    batches = tenant.summary()
+    _print_table(args, setup.settings, samples, rows, batches)
     if args.json:
-        args.json.write_text(json.dumps({"settings": settings, "processes": rows, "batches": batches,
+        args.json.write_text(json.dumps({"settings": setup.settings, "processes": rows, "batches": batches,
                                          "samples": samples}, indent=2))
         say(f"written {args.json}")
     return 0

@@ -31,12 +31,129 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import pipeline_source, say, write_json  # noqa: E402
 from workloads import chat_question  # noqa: E402
+
+
+@dataclass
+class _Variants:
+    """The four variants timed, over one generated file: each returns the lines it read."""
+
+    path: Path  # the generated requests
+    requests_file: Path  # what validate+write writes and reparse (inference) reads back
+    settings: Any  # the validator's ValidationSettings
+    validate_stream: Callable[..., Any]
+    # What validate_batch writes per valid request and how infer_batch reads it back differs between
+    # versions of the code: a BatchRequest dumped as JSON, or a ValidLine's own record() bytes.
+    to_request: Callable[[Any], Any]
+
+    def all(self) -> list[tuple[str, Callable[[], int]]]:
+        return [
+            ("json.loads", self.json_loads),
+            ("validate_stream", self.validator),
+            ("validate+write", self.validator_and_write),
+            ("reparse (inference)", self.reparse_for_inference),
+        ]
+
+    def json_loads(self) -> int:
+        n = 0
+        with open(self.path, "rb") as f:
+            for raw in f:
+                if raw.strip():
+                    json.loads(raw)
+                    n += 1
+        return n
+
+    def validator(self) -> int:
+        with open(self.path, "rb") as f:
+            summary = self.validate_stream(f, self.settings, _discard, _discard)
+        assert summary.invalid == 0, summary.errors_by_code
+        return summary.valid
+
+    def validator_and_write(self) -> int:
+        # what validate_batch does: every valid request re-serialized to _work/requests.jsonl
+        with open(self.path, "rb") as f, open(self.requests_file, "wb") as out:
+
+            def on_valid(req: Any) -> None:
+                out.write(_record_bytes(req))
+
+            summary = self.validate_stream(f, self.settings, on_valid, _discard)
+        return summary.valid
+
+    def reparse_for_inference(self) -> int:
+        # what infer_batch + GenerationEngine.prepare do before the engine sees a request:
+        # json.loads, BatchRequest.model_validate, then parsed_body() (the body model again).
+        n = 0
+        with open(self.requests_file, "rb") as f:
+            for raw in f:
+                if raw.strip():
+                    req = self.to_request(json.loads(raw))
+                    req.parsed_body()
+                    n += 1
+        return n
+
+
+def _discard(_x: Any) -> None:
+    return None
+
+
+def _record_bytes(req: Any) -> bytes:
+    if hasattr(req, "record"):
+        return req.record()
+    return (json.dumps(req.model_dump(), ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+def _write_lines(args: argparse.Namespace, path: Path, chat_url: str) -> int:
+    """Write --lines greedy chat requests to `path`; return its size in bytes."""
+    rng = random.Random(args.seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(args.lines):
+            body = {
+                "model": args.served_model_name,
+                "messages": [{"role": "user", "content": chat_question(rng)}],
+                "max_tokens": args.output_len,
+                "temperature": 0,
+            }
+            f.write(json.dumps({"custom_id": f"req-{i:07d}", "method": "POST", "url": chat_url, "body": body}) + "\n")
+    size = path.stat().st_size
+    say(f"validation: {args.lines} lines, {size / 2**20:.1f} MiB -> {path}")
+    return size
+
+
+def _time_rounds(args: argparse.Namespace, variants: _Variants) -> dict[str, list[float]]:
+    """--rounds alternating rounds of the four variants: {variant: seconds of each round}."""
+    times: dict[str, list[float]] = {name: [] for name, _ in variants.all()}
+    for round_no in range(1, args.rounds + 1):
+        for name, fn in variants.all():
+            t0 = time.perf_counter()
+            n = fn()
+            elapsed = time.perf_counter() - t0
+            assert n == args.lines, (name, n)
+            times[name].append(round(elapsed, 4))
+            say(f"round {round_no}/{args.rounds}: {name} {elapsed:.2f}s")
+    return times
+
+
+def _summarize(times: dict[str, list[float]], lines: int) -> dict[str, dict[str, Any]]:
+    """Each variant's median, minimum, rate and ratio to json.loads."""
+    base = statistics.median(times["json.loads"])
+    return {
+        name: {
+            "s_median": round(statistics.median(v), 4),
+            "s_min": min(v),
+            "s_all": v,
+            "lines_per_s": round(lines / statistics.median(v)),
+            "us_per_line": round(1e6 * statistics.median(v) / lines, 2),
+            "ratio_to_json_loads": round(statistics.median(v) / base, 2),
+        }
+        for name, v in times.items()
+    }
 
 
 def validate_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -50,100 +167,18 @@ def validate_bench(args: argparse.Namespace) -> dict[str, Any]:
     from batch_pipeline.steps.validation import ValidationSettings, validate_stream
 
     say(f"validator from {Path(validation.__file__).parent.parent}")
-    # What validate_batch writes per valid request and how infer_batch reads it back differs between
-    # versions of the code: a BatchRequest dumped as JSON, or a ValidLine's own record() bytes.
-    to_request = getattr(validation, "request_from_record", None) or contract.BatchRequest.model_validate
-
-    def record_bytes(req: Any) -> bytes:
-        if hasattr(req, "record"):
-            return req.record()
-        return (json.dumps(req.model_dump(), ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-    served = args.served_model_name
     path = work / "validate.jsonl"
-    rng = random.Random(args.seed)
-    with open(path, "w", encoding="utf-8") as f:
-        for i in range(args.lines):
-            body = {
-                "model": served,
-                "messages": [{"role": "user", "content": chat_question(rng)}],
-                "max_tokens": args.output_len,
-                "temperature": 0,
-            }
-            f.write(json.dumps({"custom_id": f"req-{i:07d}", "method": "POST", "url": contract.CHAT_URL, "body": body}) + "\n")
-    size = path.stat().st_size
-    say(f"validation: {args.lines} lines, {size / 2**20:.1f} MiB -> {path}")
-    settings = ValidationSettings(served_model_name=served)
-    requests_file = work / "requests.jsonl"
-
-    def discard(_x: Any) -> None:
-        return None
-
-    def json_loads() -> int:
-        n = 0
-        with open(path, "rb") as f:
-            for raw in f:
-                if raw.strip():
-                    json.loads(raw)
-                    n += 1
-        return n
-
-    def validator() -> int:
-        with open(path, "rb") as f:
-            summary = validate_stream(f, settings, discard, discard)
-        assert summary.invalid == 0, summary.errors_by_code
-        return summary.valid
-
-    def validator_and_write() -> int:
-        # what validate_batch does: every valid request re-serialized to _work/requests.jsonl
-        with open(path, "rb") as f, open(requests_file, "wb") as out:
-
-            def on_valid(req: Any) -> None:
-                out.write(record_bytes(req))
-
-            summary = validate_stream(f, settings, on_valid, discard)
-        return summary.valid
-
-    def reparse_for_inference() -> int:
-        # what infer_batch + GenerationEngine.prepare do before the engine sees a request:
-        # json.loads, BatchRequest.model_validate, then parsed_body() (the body model again).
-        n = 0
-        with open(requests_file, "rb") as f:
-            for raw in f:
-                if raw.strip():
-                    req = to_request(json.loads(raw))
-                    req.parsed_body()
-                    n += 1
-        return n
-
-    variants = [
-        ("json.loads", json_loads),
-        ("validate_stream", validator),
-        ("validate+write", validator_and_write),
-        ("reparse (inference)", reparse_for_inference),
-    ]
-    times: dict[str, list[float]] = {name: [] for name, _ in variants}
-    for round_no in range(1, args.rounds + 1):
-        for name, fn in variants:
-            t0 = time.perf_counter()
-            n = fn()
-            elapsed = time.perf_counter() - t0
-            assert n == args.lines, (name, n)
-            times[name].append(round(elapsed, 4))
-            say(f"round {round_no}/{args.rounds}: {name} {elapsed:.2f}s")
-    base = statistics.median(times["json.loads"])
-    summary = {
-        name: {
-            "s_median": round(statistics.median(v), 4),
-            "s_min": min(v),
-            "s_all": v,
-            "lines_per_s": round(args.lines / statistics.median(v)),
-            "us_per_line": round(1e6 * statistics.median(v) / args.lines, 2),
-            "ratio_to_json_loads": round(statistics.median(v) / base, 2),
-        }
-        for name, v in times.items()
-    }
+    size = _write_lines(args, path, contract.CHAT_URL)
+    variants = _Variants(
+        path=path,
+        requests_file=work / "requests.jsonl",
+        settings=ValidationSettings(served_model_name=args.served_model_name),
+        validate_stream=validate_stream,
+        to_request=getattr(validation, "request_from_record", None) or contract.BatchRequest.model_validate,
+    )
+    summary = _summarize(_time_rounds(args, variants), args.lines)
     if not args.keep:
-        requests_file.unlink(missing_ok=True)
+        variants.requests_file.unlink(missing_ok=True)
         path.unlink(missing_ok=True)
     return {
         "meta": {

@@ -45,6 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -125,7 +126,30 @@ def stats(values: list[float]) -> dict[str, float]:
             "min_s": round(min(values), 2), "max_s": round(max(values), 2)}
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass
+class _Setup:
+    """What every round uses: the bundled model, the work folder, the runs' environment, the files."""
+
+    model_dir: Path
+    served: str
+    work: Path
+    env: dict[str, str]  # the in-process runs' environment (the warm runs: the same with ENGINE_URL)
+    # per (round, batch): the file and its lines, the same for every system of the round
+    files: dict[tuple[int, int], tuple[Path, list[tuple[str, dict[str, Any]]]]]
+    load_start: str
+
+
+@dataclass
+class _Timing:
+    """Every run, the totals of each round, the warm engine's start figures, the load average at the end."""
+
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    round_totals: list[dict[str, Any]] = field(default_factory=list)
+    server_info: dict[str, Any] = field(default_factory=dict)
+    load_end: str = ""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--batches", type=int, default=10, help="runs per system and round (default 10)")
@@ -140,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work-dir", type=Path, default=None)
     p.add_argument("--timeout", type=float, default=900, help="per run (default 900 s)")
     p.add_argument("--json", type=Path, default=None, help="write every run and the summary here")
-    args = p.parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    return p.parse_args(argv)
+
+
+def _prepare(args: argparse.Namespace) -> _Setup:
+    """The bundled model checked, the work folder, the runs' environment, every round's files written."""
     model_dir = args.cache / "models" / MODEL_FOLDER
     if not (model_dir / "config.json").exists():
         raise SystemExit(f"no bundled model at {model_dir}: run `batch-pipeline model prepare` (or pass --cache)")
@@ -167,16 +191,45 @@ def main(argv: list[str] | None = None) -> int:
             path.parent.mkdir(parents=True, exist_ok=True)
             write_batch(path, bodies)
             files[(r, b)] = (path, bodies)
+    return _Setup(model_dir=model_dir, served=served, work=work, env=env, files=files, load_start=load_start)
 
+
+def _run_system(args: argparse.Namespace, setup: _Setup, timing: _Timing, r: int, system: str,
+                server: WarmServer | None, pool: cf.ThreadPoolExecutor) -> float:
+    """The --batches runs of one system in round `r`, one after another (into timing.runs); their total seconds."""
+    warm_env = dict(setup.env, ENGINE_URL=server.url) if server else setup.env
+    say(f"round {r}/{args.rounds}: {system}, {args.batches} batches of {args.lines} ...")
+    walls = []
+    for b in range(args.batches):
+        path, bodies = setup.files[(r, b)]
+        if system == "server_only":
+            assert server is not None
+            rec = run_server_batch(server, bodies, pool)
+        else:
+            rec = run_cli(args.cli, path, setup.work / "runs" / f"r{r}-{system}-b{b:02d}",
+                          warm_env if system == "warm" else setup.env, args.timeout, args.lines)
+        if len(rec["texts"]) != args.lines:
+            raise SystemExit(f"{system} round {r} batch {b}: {len(rec['texts'])} answers of {args.lines}")
+        timing.runs.append({"round": r, "system": system, "batch": b, **rec})
+        walls.append(rec["wall_s"])
+        extra = (f", model load {rec['model_load_s']:.2f}s, planning {rec['planning_s'] or 0:.2f}s, "
+                 f"inference {rec['inference_s']:.2f}s"
+                 if rec.get("inference_s") is not None else "")
+        say(f"  {system} batch {b}: {rec['wall_s']:.2f}s{extra}")
+    total = round(sum(walls), 2)
+    say(f"  {system}: {total:.1f}s for {args.batches}")
+    return total
+
+
+def _measure(args: argparse.Namespace, setup: _Setup, systems: list[str]) -> _Timing:
+    """The warm server if a system needs it, then the rounds, the systems' order rotating; the server stopped."""
     server = None
-    server_info: dict[str, Any] = {}
-    runs: list[dict[str, Any]] = []
-    round_totals: list[dict[str, Any]] = []
+    timing = _Timing()
     try:
         if {"warm", "server_only"} & set(systems):
-            server = start_server(args.python, model_dir, served, args.cache, work / "server.log", work / "tmp-server")
-            server_info = server.info()
-        warm_env = dict(env, ENGINE_URL=server.url) if server else env
+            server = start_server(args.python, setup.model_dir, setup.served, args.cache, setup.work / "server.log",
+                                  setup.work / "tmp-server")
+            timing.server_info = server.info()
         order = list(systems)
         with cf.ThreadPoolExecutor(args.threads) as pool:
             for r in range(1, args.rounds + 1):
@@ -185,34 +238,42 @@ def main(argv: list[str] | None = None) -> int:
                 totals: dict[str, Any] = {"round": r, "order": list(order),
                                           "loadavg_start": Path("/proc/loadavg").read_text().strip()}
                 for system in order:
-                    say(f"round {r}/{args.rounds}: {system}, {args.batches} batches of {args.lines} ...")
-                    walls = []
-                    for b in range(args.batches):
-                        path, bodies = files[(r, b)]
-                        if system == "server_only":
-                            assert server is not None
-                            rec = run_server_batch(server, bodies, pool)
-                        else:
-                            rec = run_cli(args.cli, path, work / "runs" / f"r{r}-{system}-b{b:02d}",
-                                          warm_env if system == "warm" else env, args.timeout, args.lines)
-                        if len(rec["texts"]) != args.lines:
-                            raise SystemExit(f"{system} round {r} batch {b}: {len(rec['texts'])} answers of {args.lines}")
-                        runs.append({"round": r, "system": system, "batch": b, **rec})
-                        walls.append(rec["wall_s"])
-                        extra = (f", model load {rec['model_load_s']:.2f}s, planning {rec['planning_s'] or 0:.2f}s, "
-                                 f"inference {rec['inference_s']:.2f}s"
-                                 if rec.get("inference_s") is not None else "")
-                        say(f"  {system} batch {b}: {rec['wall_s']:.2f}s{extra}")
-                    totals[system] = round(sum(walls), 2)
-                    say(f"  {system}: {totals[system]:.1f}s for {args.batches}")
+                    totals[system] = _run_system(args, setup, timing, r, system, server, pool)
                 totals["loadavg_end"] = Path("/proc/loadavg").read_text().strip()
-                round_totals.append(totals)
+                timing.round_totals.append(totals)
     finally:
         if server is not None:
             server.stop()
             say("server stopped")
-    load_end = Path("/proc/loadavg").read_text().strip()
+    timing.load_end = Path("/proc/loadavg").read_text().strip()
+    return timing
 
+
+def _system_summary(system: str, mine: list[dict[str, Any]], round_totals: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's figures over its runs `mine`."""
+    per_round = [t[system] for t in round_totals]
+    s = {"runs": len(mine), **stats([x["wall_s"] for x in mine]),
+         "total_s_per_round": per_round, "total_s_median_round": round(statistics.median(per_round), 2)}
+    prompt = sum(x["prompt_tokens"] for x in mine)
+    cached = sum((x["cached_tokens"] or 0) for x in mine)
+    s["hit_rate"] = round(cached / prompt, 4) if prompt else None
+    s["completion_tokens"] = sum(x["completion_tokens"] for x in mine)
+    if system != "server_only":
+        s["inference_s_median"] = round(statistics.median(x["inference_s"] for x in mine if x["inference_s"] is not None), 2)
+        s["model_load_s_median"] = round(statistics.median(x["model_load_s"] for x in mine if x["model_load_s"] is not None), 2)
+        s["planning_s_median"] = round(statistics.median(x["planning_s"] or 0.0 for x in mine), 2)
+        # The rest of the wall time: starting Python, importing Dagster and the pipeline, the run's
+        # other steps, writing the results and exiting.
+        s["other_s_median"] = round(statistics.median(
+            x["wall_s"] - sum(x[k] or 0.0 for k in ("model_load_s", "planning_s", "inference_s")) for x in mine), 2)
+        s["cpu_s_median"] = round(statistics.median(x["cpu_s"] for x in mine), 2)
+        s["maxrss_mb_median"] = round(statistics.median(x["maxrss_mb"] for x in mine), 1)
+    return s
+
+
+def _derive(args: argparse.Namespace, systems: list[str], timing: _Timing, summary: dict[str, Any]) -> dict[str, Any]:
+    """The ratios between systems, per round and their median; the answers equal to in_process's."""
+    runs, round_totals = timing.runs, timing.round_totals
     # Answers: warm and server_only against in_process, word for word.
     texts = {(x["system"], cid): t for x in runs for cid, t in x["texts"].items()}
     ids = sorted({cid for (_, cid) in texts})
@@ -220,28 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     for other in ("warm", "server_only"):
         if "in_process" in systems and other in systems:
             equal[other] = sum(texts[(other, c)] == texts[("in_process", c)] for c in ids)
-
-    summary: dict[str, Any] = {}
-    for system in systems:
-        mine = [x for x in runs if x["system"] == system]
-        per_round = [t[system] for t in round_totals]
-        s = {"runs": len(mine), **stats([x["wall_s"] for x in mine]),
-             "total_s_per_round": per_round, "total_s_median_round": round(statistics.median(per_round), 2)}
-        prompt = sum(x["prompt_tokens"] for x in mine)
-        cached = sum((x["cached_tokens"] or 0) for x in mine)
-        s["hit_rate"] = round(cached / prompt, 4) if prompt else None
-        s["completion_tokens"] = sum(x["completion_tokens"] for x in mine)
-        if system != "server_only":
-            s["inference_s_median"] = round(statistics.median(x["inference_s"] for x in mine if x["inference_s"] is not None), 2)
-            s["model_load_s_median"] = round(statistics.median(x["model_load_s"] for x in mine if x["model_load_s"] is not None), 2)
-            s["planning_s_median"] = round(statistics.median(x["planning_s"] or 0.0 for x in mine), 2)
-            # The rest of the wall time: starting Python, importing Dagster and the pipeline, the run's
-            # other steps, writing the results and exiting.
-            s["other_s_median"] = round(statistics.median(
-                x["wall_s"] - sum(x[k] or 0.0 for k in ("model_load_s", "planning_s", "inference_s")) for x in mine), 2)
-            s["cpu_s_median"] = round(statistics.median(x["cpu_s"] for x in mine), 2)
-            s["maxrss_mb_median"] = round(statistics.median(x["maxrss_mb"] for x in mine), 1)
-        summary[system] = s
     derived: dict[str, Any] = {}
     if "in_process" in summary and "warm" in summary:
         derived["in_process_over_warm_per_round"] = [round(t["in_process"] / t["warm"], 2) for t in round_totals]
@@ -252,13 +291,19 @@ def main(argv: list[str] | None = None) -> int:
                                                          for t in round_totals]
         derived["beyond_answers_s_per_run"] = round(statistics.median(derived["beyond_answers_s_per_run_per_round"]), 2)
     derived["answers_equal"] = {k: f"{v}/{len(ids)}" for k, v in equal.items()}
+    return derived
 
+
+def _report(args: argparse.Namespace, setup: _Setup, timing: _Timing, summary: dict[str, Any],
+            derived: dict[str, Any]) -> None:
+    """Print the table per system, the ratios, one run's medians and the answers equal."""
     print(f"\n{args.batches} batches x {args.lines} lines (max_tokens {args.max_tokens}), {args.rounds} alternating rounds; "
-          f"load average {load_start} -> {load_end}")
+          f"load average {setup.load_start} -> {timing.load_end}")
+    server_info = timing.server_info
     if server_info:
         print(f"warm engine start (untimed): {server_info['start_to_healthy_s']:.1f} s to healthy, "
               f"first request {server_info['first_request_s']:.2f} s")
-    rounds_hdr = "".join(f"{'round ' + str(t['round']) + ' s':>11}" for t in round_totals)
+    rounds_hdr = "".join(f"{'round ' + str(t['round']) + ' s':>11}" for t in timing.round_totals)
     print(f"{'system':<13}{rounds_hdr}{'run med s':>11}{'run min s':>11}{'run max s':>11}{'infer med s':>13}{'hit rate':>10}")
     for system, s in summary.items():
         infer = f"{s['inference_s_median']:.2f}" if "inference_s_median" in s else "-"
@@ -279,14 +324,29 @@ def main(argv: list[str] | None = None) -> int:
                   "(start, imports, Dagster, the other steps, exit)")
     for k, v in derived["answers_equal"].items():
         print(f"answers equal to in_process: {k} {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    setup = _prepare(args)
+    timing = _measure(args, setup, systems)
+    summary = {system: _system_summary(system, [x for x in timing.runs if x["system"] == system], timing.round_totals)
+               for system in systems}
+    derived = _derive(args, systems, timing, summary)
+    _report(args, setup, timing, summary, derived)
     if args.json:
-        for x in runs:
+        for x in timing.runs:
             x.pop("texts", None)
         args.json.write_text(json.dumps({
             "settings": {"batches": args.batches, "lines": args.lines, "max_tokens": args.max_tokens, "rounds": args.rounds,
-                         "model": str(model_dir), "served_model_name": served, "cli": args.cli, "threads": args.threads},
-            "loadavg_start": load_start, "loadavg_end": load_end, "server": server_info, "rounds": round_totals,
-            "summary": summary, "derived": derived, "runs": runs}, indent=2))
+                         "model": str(setup.model_dir), "served_model_name": setup.served, "cli": args.cli,
+                         "threads": args.threads},
+            "loadavg_start": setup.load_start, "loadavg_end": timing.load_end, "server": timing.server_info,
+            "rounds": timing.round_totals, "summary": summary, "derived": derived, "runs": timing.runs}, indent=2))
         say(f"wrote {args.json}")
     return 0
 

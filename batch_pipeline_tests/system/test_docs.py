@@ -548,10 +548,11 @@ LONGEST_FUNCTION = 80  # lines, docstring included (docs/DEVELOPMENT.md)
 
 
 def test_no_function_is_longer_than_a_screen():
-    """Every function and method of the package fits in LONGEST_FUNCTION lines: a longer one is split
-    into named parts (as steps/inference.py's _Answering), not allowed to grow."""
+    """Every function and method of the package and of the benchmarks (bench/*.py) fits in
+    LONGEST_FUNCTION lines: a longer one is split into named parts (as steps/inference.py's _Answering,
+    or a benchmark's parse_args, _measure and _report), not allowed to grow."""
     long = []
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")) + sorted((REPO / "bench").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
