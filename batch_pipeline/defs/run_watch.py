@@ -17,7 +17,7 @@ queue, so an urgent batch arriving while a bulk batch's requests fill the runnin
 decode step with them (engine/remote.py, "Yielding"). While a run answers on a warm engine it carries
 the tag ANSWERING_TAG (the engine's URL); `PriorityWatch` reads the started runs with that tag every
 PRIORITY_POLL_SECONDS, and while one of a higher priority (config/priority.py's scale) is among
-them, the run keeps few requests in flight. Dagster is the one place every run of every trigger
+them, the run pulls back its requests in flight and keeps few at the server. Dagster is the one place every run of every trigger
 (Batch API, schedule, sensor, UI) is known, so no other coordination is needed.
 """
 
@@ -38,7 +38,7 @@ POLL_SECONDS = 5.0
 GRACE_SECONDS = 10.0
 # The warm engine a run is answering on now (its URL; blank once it has stopped answering).
 ANSWERING_TAG = "batch_pipeline/answering_on"
-PRIORITY_POLL_SECONDS = 2.0
+PRIORITY_POLL_SECONDS = 1.0
 
 
 class CancelWatch:

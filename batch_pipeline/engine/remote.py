@@ -21,8 +21,9 @@ Yielding. vLLM's priority orders only its waiting queue: a request already runni
 for a more urgent one, and on a server whose running batch holds everything sent (a CPU, or a large
 `max_num_seqs`), an urgent batch's requests share every decode step with the bulk's. So a run also
 yields by itself: while `outranked()` names a run of higher priority answering on the same engine
-(defs/run_watch.py watches Dagster for one), it keeps at most YIELD_WINDOW requests in flight, and
-grows back to its window when that run is done.
+(defs/run_watch.py watches Dagster for one), it pulls back what it has in flight beyond the
+YIELD_WINDOW oldest (their connections closed: the server aborts them) and keeps at most YIELD_WINDOW
+requests at the server; when that run is done, the held requests go again and the window is its own.
 
 Faults. A refused connection, a dropped one, 408, 429 and 5xx are waited out: the request is sent
 again after a back-off, and the window halves (then grows back by one per answer: AIMD). A server
@@ -70,6 +71,7 @@ STALL_CHECK_SECONDS = 30.0
 # Requests a run keeps in flight while a run of higher priority answers on its engine: enough that
 # it still moves, few enough that the urgent run's decode steps are nearly its own.
 YIELD_WINDOW = 2
+YIELD_CHECK_SECONDS = 0.25  # how often a run looks whether a more urgent one has come or gone
 LINE_ERROR_TRIES = 3  # a 500 with an error body, this many times for one line: that line's error
 GENERATION_URLS = (contract.CHAT_URL, contract.COMPLETIONS_URL, contract.RESPONSES_URL)
 POOLING_URLS = (contract.EMBEDDINGS_URL, contract.SCORE_URL, contract.RERANK_URL)
@@ -222,17 +224,21 @@ class EngineClient:
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None,
                 headers: dict[str, str] | None = None, timeout: float = ANSWER_SECONDS,
-                stop: threading.Event | None = None) -> Reply:
+                stop: threading.Event | None = None, sent: "Sent | None" = None) -> Reply:
         """One request on this thread's connection; raises OSError or http.client's errors when the
         server cannot be reached or the connection drops (the connection is then dropped too). A
         kept-alive connection the server closed while idle (vLLM's after 5 s) is no fault of the
-        server: the request goes once more on a new connection. `stop` set: nothing is sent."""
+        server: the request goes once more on a new connection. `stop` set: nothing is sent.
+        `sent`: the request's connection is kept there, so that it can be pulled back (see
+        "Yielding"); one pulled back raises, as a dropped connection does."""
         data = None if body is None else json.dumps(body).encode()
         for attempt in (1, 2):
             conn = self._connection()
             reused = getattr(self._local, "used", False)
             if stop is not None and stop.is_set():
                 raise Stopped(path)
+            if sent is not None:
+                sent.conn = conn
             try:
                 assert conn.sock is not None
                 conn.sock.settimeout(timeout)
@@ -241,7 +247,7 @@ class EngineClient:
                 reply = Reply(response.status, response.read())
             except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected):
                 self._drop(conn)
-                if reused and attempt == 1:
+                if reused and attempt == 1 and not (sent is not None and sent.pulled.is_set()):
                     continue  # the server had closed it while it sat idle
                 raise
             except BaseException:
@@ -286,8 +292,9 @@ class EngineClient:
         except (OSError, http.client.HTTPException):
             return False
 
-    def post(self, path: str, body: dict[str, Any], request_id: str, stop: threading.Event | None = None) -> Reply:
-        return self.request("POST", path, body, {"X-Request-Id": request_id}, stop=stop)
+    def post(self, path: str, body: dict[str, Any], request_id: str, stop: threading.Event | None = None,
+             sent: "Sent | None" = None) -> Reply:
+        return self.request("POST", path, body, {"X-Request-Id": request_id}, stop=stop, sent=sent)
 
     def abort(self) -> None:
         """Shut down every connection, those waiting for an answer too: the server aborts their requests."""
@@ -315,6 +322,19 @@ class Sent:
     stop: threading.Event
     url: str = ""  # the server that answers it
     model: str = ""  # the name that server serves it as
+    at: float = field(default_factory=time.monotonic)  # when it was taken from the stream
+    conn: Any = field(default=None, repr=False)  # the connection it is on, once posted
+    pulled: threading.Event = field(default_factory=threading.Event, repr=False)  # pulled back for an urgent run
+
+    def pull_back(self) -> None:
+        """Close its connection (the server aborts the request) and hold it until its turn comes."""
+        self.pulled.set()
+        sock = getattr(self.conn, "sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed: answered, or dropped
 
 
 class Stopped(Exception):
@@ -430,6 +450,7 @@ class RemoteEngines:
         # Who outranks this run on its engine now (a sentence naming the run), or None: see "Yielding".
         self.outranked: Callable[[], str | None] = lambda: None
         self._yielding: str | None = None
+        self._at_server = 0  # this run's requests at the server now
         self._lock = threading.Lock()
         self._last_answer: dict[str, float] = {}  # URL -> when it last answered (monotonic)
         self._unhealthy: dict[str, float] = {}  # URL -> since when its /health has not answered (monotonic)
@@ -495,9 +516,10 @@ class RemoteEngines:
         meter = EngineMeter(EngineClient(self.url, self.settings.engine_api_key)) if len(self.clients) == 1 else None
         if meter is not None:
             meter.start()
+        quiet_since = time.monotonic()  # the last answer (or the start)
         try:
             while True:
-                while not exhausted and len(flying) < self._in_flight():
+                while not exhausted and len(flying) < self._in_flight(flying.values()):
                     req = next(source, None)
                     if req is None:
                         exhausted = True
@@ -514,10 +536,17 @@ class RemoteEngines:
                     if exhausted:
                         break
                     continue
-                done, _ = cf.wait(flying, timeout=STALL_CHECK_SECONDS, return_when=cf.FIRST_COMPLETED)
+                # Awake every YIELD_CHECK_SECONDS, so that a more urgent run is seen even while no
+                # answer comes (a long decode); the server is asked whether it lives after
+                # STALL_CHECK_SECONDS without one.
+                done, _ = cf.wait(flying, timeout=min(YIELD_CHECK_SECONDS, STALL_CHECK_SECONDS),
+                                  return_when=cf.FIRST_COMPLETED)
                 if not done:
-                    self._check_alive({sent.url for sent in flying.values()})
+                    if time.monotonic() - quiet_since >= STALL_CHECK_SECONDS:
+                        self._check_alive({sent.url for sent in flying.values()})
+                        quiet_since = time.monotonic()
                     continue
+                quiet_since = time.monotonic()
                 failed = None
                 for future in done:
                     del flying[future]
@@ -542,15 +571,35 @@ class RemoteEngines:
                      "score): answering them in this process")
             yield from self._local_engines().stream(batch_id, others, created)
 
-    def _in_flight(self) -> int:
-        """How many requests may be in flight now: the window, or YIELD_WINDOW while outranked."""
+    def _in_flight(self, flying: Iterable[Sent]) -> int:
+        """How many requests may be in flight now: the window, or YIELD_WINDOW while outranked. When
+        a more urgent run appears, all but the YIELD_WINDOW oldest of those in flight are pulled back:
+        their connections closed (the server aborts them) and each held until its turn comes again."""
         outranked = self.outranked()
         if (outranked is None) != (self._yielding is None):
-            self.log(f"{outranked}: this run keeps at most {YIELD_WINDOW} requests in flight until it is done"
-                     if outranked else f"no run of higher priority answers on the warm engine now: back to "
-                     f"{self.window.now()} requests in flight")
+            if outranked:
+                later = sorted(flying, key=lambda sent: sent.at)[YIELD_WINDOW:]
+                self.log(f"{outranked}: this run keeps at most {YIELD_WINDOW} requests in flight until it is "
+                         f"done ({len(later)} pulled back, to go again then)")
+                for sent in later:
+                    sent.pull_back()
+            else:
+                self.log(f"no run of higher priority answers on the warm engine now: back to "
+                         f"{self.window.now()} requests in flight")
         self._yielding = outranked
         return min(self.window.now(), YIELD_WINDOW) if outranked else self.window.now()
+
+    def _take_turn(self, sent: Sent) -> None:
+        """Count the request at the server, once it may go: at once, or for one pulled back, when no
+        run outranks this one any more or fewer than YIELD_WINDOW of its requests are at the server."""
+        while True:
+            with self._lock:
+                if (not sent.pulled.is_set() or sent.stop.is_set() or self.outranked() is None
+                        or self._at_server < YIELD_WINDOW):
+                    sent.pulled.clear()
+                    self._at_server += 1
+                    return
+            sent.stop.wait(YIELD_CHECK_SECONDS / 4)
 
     def _local_engines(self) -> Any:
         if self._local is None:
@@ -574,10 +623,11 @@ class RemoteEngines:
         request_id = ids.request_id(sent.batch_id, req.line)
         backoff, errors = BACKOFF_FIRST, 0
         while True:
-            if sent.stop.is_set():
-                raise Stopped(req.line)
+            self._take_turn(sent)  # counted at the server until the finally below
             try:
-                reply = self.clients[sent.url].post(req.url, body, request_id, stop=sent.stop)
+                if sent.stop.is_set():
+                    raise Stopped(req.line)
+                reply = self.clients[sent.url].post(req.url, body, request_id, stop=sent.stop, sent=sent)
                 if reply.status not in RETRY_STATUSES:
                     self._answered(sent.url)
                     return answer_of(sent, reply, created, sent.url)
@@ -590,7 +640,12 @@ class RemoteEngines:
                         return answer_of(sent, reply, created, sent.url)
                 problem = f"HTTP {reply.status}"
             except (OSError, http.client.HTTPException) as e:  # refused, reset, dropped, timed out
+                if sent.pulled.is_set():
+                    continue  # pulled back for a more urgent run: no fault of the server
                 problem = type(e).__name__
+            finally:
+                with self._lock:
+                    self._at_server -= 1
             silent = self._silent_for(sent.url)
             if silent >= self.settings.engine_wait_seconds:
                 raise EngineUnavailable(
