@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 EXIT_OK, EXIT_INVALID_LINES, EXIT_FAILED = 0, 1, 2
+KEEP_ALIVE_SECONDS = 75  # `serve`: how long an idle connection is kept (a load balancer's usual 60 s fits in it)
 
 
 def _err(message: str) -> None:
@@ -251,6 +252,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
           flush=True)
     uvicorn.run(create_app(service), host=args.host, port=args.port, ssl_certfile=args.ssl_certfile,
                 ssl_keyfile=args.ssl_keyfile, log_level="info", access_log=False,
+                # An idle kept-alive connection is closed by the client first: the openai SDK (httpx)
+                # drops its own after 5 s, uvicorn's default is 5 s too, and at the same 5 s a
+                # client could send on a connection the server was closing ("connection reset").
+                timeout_keep_alive=KEEP_ALIVE_SECONDS,
                 # On SIGTERM, open (keep-alive) connections get this long; then the process exits.
                 timeout_graceful_shutdown=10)
     return EXIT_OK

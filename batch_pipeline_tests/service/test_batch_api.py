@@ -25,6 +25,7 @@ import signal
 import ssl
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -362,6 +363,30 @@ def test_a_batch_not_done_in_its_window_expires(service):
     errors = jsonl_records(sdk.files.content(done.error_file_id).text)
     assert sorted(e["custom_id"] for e in errors) == ids and {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert sdk.files.content(done.output_file_id).text == ""
+
+
+def test_an_idle_kept_alive_connection_is_still_served_after_the_clients_own_expiry(service):
+    """The openai SDK keeps an idle connection 5 s; the service keeps it longer, so a client never
+    sends on a connection the server is closing at that very moment (a "connection reset")."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from batch_pipeline.cli.main import KEEP_ALIVE_SECONDS
+
+    assert KEEP_ALIVE_SECONDS > 5
+    parts = urlsplit(service["url"])
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        for attempt in range(2):
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            assert response.status == 200 and not response.will_close
+            response.read()
+            if attempt == 0:
+                time.sleep(6)  # the scenario: idle past both sides' old 5 s, on the same connection
+                assert conn.sock is not None
+    finally:
+        conn.close()
 
 
 def test_ready_and_metrics(service):

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from batch_pipeline_tests.support import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
+from batch_pipeline_tests.support.orphan_watch import group_alive
 
 LOCATION = "batch_pipeline"  # workspace.yaml's location_name
 REPOSITORY = "__repository__"  # the repository name of a @dg.definitions module
@@ -165,16 +166,8 @@ class DagsterDev:
         self.process.wait(timeout=30)
         # The leader is gone; make sure no child of the group lingers (run workers).
         deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and _group_alive(pgid):
+        while time.monotonic() < deadline and group_alive(pgid):
             time.sleep(0.2)  # a poll interval: cleanup waits a while for the group, it never fails
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, engine_url: str | None = None,

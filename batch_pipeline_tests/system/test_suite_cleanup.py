@@ -14,15 +14,8 @@ import subprocess
 import sys
 
 from batch_pipeline_tests.support import wait_for
+from batch_pipeline_tests.support.orphan_watch import group_alive
 from batch_pipeline_tests.support.warm_engine import watch_group
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _server(*command: str) -> subprocess.Popen:
@@ -50,7 +43,7 @@ def test_a_server_is_stopped_whole_when_its_owner_is_killed():
         assert watcher.poll() is None  # the owner lives: the watcher leaves the server alone
         owner.kill()
         owner.wait(10)
-        wait_for("the server's process group gone", lambda: _reaped(server) and not _group_alive(server.pid), 30,
+        wait_for("the server's process group gone", lambda: _reaped(server) and not group_alive(server.pid), 30,
                  interval=0.2)
         assert server.returncode == -signal.SIGTERM
         wait_for("the watcher gone", lambda: _reaped(watcher), 10, interval=0.2)
@@ -67,7 +60,7 @@ def test_a_server_that_ignores_sigterm_is_killed_after_the_grace():
     try:
         owner.kill()
         owner.wait(10)
-        wait_for("the server's process group gone", lambda: _reaped(server) and not _group_alive(server.pid), 30,
+        wait_for("the server's process group gone", lambda: _reaped(server) and not group_alive(server.pid), 30,
                  interval=0.2)
         assert server.returncode == -signal.SIGKILL
     finally:
