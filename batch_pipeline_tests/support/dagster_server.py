@@ -29,6 +29,7 @@ from typing import Any
 
 from batch_pipeline_tests.support import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
 from batch_pipeline_tests.support.orphan_watch import group_alive
+from batch_pipeline_tests.support.signals import as_from_a_terminal
 
 LOCATION = "batch_pipeline"  # workspace.yaml's location_name
 REPOSITORY = "__repository__"  # the repository name of a @dg.definitions module
@@ -212,6 +213,7 @@ def start_dagster_dev(home: Path, env: Mapping[str, str | None], log_path: Path,
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: stop() ends every child with it
+        preexec_fn=as_from_a_terminal,  # its runs' cancels (SIGINT) reach them, as under a user's shell
     )
     log.close()
     server = DagsterDev(process=process, home=home, port=port, log_path=log_path)

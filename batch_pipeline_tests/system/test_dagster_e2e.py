@@ -194,6 +194,7 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
 
     from batch_pipeline_tests.support.dagster_server import DagsterDev, free_port
     from batch_pipeline_tests.support import REPO
+    from batch_pipeline_tests.support.signals import as_from_a_terminal
 
     import urllib.request
 
@@ -209,7 +210,7 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
     with open(log_path, "wb") as log:
         process = subprocess.Popen(["make", "--no-print-directory", "dev", f"DEV_PORT={port}", f"ENGINE_PORT={engine_port}"],
                                    cwd=REPO, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=as_from_a_terminal)  # Ctrl-C reaches it
     server = DagsterDev(process=process, home=home, port=port, log_path=log_path)
     try:
         # The engine first (~30 s for the tiny model here), then dagster dev.

@@ -2,7 +2,8 @@
 group of its own, and a watcher (support/orphan_watch.py) stops that group once the process that
 owns it is gone, even killed with SIGKILL, when no teardown runs.
 
-Plain `sleep` processes stand in for the server and its owner (the watcher only looks at process ids);
+Plain `sleep` processes stand in for the server and its owner (the watcher only looks at process ids),
+started with a terminal's signals (support/signals.py), as a real server sets its own;
 the real servers take the same path (support/warm_engine.py's WarmServer starts one watcher each).
 """
 
@@ -15,6 +16,7 @@ import sys
 
 from batch_pipeline_tests.support import wait_for
 from batch_pipeline_tests.support.orphan_watch import group_alive
+from batch_pipeline_tests.support.signals import as_from_a_terminal
 from batch_pipeline_tests.support.warm_engine import watch_group
 
 
@@ -25,7 +27,8 @@ def _server(*command: str) -> subprocess.Popen:
             f"{'; '.join(command) or 'pass'}; "
             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
             "print('ready', flush=True); time.sleep(600)")
-    server = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen([sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE, text=True,
+                              preexec_fn=as_from_a_terminal)
     assert server.stdout.readline() == "ready\n"
     return server
 
@@ -35,7 +38,7 @@ def _reaped(process: subprocess.Popen) -> bool:
 
 
 def test_a_server_is_stopped_whole_when_its_owner_is_killed():
-    owner = subprocess.Popen(["sleep", "600"])
+    owner = subprocess.Popen(["sleep", "600"], preexec_fn=as_from_a_terminal)
     server = _server()
     watcher = watch_group(owner.pid, server.pid)
     try:
@@ -54,7 +57,7 @@ def test_a_server_is_stopped_whole_when_its_owner_is_killed():
 
 
 def test_a_server_that_ignores_sigterm_is_killed_after_the_grace():
-    owner = subprocess.Popen(["sleep", "600"])
+    owner = subprocess.Popen(["sleep", "600"], preexec_fn=as_from_a_terminal)
     server = _server("import signal", "signal.signal(signal.SIGTERM, signal.SIG_IGN)")
     watcher = watch_group(owner.pid, server.pid, grace=2.0)
     try:
