@@ -452,6 +452,9 @@ class RemoteEngines:
         self._yielding: str | None = None
         self._at_server = 0  # this run's requests at the server now
         self._lock = threading.Lock()
+        # A held (pulled-back) request's turn: signalled when one of this run's requests leaves the
+        # server, when the run stops yielding, and when the stream ends.
+        self._turn = threading.Condition(self._lock)
         self._last_answer: dict[str, float] = {}  # URL -> when it last answered (monotonic)
         self._unhealthy: dict[str, float] = {}  # URL -> since when its /health has not answered (monotonic)
         self.image_settings = images.image_settings_from_env()
@@ -558,6 +561,8 @@ class RemoteEngines:
                     raise failed  # EngineUnavailable: the stream ends, every answer before it taken
         finally:
             stop.set()
+            with self._turn:
+                self._turn.notify_all()  # held requests see the stop at once
             # Interrupted: the servers abort what they hold for these connections. Done: idle ones
             # are not kept for the next stream (its threads are new).
             for client in self.clients.values():
@@ -586,20 +591,20 @@ class RemoteEngines:
             else:
                 self.log(f"no run of higher priority answers on the warm engine now: back to "
                          f"{self.window.now()} requests in flight")
+                with self._turn:
+                    self._turn.notify_all()
         self._yielding = outranked
         return min(self.window.now(), YIELD_WINDOW) if outranked else self.window.now()
 
     def _take_turn(self, sent: Sent) -> None:
         """Count the request at the server, once it may go: at once, or for one pulled back, when no
         run outranks this one any more or fewer than YIELD_WINDOW of its requests are at the server."""
-        while True:
-            with self._lock:
-                if (not sent.pulled.is_set() or sent.stop.is_set() or self.outranked() is None
-                        or self._at_server < YIELD_WINDOW):
-                    sent.pulled.clear()
-                    self._at_server += 1
-                    return
-            sent.stop.wait(YIELD_CHECK_SECONDS / 4)
+        with self._turn:
+            while (sent.pulled.is_set() and not sent.stop.is_set() and self.outranked() is not None
+                   and self._at_server >= YIELD_WINDOW):
+                self._turn.wait(YIELD_CHECK_SECONDS)  # signalled; the timeout only backs that up
+            sent.pulled.clear()
+            self._at_server += 1
 
     def _local_engines(self) -> Any:
         if self._local is None:
@@ -644,8 +649,9 @@ class RemoteEngines:
                     continue  # pulled back for a more urgent run: no fault of the server
                 problem = type(e).__name__
             finally:
-                with self._lock:
+                with self._turn:
                     self._at_server -= 1
+                    self._turn.notify()
             silent = self._silent_for(sent.url)
             if silent >= self.settings.engine_wait_seconds:
                 raise EngineUnavailable(
