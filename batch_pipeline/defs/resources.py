@@ -84,7 +84,7 @@ def _launchpad_fields() -> dict[str, Any]:
         if var is None or f.metadata["secret"] or f.name == "extra_engine_args":
             continue
         kind = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
-        description = f"{var}: {f.metadata['doc']}" if f.metadata["doc"] else var
+        description = f"{var}: {f.metadata['doc']}"  # every setting has its doc (test_settings checks it)
         made[f.name] = (str, Field(default="", description=description)) if kind is str else (
             Optional[kind], Field(default=None, description=description))
     return made
