@@ -60,6 +60,15 @@ def medians(runs: list[dict[str, Any]], systems: list[str], keys: tuple[str, ...
     return out
 
 
+def chosen_systems(text: str, known: tuple[str, ...] | list[str]) -> list[str]:
+    """`--systems a,b`: the names given, in order; an unknown one stops the benchmark naming the choices."""
+    systems = [s for s in text.split(",") if s]
+    unknown = set(systems) - set(known)
+    if unknown:
+        raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(known)}")
+    return systems
+
+
 def rotating_rounds(systems: list[str], rounds: int) -> Iterator[tuple[int, str]]:
     """(round, system) for `rounds` rounds of every system, the order rotating each round (abc, bca, cab)."""
     order = list(systems)

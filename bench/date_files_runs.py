@@ -57,7 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    DEFAULT_CACHE, REPO, add_engine_options, apply_engine_settings, bench_lock, child_env, export_revision, loadavg, measure,
+    DEFAULT_CACHE, REPO, add_engine_options, apply_engine_settings, bench_lock, child_env, chosen_systems, export_revision, loadavg, measure,
     medians, preflight, read_outputs, rotating_rounds, say,
 )
 from dates import DATE, DATE_RUN_CHILD, add_date_options, date_figures, run_date, write_date  # noqa: E402
@@ -309,10 +309,7 @@ def _report(args: argparse.Namespace, setup: _Setup, timing: _Timing, systems: l
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    systems = chosen_systems(args.systems, SYSTEMS)
     work = (args.work_dir or Path(tempfile.mkdtemp(prefix="bench-date-files-runs-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
     say(f"work folder {work}; load average {loadavg()}")

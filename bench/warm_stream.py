@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_CACHE, child_env, measure, read_outputs, say  # noqa: E402
+from common import DEFAULT_CACHE, child_env, chosen_systems, measure, read_outputs, say  # noqa: E402
 from warm_server import WarmServer, free_port  # noqa: E402
 from workloads import summary_bodies, write_batch  # noqa: E402
 
@@ -328,10 +328,7 @@ def _report(args: argparse.Namespace, setup: _Setup, timing: _Timing, summary: d
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    systems = [s for s in args.systems.split(",") if s]
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        raise SystemExit(f"--systems: unknown {sorted(unknown)}; choose from {', '.join(SYSTEMS)}")
+    systems = chosen_systems(args.systems, SYSTEMS)
     setup = _prepare(args)
     timing = _measure(args, setup, systems)
     summary = {system: _system_summary(system, [x for x in timing.runs if x["system"] == system], timing.round_totals)
