@@ -440,6 +440,26 @@ def shards_from_env(env: dict[str, str] | None = None) -> int:
     return 1 if value is None else value
 
 
+# The keys a `dagster-k8s/config` tag takes (dagster-k8s 0.29.27's USER_DEFINED_K8S_JOB_CONFIG_SCHEMA), but
+# merge_behavior: left out, the tag is merged deep onto the run launcher's config, which it only adds to.
+RUN_K8S_CONFIG_KEYS = ("container_config", "pod_spec_config", "pod_template_spec_metadata", "job_config",
+                       "job_metadata", "job_spec_config")
+
+
+def gpu_run_k8s_config_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """GPU_RUN_K8S_CONFIG: the Kubernetes pod config (a `dagster-k8s/config` JSON object) of the runs
+    that load their model in their own pod, {} when unset; ConfigError naming the variable when it
+    is not a JSON object of RUN_K8S_CONFIG_KEYS. Read when the definitions load (defs/jobs.py's
+    `run_pod_tags`)."""
+    raw = read_text(env, "GPU_RUN_K8S_CONFIG")
+    config = coerce("GPU_RUN_K8S_CONFIG", raw, "dict[str, Any]") if raw else {}
+    unknown = sorted(set(config) - set(RUN_K8S_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"GPU_RUN_K8S_CONFIG has {', '.join(unknown)}; its keys are {', '.join(RUN_K8S_CONFIG_KEYS)} "
+                          "(snake_case, as in a dagster-k8s/config tag)")
+    return config
+
+
 def validation_limits_from_env(env: dict[str, str] | None = None) -> dict[str, int]:
     """MAX_LINE_BYTES and MAX_CUSTOM_ID_LENGTH, where set (ValidationSettings keeps the defaults)."""
     limits = {"max_line_bytes": int_in_range(env, "MAX_LINE_BYTES", 1),

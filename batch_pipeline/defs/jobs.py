@@ -1,6 +1,7 @@
 """The batch job: the four batch assets (and their check) for one date, or for one file of it; and
 `run_batch`, one file's run of it in this process (`batch-pipeline run`, `batch-pipeline model verify`)."""
 
+import json
 import os
 from typing import Any
 
@@ -10,13 +11,44 @@ from batch_pipeline.config.settings import (
     ConfigError,
     dagster_home_from_env,
     engine_settings_from_env,
+    gpu_run_k8s_config_from_env,
     storage_settings_from_env,
 )
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.batch_files import batch_files
+from batch_pipeline.defs.resources import answering_pool
 from batch_pipeline.defs.run_watch import ANSWERING_TAG
 from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.io.storage import StorageError
+
+# Dagster's K8sRunLauncher (deploy/helm) reads a run's own pod config from this tag and merges it deep
+# onto the launcher's runK8sConfig and the code server's container context: dicts key by key, a
+# value given here replacing the launcher's, lists appended (dagster-k8s 0.29.27,
+# K8sContainerContext._merge_k8s_config). It can add a GPU but never take one away, so the
+# launcher's pod is the GPU-free one of a run on a warm engine, and this tag makes a run that loads
+# its model a GPU pod. Other run launchers (compose's, `dagster dev`'s) ignore it.
+K8S_CONFIG_TAG = "dagster-k8s/config"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def run_pod_tags() -> dict[str, str]:
+    """The `dagster-k8s/config` tag of a run that loads its model in its own pod (answering_pool()
+    "gpu"): GPU_RUN_K8S_CONFIG (the GPU nodes' selector and tolerations, CPUs and memory) with
+    nvidia.com/gpu = DATA_PARALLEL_SIZE x TENSOR_PARALLEL_SIZE, the GPUs its rank plan takes. No
+    tag for a run on a warm engine (the launcher's GPU-free pod), nor without GPU_RUN_K8S_CONFIG (no
+    Kubernetes pod to size). Read when the definitions load, as answering_pool() is; a bad
+    GPU_RUN_K8S_CONFIG fails them, naming it."""
+    config = gpu_run_k8s_config_from_env()
+    if not config or answering_pool() is None:
+        return {}
+    try:
+        settings = engine_settings_from_env()
+    except ConfigError:  # the run says what is wrong with the setting when it starts
+        return {K8S_CONFIG_TAG: json.dumps(config, sort_keys=True)}
+    limits = config.setdefault("container_config", {}).setdefault("resources", {}).setdefault("limits", {})
+    limits[GPU_RESOURCE] = str(settings.data_parallel_size * settings.tensor_parallel_size)
+    return {K8S_CONFIG_TAG: json.dumps(config, sort_keys=True)}
+
 
 # Every file run names the engine its answers go to: the run queue's limit per engine counts it
 # (dagster.yaml's tag_concurrency_limits), so one engine's runs cannot take every run slot.
@@ -43,14 +75,14 @@ def answering_tags() -> dict[str, str]:
 batch_job = dg.define_asset_job(
     "batch_job",
     selection=dg.AssetSelection.assets(*BATCH_ASSETS),
-    tags=answering_tags(),  # not ENGINE_TAG: the queue's limit per engine was sized for file runs
+    tags={**answering_tags(), **run_pod_tags()},  # not ENGINE_TAG: the queue's limit per engine was sized for file runs
     description="Validate, infer, write and measure the batch files of one date (or the one file in the run config).",
 )
 
 batch_file_job = dg.define_asset_job(
     "batch_file_job",
     selection=dg.AssetSelection.assets(batch_files),
-    tags={ENGINE_TAG: engine_tag(), **answering_tags()},  # read when the definitions load, as answering_pool() is
+    tags={ENGINE_TAG: engine_tag(), **answering_tags(), **run_pod_tags()},  # read when the definitions load
     description="One batch file (a batch_files partition, <date>/<name>): validate, infer, write, measure. The "
                 "upload sensor, the nightly schedule and backfills from this job run one of these per file.",
 )

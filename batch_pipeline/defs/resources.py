@@ -31,6 +31,7 @@ from batch_pipeline.config.settings import (
     EngineSettings,
     StorageSettings,
     engine_settings_from_env,
+    gpu_run_k8s_config_from_env,
     storage_settings_from_env,
     validation_limits_from_env,
 )
@@ -68,6 +69,20 @@ def refuse_slotless_engine() -> None:
             "GPUs: it would load a second model onto devices the warm engine uses. Give the pooling model a warm "
             "engine of its own (`batch-pipeline engine start --runner pooling`, EMBEDDING_ENGINE_URL), or run these "
             "lines where ENGINE_URL is unset.")
+
+
+def refuse_gpu_less_pod() -> None:
+    """Refuse to load a model in a Kubernetes run pod that has no GPU. With GPU_RUN_K8S_CONFIG set, a
+    run that loads its model gets its GPUs from the `dagster-k8s/config` tag of batch_job and
+    batch_file_job (defs/jobs.py); a run launched from the asset graph runs under Dagster's
+    `__ASSET_JOB`, which carries no job's tags, so its pod is the run launcher's light one."""
+    if gpu_run_k8s_config_from_env() and gpu_count() == 0:
+        raise ConfigError(
+            "this run loads its model in its own pod, but the pod has no GPU: with GPU_RUN_K8S_CONFIG set, the GPUs "
+            "come with the dagster-k8s/config tag of batch_job and batch_file_job, and this run did not carry it "
+            "(runs launched from the asset graph run under Dagster's __ASSET_JOB, which has no job's tags). Launch "
+            "it from Jobs > batch_file_job (one file) or batch_job (a date), or set ENGINE_URL to a warm engine.")
+
 
 BUNDLED_EMBEDDING_NAME = "all-MiniLM-L6-v2"
 
@@ -249,6 +264,7 @@ class LLMResource(_EngineSettingFields):
             def local() -> Engines:  # only for lines the server does not serve: MODELS_FILE models, pooling
                 configure_runtime_env(models.cache_root())
                 refuse_slotless_engine()
+                refuse_gpu_less_pod()
                 require_hardware(s)
                 return Engines(s, path or str(models.prepare_bundled_model(log=log)), served, emb_path, emb_name,
                                log=log, builder=self.build_engine, owns=self.owns_engines())
@@ -261,6 +277,7 @@ class LLMResource(_EngineSettingFields):
             return
         configure_runtime_env(models.cache_root())
         refuse_slotless_engine()
+        refuse_gpu_less_pod()
         require_hardware(s)  # e.g. a GPU preset without a GPU: refused before any model is loaded
         if path is None:
             path = str(models.prepare_bundled_model(log=log))

@@ -6,9 +6,10 @@ the version pyproject.toml pins, kernels fetched at build time, non-root USER, h
 gRPC command), docker-compose.yaml and .env.example (GPU
 reservation, read-only model mount, health-gated start order, credentials only by reference, the
 alert webhook's URL only in deploy/.env or a Secret),
-deploy/workspace.yaml and the Helm values (entry module, the `batch_pipeline` location name, run pods
-asking for `nvidia.com/gpu` = TENSOR_PARALLEL_SIZE on tolerated GPU nodes, the model PVC read-only,
-S3 credentials from a Secret), the Batch API in both (the compose service `batch-api` and the
+deploy/workspace.yaml and the Helm values (entry module, the `batch_pipeline` location name, the run
+pods that dagster-k8s's own K8sRunLauncher builds from them: `nvidia.com/gpu` = DATA_PARALLEL_SIZE x
+TENSOR_PARALLEL_SIZE on tolerated GPU nodes for a run that loads its model, no GPU for a run on a warm
+engine; the model PVC read-only, S3 credentials from a Secret), the Batch API in both (the compose service `batch-api` and the
 `batchApi` values with the deploy/helm/batch-api chart that renders them: the command the CLI takes,
 probes on paths the service answers, keys from a secret file, the same storage as the runs), the warm
 engines (compose's `vllm-engine` and the `warmEngines` values with deploy/helm/warm-engines: their flags
@@ -17,16 +18,20 @@ a secret, ENGINE_URL naming them) and that every environment variable the manife
 reads or a documented platform variable.
 
 Does not build images, start containers, render the Helm chart or touch any service: YAML is read
-with PyYAML, Dockerfiles with a small line parser. Loading deploy/dagster.yaml into a real instance
+with PyYAML, Dockerfiles with a small line parser; the run pods' Jobs are built by dagster-k8s and
+handed to a stand-in Kubernetes API. Loading deploy/dagster.yaml into a real instance
 is in test_postgres.py.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shlex
+from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import pytest
 import yaml
@@ -48,7 +53,7 @@ POSTGRES_ENV = {f"DAGSTER_POSTGRES_{k}" for k in ("USER", "PASSWORD", "HOSTNAME"
 
 # Project settings outside ENGINE_ENV; each must still be read somewhere in the package (checked).
 PROJECT_EXTRAS = {"S3_SSE", "S3_SSE_KMS_KEY_ID", "MAX_FAILED_LINE_RATE", "BATCH_PIPELINE_CACHE", "SHARDS",
-                  "ALERT_WEBHOOK_URL"}
+                  "ALERT_WEBHOOK_URL", "GPU_RUN_K8S_CONFIG"}
 # Set for the platform, not read by our code: Dagster, Python, pip, Hugging Face, vLLM.
 PLATFORM_ENV = {
     "DAGSTER_HOME",
@@ -187,6 +192,72 @@ def helm_run_k8s() -> dict[str, Any]:
     return helm()["runLauncher"]["config"]["k8sRunLauncher"]["runK8sConfig"]
 
 
+def helm_jobs(monkeypatch, **env: str) -> ModuleType:
+    """defs/jobs.py as the code server loads it: under the deployment's env of values.yaml (with `env`
+    on top), run afresh as a module of its own, so the jobs imported elsewhere stay as they were."""
+    for name in ("ENGINE_URL", "MODELS_FILE", "ENGINE_PRESET"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {**helm_deployment()["env"], **env}.items():
+        if name != "BATCH_PIPELINE_CACHE":  # a path of the pod; nothing here needs it
+            monkeypatch.setenv(name, value)
+    from batch_pipeline.defs import jobs
+
+    spec = importlib.util.spec_from_file_location("helm_jobs", jobs.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def helm_run_pod(run_tags: dict[str, str]) -> Any:
+    """The pod spec of the Kubernetes Job that dagster-k8s's K8sRunLauncher (the chart's run launcher)
+    creates for a run with these tags: the launcher configured as the chart renders `runLauncher` into
+    the instance, the code server's container context as its `includeConfigInLaunchedRuns` renders it
+    (dagster-user-deployments' k8sContainerContext helper), the Job caught by a stand-in for the API."""
+    import dagster as dg
+    from dagster._core.code_pointer import ModuleCodePointer
+    from dagster._core.launcher import LaunchRunContext
+    from dagster._core.origin import JobPythonOrigin, RepositoryPythonOrigin
+    from dagster._core.test_utils import create_run_for_test
+    from dagster_k8s import launcher as k8s_launcher
+
+    config, deployment = helm()["runLauncher"]["config"]["k8sRunLauncher"], helm_deployment()
+    run_k8s = {"container_config": config["runK8sConfig"]["containerConfig"],
+               "pod_spec_config": config["runK8sConfig"]["podSpecConfig"]}
+    batch_api = mock.MagicMock()
+    with mock.patch.object(k8s_launcher, "load_kubernetes_config"):  # no cluster to read a config of
+        run_launcher = k8s_launcher.K8sRunLauncher(
+            service_account_name="batch-pipeline", instance_config_map="batch-pipeline-instance",
+            dagster_home="/opt/dagster/dagster_home", job_namespace="batch-pipeline", load_incluster_config=True,
+            image_pull_policy=config["imagePullPolicy"], volumes=config["volumes"],
+            volume_mounts=config["volumeMounts"], run_k8s_config=run_k8s,
+            k8s_client_batch_api=batch_api, k8s_client_core_api=mock.MagicMock())
+    container_context = {"k8s": {
+        "image_pull_policy": deployment["image"]["pullPolicy"], "namespace": "batch-pipeline",
+        "env_config_maps": [f"batch-pipeline-{deployment['name']}-user-env"],
+        "env_secrets": [s["name"] for s in deployment["envSecrets"]],
+        "volumes": deployment["volumes"], "volume_mounts": deployment["volumeMounts"],
+        "service_account_name": "batch-pipeline"}}
+    origin = JobPythonOrigin("batch_file_job", RepositoryPythonOrigin(
+        "python", ModuleCodePointer(ENTRY_MODULE, "defs", "/"), container_image="registry.example.internal/batch-pipeline:0.1.0",
+        container_context=container_context))
+    with dg.instance_for_test() as instance:
+        run_launcher.register_instance(instance)
+        run = create_run_for_test(instance, job_name="batch_file_job", job_code_origin=origin, tags=run_tags)
+        run_launcher.launch_run(LaunchRunContext(dagster_run=run, workspace=None))
+    (job,) = [c.kwargs["body"] for c in batch_api.create_namespaced_job.call_args_list]
+    return job.spec.template.spec
+
+
+def gpus_of(pod: Any) -> dict[str, Any]:
+    """Where a pod spec asks for GPUs: its container's GPU limit and request, its node selector's
+    NVIDIA labels and its tolerations of the NVIDIA taint."""
+    resources = pod.containers[0].resources
+    return {"limit": (resources.limits or {}).get("nvidia.com/gpu"),
+            "request": (resources.requests or {}).get("nvidia.com/gpu"),
+            "nodes": {k: v for k, v in (pod.node_selector or {}).items() if k.startswith("nvidia.com/")},
+            "tolerations": [t.key for t in pod.tolerations or [] if t.key == "nvidia.com/gpu"]}
+
+
 def package_source() -> str:
     return "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
 
@@ -319,6 +390,24 @@ def test_a_slotless_run_builds_no_engine_of_its_own_beside_a_warm_engine_on_gpus
     resources.refuse_slotless_engine()  # in-process: the step holds the slot
 
 
+def test_a_run_without_the_gpu_pod_tag_loads_no_model_in_a_gpu_less_pod(monkeypatch):
+    """On Kubernetes (GPU_RUN_K8S_CONFIG set) a run that loads its model but was launched without the
+    jobs' GPU tag (from the asset graph: __ASSET_JOB) has a pod without GPUs: refused before any model
+    loads, saying where to launch it from (GPUs faked, as above)."""
+    from batch_pipeline.config.settings import ConfigError
+    from batch_pipeline.defs import resources
+
+    monkeypatch.setenv("GPU_RUN_K8S_CONFIG", json.dumps({"pod_spec_config": {"node_selector": {"gpu": "true"}}}))
+    monkeypatch.setattr(resources, "gpu_count", lambda: 0)
+    with pytest.raises(ConfigError, match=r"the pod has no GPU.*__ASSET_JOB.*Jobs > batch_file_job"):
+        resources.refuse_gpu_less_pod()
+    monkeypatch.setattr(resources, "gpu_count", lambda: 8)
+    resources.refuse_gpu_less_pod()  # launched from the job: its tag gave the pod its GPUs
+    monkeypatch.delenv("GPU_RUN_K8S_CONFIG")
+    monkeypatch.setattr(resources, "gpu_count", lambda: 0)
+    resources.refuse_gpu_less_pod()  # no Kubernetes GPU pods to miss: a CPU machine, compose, a laptop
+
+
 def test_helm_instance_settings():
     values = helm()
     daemon = values["dagsterDaemon"]
@@ -352,6 +441,8 @@ def test_gpu_image_is_vllms_own_image_for_the_pinned_version():
 
     pins = dict(re.match(r"([\w-]+)==(.+)", d).groups() for d in pyproject["project"]["dependencies"] if "==" in d)
     assert f"dagster-k8s=={pins['dagster-postgres']}" in runs  # the integrations move together
+    extras = pyproject["project"]["optional-dependencies"]
+    assert f"dagster-k8s=={pins['dagster-postgres']}" in extras["k8s"] and f"dagster-k8s=={pins['dagster-postgres']}" in extras["test"]
 
 
 def test_dagster_image_pins_match_the_project():
@@ -518,17 +609,83 @@ def test_compose_database_settings_match_the_instance_yaml():
 # --------------------------------------------------------------------------------------- helm
 
 
-def test_helm_run_pods_request_one_gpu_per_engine_rank_and_tensor_parallel_slice():
-    limits = helm_run_k8s()["containerConfig"]["resources"]["limits"]
+def test_helm_run_pods_request_one_gpu_per_engine_rank_and_tensor_parallel_slice(monkeypatch):
+    """Without a warm engine, the pod dagster-k8s builds for a run of either job asks for
+    DATA_PARALLEL_SIZE x TENSOR_PARALLEL_SIZE GPUs of the code server's env (another count when they
+    change) on the GPU nodes, with GPU_RUN_K8S_CONFIG's CPUs and memory, and keeps what the launcher
+    and the code server give every pod (/dev/shm, the cache and model mounts): the job's tag adds."""
     env = helm_deployment()["env"]
     tp, dp = int(env["TENSOR_PARALLEL_SIZE"]), int(env["DATA_PARALLEL_SIZE"])
-    assert limits["nvidia.com/gpu"] == str(dp * tp) and dp * tp >= 1
+    gpu_pod = json.loads(env["GPU_RUN_K8S_CONFIG"])
+    jobs = helm_jobs(monkeypatch)
+    for job in (jobs.batch_job, jobs.batch_file_job):
+        pod = helm_run_pod(dict(job.run_tags))
+        assert gpus_of(pod) == {"limit": str(dp * tp), "request": None, "tolerations": ["nvidia.com/gpu"],
+                                "nodes": gpu_pod["pod_spec_config"]["node_selector"]}
+        resources = pod.containers[0].resources
+        assert resources.requests == gpu_pod["container_config"]["resources"]["requests"]
+        assert resources.limits == {**gpu_pod["container_config"]["resources"]["limits"], "nvidia.com/gpu": str(dp * tp)}
+        assert {m.name for m in pod.containers[0].volume_mounts} == {"dshm", "engine-cache", "models"}
+    assert dp * tp >= 1
     # The same plan the run makes: it fits the GPUs the pod asks for.
     settings = EngineSettings(data_parallel_size=dp, tensor_parallel_size=tp)
     assert placement.placement_problem(settings, gpus=dp * tp) is None
     assert [p.gpus for p in placement.plan_ranks(settings, gpus=dp * tp, env={})][-1] == (str(dp * tp - 1),)
+    two_by_two = helm_jobs(monkeypatch, DATA_PARALLEL_SIZE="2", TENSOR_PARALLEL_SIZE="2")
+    assert gpus_of(helm_run_pod(dict(two_by_two.batch_file_job.run_tags)))["limit"] == "4"
     # Copied onto run pods by includeConfigInLaunchedRuns, code-server resources would override these.
     assert "resources" not in helm_deployment()
+
+
+def test_helm_run_pods_of_runs_on_a_warm_engine_hold_no_gpu(monkeypatch, tmp_path):
+    """With values.yaml's ENGINE_URL (commented out there) uncommented, and nothing else changed, the pod
+    dagster-k8s builds for a run of either job has no GPU limit or request, no GPU node selector or
+    toleration, and runK8sConfig's light CPU and memory. A MODELS_FILE model without a url loads in
+    the run's pod again: its GPUs come back."""
+    url = "http://warm-engine-8b-instruct-model:8000"
+    assert f"# ENGINE_URL: {url}\n" in (DEPLOY / "helm" / "values.yaml").read_text()
+    light = helm_run_k8s()["containerConfig"]["resources"]
+    jobs = helm_jobs(monkeypatch, ENGINE_URL=url)
+    for job in (jobs.batch_job, jobs.batch_file_job):
+        pod = helm_run_pod(dict(job.run_tags))
+        assert gpus_of(pod) == {"limit": None, "request": None, "nodes": {}, "tolerations": []}
+        assert pod.containers[0].resources.requests == light["requests"]
+        assert pod.containers[0].resources.limits == light["limits"]
+    models = tmp_path / "models.yaml"
+    models.write_text("mini:\n  path: /models/mini\n")
+    jobs = helm_jobs(monkeypatch, ENGINE_URL=url, MODELS_FILE=str(models))
+    assert gpus_of(helm_run_pod(dict(jobs.batch_file_job.run_tags)))["limit"] == "8"
+
+
+def test_the_gpu_pod_tag_is_only_on_jobs_whose_runs_load_their_model_in_a_kubernetes_pod(monkeypatch):
+    """run_pod_tags(): no tag without GPU_RUN_K8S_CONFIG (compose, a laptop: no pod to size) nor on a warm
+    engine; with it, that config with nvidia.com/gpu = DATA_PARALLEL_SIZE x TENSOR_PARALLEL_SIZE (one
+    written there is replaced); engine settings that cannot be read leave it as written (the run names
+    them when it starts); a value that is not a JSON object of the tag's keys fails, naming the variable."""
+    from batch_pipeline.config.settings import ConfigError
+    from batch_pipeline.defs.jobs import run_pod_tags
+
+    for var in ("ENGINE_URL", "MODELS_FILE", "ENGINE_PRESET", "GPU_RUN_K8S_CONFIG", "DATA_PARALLEL_SIZE",
+                "TENSOR_PARALLEL_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert run_pod_tags() == {}
+    given = {"container_config": {"resources": {"limits": {"memory": "9Gi", "nvidia.com/gpu": "1"}}}}
+    monkeypatch.setenv("GPU_RUN_K8S_CONFIG", json.dumps(given))
+    monkeypatch.setenv("DATA_PARALLEL_SIZE", "2")
+    monkeypatch.setenv("TENSOR_PARALLEL_SIZE", "3")
+    limits = json.loads(run_pod_tags()["dagster-k8s/config"])["container_config"]["resources"]["limits"]
+    assert limits == {"memory": "9Gi", "nvidia.com/gpu": "6"}
+    monkeypatch.setenv("ENGINE_URL", "http://engine:8000")
+    assert run_pod_tags() == {}
+    monkeypatch.delenv("ENGINE_URL")
+    monkeypatch.setenv("DATA_PARALLEL_SIZE", "two")
+    assert json.loads(run_pod_tags()["dagster-k8s/config"]) == given
+    monkeypatch.setenv("GPU_RUN_K8S_CONFIG", "{nope")
+    with pytest.raises(ConfigError, match=r"GPU_RUN_K8S_CONFIG='\{nope' is not a valid JSON object"):
+        run_pod_tags()
+    monkeypatch.setenv("GPU_RUN_K8S_CONFIG", '{"containerConfig": {}}')
+    with pytest.raises(ConfigError, match=r"GPU_RUN_K8S_CONFIG has containerConfig; its keys are container_config"):
+        run_pod_tags()
 
 
 def test_helm_run_pods_keep_the_engine_cache_on_a_claim():
@@ -552,10 +709,14 @@ def test_helm_code_server_reads_the_same_database_as_the_chart():
     assert "DAGSTER_POSTGRES_PASSWORD" not in env  # the chart's DAGSTER_PG_PASSWORD (a Secret) stands in
 
 
-def test_helm_run_pods_land_on_gpu_nodes():
-    pod = helm_run_k8s()["podSpecConfig"]
-    assert pod["nodeSelector"]
-    assert any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in pod["tolerations"])
+def test_helm_run_launcher_gives_every_pod_no_gpu_and_a_dev_shm_in_memory():
+    """runK8sConfig is every run pod's, and a job's tag can add a GPU to it but never take one away: it
+    names no GPU, GPU node label or GPU taint (the GPU pods' placement is GPU_RUN_K8S_CONFIG's, on GPU
+    nodes' NoSchedule taint); /dev/shm in memory, which vLLM's workers need, is the launcher's."""
+    assert "nvidia.com" not in json.dumps(helm_run_k8s())
+    placed = json.loads(helm_deployment()["env"]["GPU_RUN_K8S_CONFIG"])["pod_spec_config"]
+    assert placed["node_selector"]
+    assert any(t["key"] == "nvidia.com/gpu" and t["effect"] == "NoSchedule" for t in placed["tolerations"])
     launcher = helm()["runLauncher"]["config"]["k8sRunLauncher"]
     shm = {v["name"]: v for v in launcher["volumes"]}["dshm"]
     assert shm["emptyDir"]["medium"] == "Memory"
@@ -713,9 +874,10 @@ def test_helm_warm_engines_ask_for_their_gpus_and_are_probed_on_health():
     assert we["readinessProbe"]["periodSeconds"] == 10
     startup = we["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # an 8B model loads for minutes
-    # The GPU nodes, user and claims of the run pods.
+    # The GPU nodes of the run pods that load their model; the user and claims of every run pod.
+    placed = json.loads(helm_deployment()["env"]["GPU_RUN_K8S_CONFIG"])["pod_spec_config"]
+    assert we["nodeSelector"] == placed["node_selector"] and we["tolerations"] == placed["tolerations"]
     pod = helm_run_k8s()["podSpecConfig"]
-    assert we["nodeSelector"] == pod["nodeSelector"] and we["tolerations"] == pod["tolerations"]
     assert we["podSecurityContext"] == pod["securityContext"]
     assert we["securityContext"] == helm_run_k8s()["containerConfig"]["securityContext"]
     models = {v["name"]: v for v in helm_deployment()["volumes"]}["models"]["persistentVolumeClaim"]
