@@ -17,7 +17,6 @@ from batch_pipeline.config.settings import (
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.defs.resources import answering_pool
-from batch_pipeline.defs.run_watch import ANSWERING_TAG
 from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.io.storage import StorageError
 
@@ -64,25 +63,17 @@ def engine_tag() -> str:
         return IN_PROCESS  # the run says what is wrong with the setting when it starts
 
 
-def answering_tags() -> dict[str, str]:
-    """On a warm engine, every run of a job answering there carries ANSWERING_TAG from its launch, so
-    a run of lower priority on that engine gives way while this one's worker still comes up
-    (defs/run_watch.py). Read when the definitions load, as answering_pool() is."""
-    url = engine_tag()
-    return {} if url == IN_PROCESS else {ANSWERING_TAG: url}
-
-
 batch_job = dg.define_asset_job(
     "batch_job",
     selection=dg.AssetSelection.assets(*BATCH_ASSETS),
-    tags={**answering_tags(), **run_pod_tags()},  # not ENGINE_TAG: the queue's limit per engine was sized for file runs
+    tags=run_pod_tags(),  # read when the definitions load, as answering_pool() is
     description="Validate, infer, write and measure the batch files of one date (or the one file in the run config).",
 )
 
 batch_file_job = dg.define_asset_job(
     "batch_file_job",
     selection=dg.AssetSelection.assets(batch_files),
-    tags={ENGINE_TAG: engine_tag(), **answering_tags(), **run_pod_tags()},  # read when the definitions load
+    tags={ENGINE_TAG: engine_tag(), **run_pod_tags()},  # read when the definitions load, as answering_pool() is
     description="One batch file (a batch_files partition, <date>/<name>): validate, infer, write, measure. The "
                 "upload sensor, the nightly schedule and backfills from this job run one of these per file.",
 )

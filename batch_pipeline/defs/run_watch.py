@@ -15,13 +15,9 @@ the batches reported cancelled, the next run resuming the rest. The interrupt st
 A run on a warm engine gives way to a more urgent one there. vLLM's priority orders only its waiting
 queue, so an urgent batch arriving while a bulk batch's requests fill the running batch shares every
 decode step with them (engine/remote.py, "Yielding"). While a run answers on a warm engine it carries
-the tag ANSWERING_TAG (the engine's URL), from its launch (the jobs' tag, defs/jobs.py) until it has
-stopped answering (then blank); `PriorityWatch` reads the starting and started runs with that tag every
+the tag ANSWERING_TAG (the engine's URL); `PriorityWatch` reads the started runs with that tag every
 PRIORITY_POLL_SECONDS, and while one of a higher priority (config/priority.py's scale) is among
-them, the run pulls back its requests in flight and keeps few at the server. An urgent run counts from
-its start, not from its first answer: the seconds its run worker takes to come up and validate are
-then not spent beside a bulk run answering at full speed, and its first requests find the running
-batch already small. Dagster is the one place every run of every trigger
+them, the run pulls back its requests in flight and keeps few at the server. Dagster is the one place every run of every trigger
 (Batch API, schedule, sensor, UI) is known, so no other coordination is needed.
 """
 
@@ -40,12 +36,9 @@ from batch_pipeline.engine.remote import RemoteEngines
 
 POLL_SECONDS = 5.0
 GRACE_SECONDS = 10.0
-# The warm engine a run answers on (its URL): set when the run is launched (defs/jobs.py), set again
-# when it starts answering (a launchpad's engine_url may name another), blank once it has stopped.
+# The warm engine a run is answering on now (its URL; blank once it has stopped answering).
 ANSWERING_TAG = "batch_pipeline/answering_on"
 PRIORITY_POLL_SECONDS = 1.0
-# A run's worker coming up (STARTING) and its steps (STARTED); a queued run takes nothing yet.
-WATCHED_STATUSES = [dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]
 
 
 class CancelWatch:
@@ -106,16 +99,16 @@ class PriorityWatch:
         return self._above
 
     def look(self) -> str | None:
-        """The runs starting or answering on this engine now: a sentence naming the most urgent one
-        above this run's priority, or None."""
-        runs = self.instance.get_runs(filters=dg.RunsFilter(statuses=WATCHED_STATUSES,
+        """The started runs answering on this engine now: a sentence naming the most urgent one above
+        this run's priority, or None."""
+        runs = self.instance.get_runs(filters=dg.RunsFilter(statuses=[dg.DagsterRunStatus.STARTED],
                                                             tags={ANSWERING_TAG: self.url}), limit=100)
         above = [(run_priority(r.tags), r.run_id) for r in runs if r.run_id != self.run_id]
         above = [(p, run_id) for p, run_id in above if p > self.priority]
         if not above:
             return None
         priority, run_id = max(above)
-        return f"run {run_id} (priority {priority}, this run's {self.priority}) is running on {self.url}"
+        return f"run {run_id} (priority {priority}, this run's {self.priority}) is answering on {self.url}"
 
     def _watch(self) -> None:
         while not self._done.wait(self.poll):

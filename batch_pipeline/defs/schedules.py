@@ -17,14 +17,7 @@ from dagster._utils.schedules import is_valid_cron_string  # what ScheduleDefini
 from batch_pipeline.base.env import read_checked
 from batch_pipeline.config.settings import ConfigError, schedule_run_priority_from_env
 from batch_pipeline.config.priority import priority_tags
-from batch_pipeline.defs.jobs import (
-    ENGINE_TAG,
-    answering_tags,
-    batch_file_job,
-    batch_run_config,
-    engine_tag,
-    model_versions_now,
-)
+from batch_pipeline.defs.jobs import ENGINE_TAG, batch_file_job, batch_run_config, engine_tag, model_versions_now
 from batch_pipeline.defs.partitions import batch_file_partitions, daily_partitions, file_key
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.io import locations
@@ -94,8 +87,7 @@ def nightly_requests(day: str, storage: StorageResource) -> list[dg.RunRequest] 
                              + ("all already completed" if by_name else "none") + "; no run")
     # MODELS_FILE's versioned models as their aliases name them at this tick (none: no run config).
     versions = model_versions_now()
-    tags = {ENGINE_TAG: engine_tag(), **answering_tags(), "batch_pipeline/date": day,
-            **(priority_tags(priority) if priority else {})}
+    tags = {ENGINE_TAG: engine_tag(), "batch_pipeline/date": day, **(priority_tags(priority) if priority else {})}
     return [dg.RunRequest(run_key=f"nightly-{file_key(day, name)}@{info.etag}", partition_key=file_key(day, name),
                           run_config=batch_run_config(model_versions=versions) if versions else None,
                           tags={**tags, "batch_pipeline/input_uri": info.uri, "batch_pipeline/batch_name": name})

@@ -31,14 +31,7 @@ from batch_pipeline.config.settings import (
     shards_from_env,
 )
 from batch_pipeline.config.priority import priority_tags
-from batch_pipeline.defs.jobs import (
-    ENGINE_TAG,
-    answering_tags,
-    batch_file_job,
-    batch_job,
-    batch_run_config,
-    engine_tag,
-)
+from batch_pipeline.defs.jobs import ENGINE_TAG, batch_file_job, batch_job, batch_run_config, engine_tag
 from batch_pipeline.defs.partitions import (
     batch_file_partitions,
     daily_partitions,
@@ -83,11 +76,10 @@ def partition_range() -> PartitionRange:
 
 def file_tags(new: NewBatch) -> dict[str, str]:
     """What a file run's page says it is for: the file, its batch name and date, and the engine its
-    answers go to (the run queue's limit per engine counts this tag: dagster.yaml), and on a warm
-    engine, the one it answers on (runs of lower priority there give way: defs/run_watch.py)."""
+    answers go to (the run queue's limit per engine counts this tag: dagster.yaml)."""
     uri = new.info.uri
     return {"batch_pipeline/input_uri": uri, "batch_pipeline/batch_name": locations.batch_name(uri),
-            "batch_pipeline/date": new.partition, ENGINE_TAG: engine_tag(), **answering_tags()}
+            "batch_pipeline/date": new.partition, ENGINE_TAG: engine_tag()}
 
 
 def run_requests(new: NewBatch, shards: int = 1) -> list[dg.RunRequest]:

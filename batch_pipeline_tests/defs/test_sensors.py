@@ -321,8 +321,7 @@ def test_new_files_of_one_date_are_one_run_each(tmp_path: Path, whole_history, m
     """Three new files of a date are three runs (each red or green on its own), in upload order, each
     tagged with its file, date and engine; each file's batch_files partition is added; the same file
     versions ask for the same run keys again. On a warm engine the engine tag is its URL (the run
-    queue's limit per engine counts it), and so is the answering tag (runs of lower priority there give
-    way from the moment this one starts)."""
+    queue's limit per engine counts it)."""
     storage = StorageResource(input_path=str(tmp_path / "in"), output_path=str(tmp_path / "out"))
     on = turned_on(storage)
     trio = [write(tmp_path / "in" / "2025-03-14" / f"{n}.jsonl", age_seconds=90 - i) for i, n in enumerate("abc")]
@@ -337,7 +336,6 @@ def test_new_files_of_one_date_are_one_run_each(tmp_path: Path, whole_history, m
         assert request.tags["batch_pipeline/input_uri"] == str(path)
         assert request.tags["batch_pipeline/date"] == path.parent.name
         assert request.tags["batch_pipeline/engine"] == "http://engine.example:8000"
-        assert request.tags["batch_pipeline/answering_on"] == "http://engine.example:8000"  # from its launch
     again = evaluate(storage, on).run_requests
     assert [r.run_key for r in again] == [r.run_key for r in result.run_requests]
     # Each queued file gets its batch_files partition at once, so it shows in the UI while it waits.
