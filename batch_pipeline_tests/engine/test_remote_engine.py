@@ -622,6 +622,12 @@ def test_an_urgent_batch_overtakes_a_bulk_one_on_one_engine(small_engine, urgent
     bulk_answers = [(time.monotonic(), next(stream)) for _ in range(4)]
     rest = threading.Thread(target=lambda: bulk_answers.extend(timed(stream)))
     rest.start()
+    # The window refills as answers come back: the 4 next bulk requests must be at the server (in an
+    # earlier epoch) before the short batch is sent. Sent right after the 4th answer, a loaded machine
+    # once let the short batch arrive first (CI: 4 bulk answers during it at the same priority).
+    wait_for("the bulk's next 4 requests waiting at the server",
+             lambda: small_engine.metrics().get("vllm:num_requests_waiting", 0.0) >= 4, 60, interval=0.05,
+             on_timeout=lambda: f"waiting: {small_engine.metrics().get('vllm:num_requests_waiting')}")
     began = time.monotonic()
     urgent_answers = timed(urgent.stream("urgent", urgent_requests, created=1))
     ended = time.monotonic()
