@@ -11,7 +11,7 @@ A script, not a test. From the repository root:
 Issue #38 makes every batch file of a date its own run (asset batch_files, partition <date>/<name>,
 batch_file_job). Its target: the date_files workload (bench/date_files.py: documents x questions,
 shuffled and dealt out over --files files of one date) as file runs on a warm engine within 1.1x of
-today's single date run, and at least 1.4x faster than file runs in-process. Three systems, side by
+today's single date run, and at least 1.4x faster than file runs in-process. Four systems, side by
 side in one invocation, the rounds rotating their order:
 
     date_run             the date as one run (date_files.py's `planned`): the four batch assets of the
@@ -21,7 +21,9 @@ side in one invocation, the rounds rotating their order:
     file_runs_warm       each file its own run, all started together (a fresh process per file, ENGINE_URL
                          set: no vLLM imported), answered by ONE vLLM OpenAI-compatible server started
                          before the rounds and not timed (engine/server.py's command), its prefix cache
-                         reset (POST /reset_prefix_cache, VLLM_SERVER_DEV_MODE=1) before every timed use.
+                         reset (POST /reset_prefix_cache, VLLM_SERVER_DEV_MODE=1) before every timed use;
+    date_run_warm        the date as one run (as date_run) on that warm engine: what the server path costs
+                         by itself, apart from cutting the date into file runs.
 
 Engine settings, the same for all: date_files.py's (MAX_MODEL_LEN 2048, a 256 MiB KV cache, prefix
 caching on), as the pipeline's variables for the in-process runs and as the server's flags (the same
@@ -63,7 +65,8 @@ from common import (  # noqa: E402
 from dates import DATE, DATE_RUN_CHILD, add_date_options, date_figures, run_date, write_date  # noqa: E402
 from warm_server import WarmServer  # noqa: E402
 
-SYSTEMS = ("date_run", "file_runs_inprocess", "file_runs_warm")
+SYSTEMS = ("date_run", "file_runs_inprocess", "file_runs_warm", "date_run_warm")
+WARM_SYSTEMS = ("file_runs_warm", "date_run_warm")  # answered by the one warm engine
 # vLLM 0.32's CPU scheduler defaults for the LLM class (what an in-process run gets; arg_utils.get_batch_defaults).
 LLM_CLASS_SCHEDULER = ["--max-num-seqs", "256", "--max-num-batched-tokens", "4096"]
 
@@ -125,7 +128,10 @@ def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any
     out, inbox, python, timeout = run_dir / "out", ctx["inbox"], ctx["python"], ctx["timeout"]
     names, env = ctx["names"], ctx["env"]
     load_before = loadavg()
-    if system == "date_run":
+    if system in ("date_run", "date_run_warm"):
+        if system == "date_run_warm":
+            ctx["server"].reset_prefix_cache()  # untimed, as for file_runs_warm
+            env = dict(env, ENGINE_URL=ctx["server"].url)
         started = time.perf_counter()
         m = run_date(python, ctx["date_child"], inbox, out, env, run_dir / "log.txt", timeout)
         wall, measured = time.perf_counter() - started, [m]
@@ -158,7 +164,7 @@ def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any
         measured = [results.get(n, {"exit_code": None, "log": str(run_dir / f"log-{n}.txt")}) for n in names]
     logs = [m["log"] for m in measured]
     bad = [m for m in measured if m["exit_code"] != 0]
-    if bad or len(measured) != (1 if system == "date_run" else len(names)):
+    if bad or len(measured) != (1 if system in ("date_run", "date_run_warm") else len(names)):
         raise SystemExit(f"{system}: a run failed (exit codes {[m['exit_code'] for m in measured]}); see {', '.join(logs)}")
     return {"system": system, "wall_s": round(wall, 2), "runs_wall_s": [m["wall_s"] for m in measured],
             "loadavg_before": load_before, **check_outputs(system, out, names, ctx["lines"], logs)}
@@ -255,7 +261,7 @@ def _measure(args: argparse.Namespace, setup: _Setup, systems: list[str]) -> _Ti
     load_start = loadavg()  # again when the timing starts
     previous_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the server is stopped on SIGTERM
     try:
-        if "file_runs_warm" in systems:
+        if set(WARM_SYSTEMS) & set(systems):
             server = _start_server(args, setup, lock)
         with bench_lock(lock):
             load_start = loadavg()
@@ -300,6 +306,14 @@ def _report(args: argparse.Namespace, setup: _Setup, timing: _Timing, systems: l
         ratios["file_runs_warm/date_run"] = round(w / summary["date_run"]["wall_s"], 3)
         print(f"file_runs_warm / date_run: {ratios['file_runs_warm/date_run']:.2f}x (target: at most 1.10x) -> "
               f"{'met' if ratios['file_runs_warm/date_run'] <= 1.10 else 'NOT met'}")
+    d = summary.get("date_run_warm", {}).get("wall_s")
+    if d and "date_run" in summary:
+        ratios["date_run_warm/date_run"] = round(d / summary["date_run"]["wall_s"], 3)
+        print(f"date_run_warm / date_run: {ratios['date_run_warm/date_run']:.2f}x (the server path alone, one run)")
+    if w and d:
+        ratios["file_runs_warm/date_run_warm"] = round(w / d, 3)
+        print(f"file_runs_warm / date_run_warm: {ratios['file_runs_warm/date_run_warm']:.2f}x (cutting the date into "
+              "file runs, both on the warm engine)")
     if w and "file_runs_inprocess" in summary:
         ratios["file_runs_inprocess/file_runs_warm"] = round(summary["file_runs_inprocess"]["wall_s"] / w, 3)
         print(f"file_runs_inprocess / file_runs_warm: {ratios['file_runs_inprocess/file_runs_warm']:.2f}x (target: at least "
