@@ -126,7 +126,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if image_column and input_uri.lower().endswith((".jsonl", ".json", ".ndjson")):
         _err(f"--image-column is for Parquet/CSV inputs; a JSONL line gives its images in its own body ({input_uri})")
         return EXIT_FAILED
-    require_hardware(LLMResource().settings())  # before any work: e.g. a GPU preset on a CPU machine
+    settings = LLMResource().settings()
+    if not settings.engine_url:  # before any work: e.g. a GPU preset on a CPU machine. A warm engine's run
+        require_hardware(settings)  # needs no GPU of its own, nor torch imported to count them (2.5 s here)
     from batch_pipeline.defs.jobs import run_batch
 
     result = run_batch(input_uri, output_dir, args.date, shard=args.shard, image_column=image_column)

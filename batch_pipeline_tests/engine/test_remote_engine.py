@@ -338,6 +338,39 @@ print(result.success, sorted(m for m in ("torch", "vllm", "transformers") if m i
     assert server.posts == 3
 
 
+def test_batch_pipeline_run_on_a_warm_engine_imports_neither_torch_nor_vllm(tmp_path):
+    """`batch-pipeline run` with ENGINE_URL is a light client too: its hardware check (GPUs counted
+    through torch, 2.5 s of a run's start here) is for runs that load a model, so the command answers
+    a file through the stand-in without importing torch or vLLM."""
+    import subprocess
+    import sys
+
+    server = StandIn(lambda n, body: (200, chat_answer(body)))
+    batch, out = tmp_path / "f.jsonl", tmp_path / "out"
+    batch.write_text("".join(json.dumps({
+        "custom_id": f"c-{i}", "method": "POST", "url": contract.CHAT_URL,
+        "body": {"model": TINY_NAME, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4}}) + "\n"
+        for i in range(3)))
+    script = f"""
+import os, sys
+from batch_pipeline.cli.main import main
+def loaded(code=0):
+    print(sorted(m for m in ("torch", "vllm", "transformers") if m in sys.modules), code, flush=True)
+    real_exit(code)
+real_exit, os._exit = os._exit, loaded
+loaded(main(["run", {str(batch)!r}, "--output-dir", {str(out)!r}]))
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "ENGINE_URL": server.url, "SERVED_MODEL_NAME": TINY_NAME})
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().split("\n")[-1] == "[] 0", done.stdout
+    assert [r["custom_id"] for r in read_jsonl(str(out / "output.jsonl"))] == ["c-0", "c-1", "c-2"]
+    assert server.posts == 3
+
+
 def test_a_warm_engine_on_other_weights_keys_its_answers_apart(tmp_path, monkeypatch):
     """The checkpoint identity of a warm run names what the server says it loaded (vLLM's /v1/models
     `root` and `max_model_len` of the served name): restarted on other weights under the same name,
