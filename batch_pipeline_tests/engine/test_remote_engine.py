@@ -304,13 +304,25 @@ def test_a_stream_that_fits_the_window_is_not_planned(tiny_llm, tmp_path):
         server.stop()
 
 
+def run_beside(server: StandIn, script: str) -> Any:
+    """`script` in a Python process of its own with ENGINE_URL at the stand-in, which is stopped after;
+    the finished process (it must have exited 0)."""
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "ENGINE_URL": server.url, "SERVED_MODEL_NAME": TINY_NAME})
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_a_file_run_on_a_warm_engine_imports_neither_torch_nor_vllm(tmp_path):
     """A run that sends every line to a warm engine is a light client: its own process (as a run
     worker is) answers a file through the stand-in without importing torch or vLLM (torch alone is
     1.5-4 s of a file run's start on 2 cores)."""
-    import subprocess
-    import sys
-
     server = StandIn(lambda n, body: (200, chat_answer(body)))
     inbox, out = tmp_path / "in", tmp_path / "out"
     write_batch(inbox / DATE, "f.jsonl", [json.dumps({
@@ -327,12 +339,7 @@ result = dg.materialize([batch_files], partition_key="{DATE}/f", instance=instan
     "storage": StorageResource(input_path={str(inbox)!r}, output_path={str(out)!r})}})
 print(result.success, sorted(m for m in ("torch", "vllm", "transformers") if m in sys.modules))
 """
-    try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "ENGINE_URL": server.url, "SERVED_MODEL_NAME": TINY_NAME})
-    finally:
-        server.stop()
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_beside(server, script)
     assert done.stdout.split("\n")[-2] == "True []", done.stdout
     assert [r["custom_id"] for r in read_jsonl(str(out / DATE / "f" / "output.jsonl"))] == ["c-0", "c-1", "c-2"]
     assert server.posts == 3
@@ -342,9 +349,6 @@ def test_batch_pipeline_run_on_a_warm_engine_imports_neither_torch_nor_vllm(tmp_
     """`batch-pipeline run` with ENGINE_URL is a light client too: its hardware check (GPUs counted
     through torch, 2.5 s of a run's start here) is for runs that load a model, so the command answers
     a file through the stand-in without importing torch or vLLM."""
-    import subprocess
-    import sys
-
     server = StandIn(lambda n, body: (200, chat_answer(body)))
     batch, out = tmp_path / "f.jsonl", tmp_path / "out"
     batch.write_text("".join(json.dumps({
@@ -360,12 +364,7 @@ def loaded(code=0):
 real_exit, os._exit = os._exit, loaded
 loaded(main(["run", {str(batch)!r}, "--output-dir", {str(out)!r}]))
 """
-    try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "ENGINE_URL": server.url, "SERVED_MODEL_NAME": TINY_NAME})
-    finally:
-        server.stop()
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_beside(server, script)
     assert done.stdout.strip().split("\n")[-1] == "[] 0", done.stdout
     assert [r["custom_id"] for r in read_jsonl(str(out / "output.jsonl"))] == ["c-0", "c-1", "c-2"]
     assert server.posts == 3
