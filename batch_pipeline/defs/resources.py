@@ -56,27 +56,37 @@ def answering_pool() -> str | None:
     return None if warm else GPU_POOL
 
 
+SLOTLESS_ENGINE = (
+    "this run needs an engine in its own process (embeddings, score or rerank lines of a model without "
+    "EMBEDDING_ENGINE_URL / SCORE_ENGINE_URL, or a launchpad's engine_url left blank), but with ENGINE_URL set "
+    "(and a url on every MODELS_FILE entry) its answering step holds no `gpu` pool slot")
+SLOTLESS_FIX = ("Give the pooling model a warm engine of its own (`batch-pipeline engine start --runner pooling`, "
+                "EMBEDDING_ENGINE_URL), or run these lines where ENGINE_URL is unset.")
+
+
 def refuse_slotless_engine() -> None:
     """Refuse to build an engine in this process when the answering step holds no `gpu` slot (every
     model was on a warm engine when the definitions loaded) on a machine with GPUs: it would load a
-    model beside the warm engine's, onto devices that engine has already filled. On CPUs it is built
-    (memory is the machine's, not a device's)."""
-    if answering_pool() is None and gpu_count() > 0:
-        raise ConfigError(
-            "this run needs an engine in its own process (embeddings, score or rerank lines of a model without "
-            "EMBEDDING_ENGINE_URL / SCORE_ENGINE_URL, or a launchpad's engine_url left blank), but with ENGINE_URL set "
-            "(and a url on every MODELS_FILE entry) its answering step holds no `gpu` pool slot, and this machine has "
-            "GPUs: it would load a second model onto devices the warm engine uses. Give the pooling model a warm "
-            "engine of its own (`batch-pipeline engine start --runner pooling`, EMBEDDING_ENGINE_URL), or run these "
-            "lines where ENGINE_URL is unset.")
+    model beside the warm engine's, onto devices that engine has already filled. Nor in a Kubernetes
+    run pod (GPU_RUN_K8S_CONFIG set): such a run's pod is the launcher's GPU-free one. On other CPU
+    machines it is built (memory is the machine's, not a device's)."""
+    if answering_pool() is not None:
+        return
+    if gpu_count() > 0:
+        raise ConfigError(f"{SLOTLESS_ENGINE}, and this machine has GPUs: it would load a second model onto "
+                          f"devices the warm engine uses. {SLOTLESS_FIX}")
+    if gpu_run_k8s_config_from_env():
+        raise ConfigError(f"{SLOTLESS_ENGINE}, so its Kubernetes pod is the run launcher's GPU-free one "
+                          f"(GPU_RUN_K8S_CONFIG is for runs that load their model). {SLOTLESS_FIX}")
 
 
 def refuse_gpu_less_pod() -> None:
     """Refuse to load a model in a Kubernetes run pod that has no GPU. With GPU_RUN_K8S_CONFIG set, a
-    run that loads its model gets its GPUs from the `dagster-k8s/config` tag of batch_job and
-    batch_file_job (defs/jobs.py); a run launched from the asset graph runs under Dagster's
-    `__ASSET_JOB`, which carries no job's tags, so its pod is the run launcher's light one."""
-    if gpu_run_k8s_config_from_env() and gpu_count() == 0:
+    run that loads its model (answering_pool() "gpu") gets its GPUs from the `dagster-k8s/config` tag
+    of batch_job and batch_file_job (defs/jobs.py); a run launched from the asset graph runs under
+    Dagster's `__ASSET_JOB`, which carries no job's tags, so its pod is the run launcher's light one.
+    (A run on a warm engine is refused by refuse_slotless_engine, with its own reason.)"""
+    if answering_pool() is not None and gpu_run_k8s_config_from_env() and gpu_count() == 0:
         raise ConfigError(
             "this run loads its model in its own pod, but the pod has no GPU: with GPU_RUN_K8S_CONFIG set, the GPUs "
             "come with the dagster-k8s/config tag of batch_job and batch_file_job, and this run did not carry it "

@@ -385,6 +385,11 @@ def test_a_slotless_run_builds_no_engine_of_its_own_beside_a_warm_engine_on_gpus
         resources.refuse_slotless_engine()
     monkeypatch.setattr(resources, "gpu_count", lambda: 0)
     resources.refuse_slotless_engine()  # CPUs: built in the run's process as before
+    monkeypatch.setenv("GPU_RUN_K8S_CONFIG", json.dumps({"pod_spec_config": {"node_selector": {"gpu": "true"}}}))
+    with pytest.raises(ConfigError, match=r"holds no `gpu` pool slot, so its Kubernetes pod is the run launcher's "
+                                          r"GPU-free one"):
+        resources.refuse_slotless_engine()  # a Kubernetes run pod on a warm engine: no GPU to load it on
+    monkeypatch.delenv("GPU_RUN_K8S_CONFIG")
     monkeypatch.setattr(resources, "gpu_count", lambda: 2)
     monkeypatch.delenv("ENGINE_URL")
     resources.refuse_slotless_engine()  # in-process: the step holds the slot
@@ -397,10 +402,15 @@ def test_a_run_without_the_gpu_pod_tag_loads_no_model_in_a_gpu_less_pod(monkeypa
     from batch_pipeline.config.settings import ConfigError
     from batch_pipeline.defs import resources
 
+    for var in ("ENGINE_URL", "MODELS_FILE"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("GPU_RUN_K8S_CONFIG", json.dumps({"pod_spec_config": {"node_selector": {"gpu": "true"}}}))
     monkeypatch.setattr(resources, "gpu_count", lambda: 0)
     with pytest.raises(ConfigError, match=r"the pod has no GPU.*__ASSET_JOB.*Jobs > batch_file_job"):
         resources.refuse_gpu_less_pod()
+    monkeypatch.setenv("ENGINE_URL", "http://engine:8000")
+    resources.refuse_gpu_less_pod()  # a warm engine's run: GPU-free by design (refuse_slotless_engine's case)
+    monkeypatch.delenv("ENGINE_URL")
     monkeypatch.setattr(resources, "gpu_count", lambda: 8)
     resources.refuse_gpu_less_pod()  # launched from the job: its tag gave the pod its GPUs
     monkeypatch.delenv("GPU_RUN_K8S_CONFIG")
