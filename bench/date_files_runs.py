@@ -67,6 +67,7 @@ from warm_server import WarmServer  # noqa: E402
 
 SYSTEMS = ("date_run", "file_runs_inprocess", "file_runs_warm", "date_run_warm")
 WARM_SYSTEMS = ("file_runs_warm", "date_run_warm")  # answered by the one warm engine
+DATE_SYSTEMS = ("date_run", "date_run_warm")  # the date as one run
 # vLLM 0.32's CPU scheduler defaults for the LLM class (what an in-process run gets; arg_utils.get_batch_defaults).
 LLM_CLASS_SCHEDULER = ["--max-num-seqs", "256", "--max-num-batched-tokens", "4096"]
 
@@ -128,10 +129,11 @@ def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any
     out, inbox, python, timeout = run_dir / "out", ctx["inbox"], ctx["python"], ctx["timeout"]
     names, env = ctx["names"], ctx["env"]
     load_before = loadavg()
-    if system in ("date_run", "date_run_warm"):
-        if system == "date_run_warm":
-            ctx["server"].reset_prefix_cache()  # untimed, as for file_runs_warm
-            env = dict(env, ENGINE_URL=ctx["server"].url)
+    if system in WARM_SYSTEMS:
+        server: WarmServer = ctx["server"]
+        server.reset_prefix_cache()  # untimed: nothing of an earlier round or system is cached
+        env = dict(env, ENGINE_URL=server.url)
+    if system in DATE_SYSTEMS:
         started = time.perf_counter()
         m = run_date(python, ctx["date_child"], inbox, out, env, run_dir / "log.txt", timeout)
         wall, measured = time.perf_counter() - started, [m]
@@ -144,14 +146,11 @@ def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any
             if m["exit_code"] != 0:
                 break
         wall = time.perf_counter() - started
-    else:
-        server: WarmServer = ctx["server"]
-        server.reset_prefix_cache()  # untimed: nothing of an earlier round or system is cached
-        warm_env = dict(env, ENGINE_URL=server.url)
+    else:  # file_runs_warm: env names the warm engine
         results: dict[str, dict[str, Any]] = {}
 
         def one(name: str) -> None:
-            results[name] = measure([python, str(ctx["file_child"]), str(inbox), str(out), f"{DATE}/{name}"], warm_env,
+            results[name] = measure([python, str(ctx["file_child"]), str(inbox), str(out), f"{DATE}/{name}"], env,
                                     run_dir / f"log-{name}.txt", timeout)
 
         threads = [threading.Thread(target=one, args=(name,)) for name in names]
@@ -164,7 +163,7 @@ def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any
         measured = [results.get(n, {"exit_code": None, "log": str(run_dir / f"log-{n}.txt")}) for n in names]
     logs = [m["log"] for m in measured]
     bad = [m for m in measured if m["exit_code"] != 0]
-    if bad or len(measured) != (1 if system in ("date_run", "date_run_warm") else len(names)):
+    if bad or len(measured) != (1 if system in DATE_SYSTEMS else len(names)):
         raise SystemExit(f"{system}: a run failed (exit codes {[m['exit_code'] for m in measured]}); see {', '.join(logs)}")
     return {"system": system, "wall_s": round(wall, 2), "runs_wall_s": [m["wall_s"] for m in measured],
             "loadavg_before": load_before, **check_outputs(system, out, names, ctx["lines"], logs)}

@@ -42,10 +42,11 @@ def run_pod_tags() -> dict[str, str]:
         return {}
     try:
         settings = engine_settings_from_env()
-    except ConfigError:  # the run says what is wrong with the setting when it starts
-        return {K8S_CONFIG_TAG: json.dumps(config, sort_keys=True)}
-    limits = config.setdefault("container_config", {}).setdefault("resources", {}).setdefault("limits", {})
-    limits[GPU_RESOURCE] = str(settings.data_parallel_size * settings.tensor_parallel_size)
+    except ConfigError:  # left as written: the run says what is wrong with the setting when it starts
+        pass
+    else:
+        limits = config.setdefault("container_config", {}).setdefault("resources", {}).setdefault("limits", {})
+        limits[GPU_RESOURCE] = str(settings.data_parallel_size * settings.tensor_parallel_size)
     return {K8S_CONFIG_TAG: json.dumps(config, sort_keys=True)}
 
 
@@ -63,17 +64,20 @@ def engine_tag() -> str:
         return IN_PROCESS  # the run says what is wrong with the setting when it starts
 
 
+# Read once when the definitions load, as answering_pool() is; both jobs answer, so both carry it.
+RUN_POD_TAGS = run_pod_tags()
+
 batch_job = dg.define_asset_job(
     "batch_job",
     selection=dg.AssetSelection.assets(*BATCH_ASSETS),
-    tags=run_pod_tags(),  # read when the definitions load, as answering_pool() is
+    tags=RUN_POD_TAGS,
     description="Validate, infer, write and measure the batch files of one date (or the one file in the run config).",
 )
 
 batch_file_job = dg.define_asset_job(
     "batch_file_job",
     selection=dg.AssetSelection.assets(batch_files),
-    tags={ENGINE_TAG: engine_tag(), **run_pod_tags()},  # read when the definitions load, as answering_pool() is
+    tags={ENGINE_TAG: engine_tag(), **RUN_POD_TAGS},  # read when the definitions load, as answering_pool() is
     description="One batch file (a batch_files partition, <date>/<name>): validate, infer, write, measure. The "
                 "upload sensor, the nightly schedule and backfills from this job run one of these per file.",
 )
