@@ -12,7 +12,7 @@ pipeline can choose the order. Two things pay:
   sequences decoding alone, with the device mostly idle; started first, they overlap the rest.
 
 The plan is a depth-first walk of a prefix tree, built from a few bytes of key per request: the
-rendered prompt (after the chat template, when the model's tokenizer can be loaded; else the
+rendered prompt (after the chat template, when the model has one: steps/chat_template.py; else the
 request's own text in template order: tools, then each message) is cut at LEVELS characters, about
 1, 4, 16, 64, 256 and 1024 KV blocks of 16 tokens at ~4 characters a token, and each cut hashed
 (CRC-32 of the prefix; contract/prompts.py). Requests whose prefixes hash alike at a level are one group there; at each
@@ -51,6 +51,7 @@ import numpy as np
 
 from batch_pipeline import contract
 from batch_pipeline.contract.prompts import LEVELS, Render, prefix_hashes, prompt_text
+from batch_pipeline.steps import chat_template
 
 # A request's key; its index in the keys array is its position among the requests keyed.
 KEY_DTYPE = np.dtype([("hash", np.uint32, (len(LEVELS),)), ("decode", np.uint32)])
@@ -318,9 +319,15 @@ def make_joint_plan(
 @functools.lru_cache(maxsize=4)  # a run's batches, and a test session's runs, load each tokenizer once
 def chat_template_renderer(model_path: str) -> tuple[Render | None, str]:
     """The model's chat template as a renderer for the plan's keys, and what the keys are cut from
-    (said in the run's log). None when the tokenizer cannot be loaded or has no template: the
-    request's own text then keys the plan (the same groups for templates that lay messages out in
-    order, as chat templates do)."""
+    (said in the run's log). The template is rendered with jinja2 alone when it can be
+    (steps/chat_template.py: no transformers import, seconds of a warm run), else through the
+    tokenizer. None when the tokenizer cannot be loaded or has no template: the request's own text
+    then keys the plan (the same groups for templates that lay messages out in order, as chat
+    templates do)."""
+    name = os.path.basename(model_path.rstrip("/")) or model_path
+    light = chat_template.renderer(model_path)
+    if light is not None:
+        return light, f"the chat template of {name}"
     try:
         from batch_pipeline.base.runtime import gc_paused
 
@@ -336,4 +343,4 @@ def chat_template_renderer(model_path: str) -> tuple[Render | None, str]:
     def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
         return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
 
-    return render, f"the chat template of {os.path.basename(model_path.rstrip('/')) or model_path}"
+    return render, f"the chat template of {name}"
