@@ -304,25 +304,27 @@ def test_a_stream_that_fits_the_window_is_not_planned(tiny_llm, tmp_path):
         server.stop()
 
 
-def run_beside(server: StandIn, script: str) -> Any:
-    """`script` in a Python process of its own with ENGINE_URL at the stand-in, which is stopped after;
-    the finished process (it must have exited 0)."""
+def run_beside(server: StandIn, script: str, **env: str) -> Any:
+    """`script` in a Python process of its own with ENGINE_URL at the stand-in (and `env`), which is
+    stopped after; the finished process (it must have exited 0)."""
     import subprocess
     import sys
 
     try:
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "ENGINE_URL": server.url, "SERVED_MODEL_NAME": TINY_NAME})
+                              env={**os.environ, "ENGINE_URL": server.url, "SERVED_MODEL_NAME": TINY_NAME, **env})
     finally:
         server.stop()
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
 
-def test_a_file_run_on_a_warm_engine_imports_neither_torch_nor_vllm(tmp_path):
+@pytest.mark.parametrize("window", ["64", "2"], ids=["sent at once", "planned"])
+def test_a_file_run_on_a_warm_engine_imports_neither_torch_nor_vllm(tmp_path, tiny_model_dir, window):
     """A run that sends every line to a warm engine is a light client: its own process (as a run
     worker is) answers a file through the stand-in without importing torch or vLLM (torch alone is
-    1.5-4 s of a file run's start on 2 cores)."""
+    1.5-4 s of a file run's start on 2 cores), nor transformers when it plans its order on the
+    model's chat template (a window smaller than the file: steps/chat_template.py)."""
     server = StandIn(lambda n, body: (200, chat_answer(body)))
     inbox, out = tmp_path / "in", tmp_path / "out"
     write_batch(inbox / DATE, "f.jsonl", [json.dumps({
@@ -339,8 +341,11 @@ result = dg.materialize([batch_files], partition_key="{DATE}/f", instance=instan
     "storage": StorageResource(input_path={str(inbox)!r}, output_path={str(out)!r})}})
 print(result.success, sorted(m for m in ("torch", "vllm", "transformers") if m in sys.modules))
 """
-    done = run_beside(server, script)
+    done = run_beside(server, script, ENGINE_WINDOW=window, MODEL_PATH=str(tiny_model_dir))
     assert done.stdout.split("\n")[-2] == "True []", done.stdout
+    logged = done.stderr + done.stdout
+    assert ("planned the order of 3 requests" in logged) == (window == "2"), logged[-3000:]
+    assert ("keyed on the chat template of" in logged) == (window == "2"), logged[-3000:]
     assert [r["custom_id"] for r in read_jsonl(str(out / DATE / "f" / "output.jsonl"))] == ["c-0", "c-1", "c-2"]
     assert server.posts == 3
 
