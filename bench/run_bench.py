@@ -568,7 +568,7 @@ def warm_target_line(kind: str, targets: list[dict[str, Any]]) -> str:
             parts.append(f"target {t['text']}: {got} -> {verdict}")
         else:
             parts.append(f"{t['system']} / {t['reference']} throughput {got}")
-    note = "" if kind in WARM_TARGET_WORKLOADS else f" (the targets are {', '.join(WARM_TARGET_WORKLOADS)}'s)"
+    note = "" if kind in WARM_TARGET_WORKLOADS else f" (the targets are for {', '.join(WARM_TARGET_WORKLOADS)})"
     return f"{kind}{note}: " + "; ".join(parts)
 
 
