@@ -63,7 +63,7 @@ from common import (  # noqa: E402
     medians, preflight, read_outputs, rotating_rounds, say,
 )
 from dates import DATE, DATE_RUN_CHILD, add_date_options, date_figures, run_date, write_date  # noqa: E402
-from warm_server import WarmServer  # noqa: E402
+from warm_server import WarmServer, start_like_runs  # noqa: E402
 
 SYSTEMS = ("date_run", "file_runs_inprocess", "file_runs_warm", "date_run_warm")
 WARM_SYSTEMS = ("file_runs_warm", "date_run_warm")  # answered by the one warm engine
@@ -131,8 +131,7 @@ def run_system(system: str, ctx: dict[str, Any], run_dir: Path) -> dict[str, Any
     load_before = loadavg()
     if system in WARM_SYSTEMS:
         server: WarmServer = ctx["server"]
-        server.reset_prefix_cache()  # untimed: nothing of an earlier round or system is cached
-        env = dict(env, ENGINE_URL=server.url)
+        env = server.fresh_env(env)  # its prefix cache reset, untimed: nothing of an earlier round or system is cached
     if system in DATE_SYSTEMS:
         started = time.perf_counter()
         m = run_date(python, ctx["date_child"], inbox, out, env, run_dir / "log.txt", timeout)
@@ -238,17 +237,10 @@ def _prepare(args: argparse.Namespace, work: Path) -> _Setup:
 
 def _start_server(args: argparse.Namespace, setup: _Setup, lock: Path | None) -> WarmServer:
     """The warm engine of file_runs_warm, started (untimed) under the lock; its handle (set in the context too)."""
-    env, pre = setup.env, setup.pre
-    # The server's command: engine/server.py's, from these engine settings (the bench process's view of them).
-    os.environ.update({k: env[k] for k in ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES", "ENABLE_PREFIX_CACHING") if k in env})
-    server_env = dict(env, VLLM_SERVER_DEV_MODE="1")  # for POST /reset_prefix_cache
-    server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default, as `engine start`
-    server = WarmServer.engine_start(pre["model_path"], pre["served_model_name"], setup.work / "server.log",
-                                     LLM_CLASS_SCHEDULER if args.server_scheduler == "match" else None, server_env)
-    with bench_lock(lock):  # its start loads the machine too
-        server.start()
+    server = start_like_runs(setup.env, setup.pre["model_path"], setup.pre["served_model_name"],
+                             setup.work / "server.log",
+                             LLM_CLASS_SCHEDULER if args.server_scheduler == "match" else None, lock)
     setup.ctx["server"] = server
-    say("server flags: " + " ".join(server.command[3:]))
     return server
 
 

@@ -7,6 +7,8 @@ A script, not a test. Run it with the project's venv from the repository root:
     .venv/bin/python bench/run_bench.py --workloads docs-questions,mixed-lengths,shared-prefix,chat \\
         --repeats 2 --json /tmp/bench-order.json                          # issue #24: the order of a batch
     .venv/bin/python bench/run_bench.py --workload random --num-requests 128 --input-len 256 --output-len 64
+    .venv/bin/python bench/run_bench.py --workloads docs-questions --num-docs 30 --questions-per-doc 8 --repeats 2 \
+        --systems pipeline_input,pipeline_planned,pipeline_input_warm,pipeline_planned_warm  # issue #37: a warm engine
 
 What it does (see bench/README.md for the caveats):
 
@@ -21,7 +23,15 @@ What it does (see bench/README.md for the caveats):
      run_batch         `python -m vllm.entrypoints.launchers.run_batch -i IN -o OUT --model ...` with the
                        same engine arguments as command-line flags;
      pipeline_input    `batch-pipeline run IN --output-dir OUT` with ORDER=input (Dagster in-process);
-     pipeline_planned  the same with ORDER=planned.
+     pipeline_planned  the same with ORDER=planned;
+   and, only when named in --systems (issue #37):
+     pipeline_input_warm, pipeline_planned_warm
+                       the same two `batch-pipeline run` commands with ENGINE_URL at ONE vLLM OpenAI-compatible
+                       server per workload (bench/warm_server.py's start_like_runs: `batch-pipeline engine
+                       start`'s command with the same engine settings, plus the LLM class's scheduler limits),
+                       started before the rounds and not timed (its start printed apart), its prefix cache
+                       reset (POST /reset_prefix_cache) before every warm run so each starts cold as an
+                       in-process run does, and stopped after the workload's rounds.
    All of them get the same engine settings; by default MAX_MODEL_LEN 2048, a 256 MiB KV cache and
    prefix caching on (--max-model-len, --kv-cache-mib, --prefix-caching).
    Rounds alternate the systems (a, b, c, d, a, b, c, d, ...) so machine noise hits them alike; the
@@ -31,8 +41,12 @@ What it does (see bench/README.md for the caveats):
    tokens / prompt tokens (RequestOutput.num_cached_tokens, `usage.prompt_tokens_details`, or the
    pipeline's metrics.json).
 4. Records the peak RSS of each subprocess (os.wait4's ru_maxrss, and a /proc sampler that sums the
-   whole process tree, which matters when vLLM forks an engine-core process).
-5. Prints the ratios to llm_chat and, per workload, the targets of issue #24 with the measured ratio.
+   whole process tree, which matters when vLLM forks an engine-core process; a warm system's RSS is its
+   own process's, without the server) and its CPU seconds (a warm system's plus the server's during the run).
+5. Prints the ratios to llm_chat and, per workload, the targets of issue #24 with the measured ratio;
+   with warm systems, issue #37's throughput ratios (successful lines / median wall time):
+   pipeline_planned_warm / pipeline_planned (target >= 0.9) and pipeline_planned_warm /
+   pipeline_input_warm (target >= 1.5), the targets judged on docs-questions.
 
 The workloads are written by bench/workloads.py; the environment, the preflight and the timing of a
 subprocess are bench/common.py's. What validation costs is bench/validate.py.
@@ -41,7 +55,8 @@ Every subprocess gets the same environment: HF_HUB_OFFLINE=1, TRANSFORMERS_OFFLI
 VLLM_NO_USAGE_STATS=1, DO_NOT_TRACK=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, TOKENIZERS_PARALLELISM=false,
 BATCH_PIPELINE_CACHE (default /work/main/.cache or the variable's value), VLLM_CACHE_ROOT and HF_HOME
 under it (the values the pipeline itself sets), TMPDIR under the work directory, DAGSTER_HOME unset,
-and the engine settings (MAX_MODEL_LEN, KV_CACHE_MEMORY_BYTES, ENABLE_PREFIX_CACHING).
+and the engine settings (MAX_MODEL_LEN, KV_CACHE_MEMORY_BYTES, ENABLE_PREFIX_CACHING); ENGINE_URL and
+ENGINE_API_KEY are removed (set only for the warm systems).
 """
 
 from __future__ import annotations
@@ -64,16 +79,19 @@ from common import (  # noqa: E402
     DEFAULT_CACHE, REPO, add_engine_options, apply_engine_settings, child_env, measure, pipeline_source, preflight,
     read_outputs, say, write_json,
 )
+from warm_server import WarmServer, scheduler_flags, start_like_runs  # noqa: E402
 from workloads import make_workload  # noqa: E402
 
 SYSTEMS = ("llm_chat", "run_batch", "pipeline_input", "pipeline_planned")
-# Optional extra systems: `pipeline` (no ORDER set: the pipeline's own default), and llm_chat /
+# Optional extra systems: `pipeline` (no ORDER set: the pipeline's own default), llm_chat /
 # pipeline with vLLM's multiprocess engine core (VLLM_ENABLE_V1_MULTIPROCESSING=1, as run_batch always
-# uses), to separate "in-process engine" cost.
-EXTRA_SYSTEMS = ("pipeline", "llm_chat_mp", "pipeline_mp")
+# uses), to separate "in-process engine" cost, and the two ORDERs on one warm engine (issue #37).
+WARM_SYSTEMS = ("pipeline_input_warm", "pipeline_planned_warm")  # ENGINE_URL at the workload's warm engine
+EXTRA_SYSTEMS = ("pipeline", "llm_chat_mp", "pipeline_mp", *WARM_SYSTEMS)
 MP_SYSTEMS = {"llm_chat_mp": "llm_chat", "pipeline_mp": "pipeline"}
 # The pipeline systems and the ORDER each runs with (None: the variable is not set).
-PIPELINE_ORDER = {"pipeline": None, "pipeline_mp": None, "pipeline_input": "input", "pipeline_planned": "planned"}
+PIPELINE_ORDER = {"pipeline": None, "pipeline_mp": None, "pipeline_input": "input", "pipeline_planned": "planned",
+                  "pipeline_input_warm": "input", "pipeline_planned_warm": "planned"}
 WORKLOAD_DEFAULTS = {
     # workload: (num_requests, input_len, output_len, prefix_len)
     "chat": (192, None, 32, None),
@@ -91,6 +109,13 @@ TARGETS = {
     "shared-prefix": ("pipeline_input", None),
     "chat": ("pipeline_input", None),
 }
+# Issue #37's targets on a warm engine, as throughput ratios (successful lines / median wall time):
+# (system, reference, minimum, text). Its workload: documents x questions; elsewhere the ratios are shown only.
+WARM_TARGETS = (
+    ("pipeline_planned_warm", "pipeline_planned", 0.9, "warm planned >= 0.9x in-process planned throughput"),
+    ("pipeline_planned_warm", "pipeline_input_warm", 1.5, "warm planned >= 1.5x warm input (file order) throughput"),
+)
+WARM_TARGET_WORKLOADS = ("docs-questions",)
 
 
 # =============================================================================================
@@ -272,6 +297,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="batch_pipeline_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     env = child_env(args.cache, work / "tmp")
+    for name in ("ENGINE_URL", "ENGINE_API_KEY"):  # in-process unless a warm system sets it
+        env.pop(name, None)
     settings = apply_engine_settings(args, env)
     say("engine settings (all systems): " + ", ".join(f"{k}={v if v is not None else '(pipeline default)'}"
                                                       for k, v in settings.items()))
@@ -314,7 +341,8 @@ def bench_workload(
     args: argparse.Namespace, work: Path, env: dict[str, str], pre: dict[str, Any],
     scheduler: dict[str, Any] | None, common: dict[str, Any],
 ) -> dict[str, Any]:
-    """One workload: its file, then --repeats rounds of every system, the summary and the targets."""
+    """One workload: its file, the warm engine if a warm system runs, then --repeats rounds of every
+    system, the summary and the targets."""
     work.mkdir(parents=True, exist_ok=True)
     workload_file = work / f"workload-{args.workload}.jsonl"
     workload = make_workload(args, pre["served_model_name"], pre["model_path"], workload_file)
@@ -331,42 +359,18 @@ def bench_workload(
         "run_batch_entry": args.run_batch_entry,
         "run_batch_disable_log_stats": not args.run_batch_log_stats,
     }
-    runs: list[dict[str, Any]] = []
-    texts: dict[str, dict[str, str]] = {}
-    order = list(systems)
-    for round_no in range(1, args.repeats + 1):
-        if args.rotate and round_no > 1:
-            order = order[1:] + order[:1]
-        for system in order:
-            run_dir = work / f"r{round_no}-{system}"
-            shutil.rmtree(run_dir, ignore_errors=True)
-            run_dir.mkdir(parents=True)
-            cmd, out_file = command_for(system, ctx, run_dir)
-            say(f"{args.workload} round {round_no}/{args.repeats}: {system} ...")
-            m = measure(cmd, system_env(system, env), run_dir / "log.txt", args.timeout)
-            outputs = read_outputs(out_file)
-            texts.setdefault(system, outputs.pop("texts"))
-            rate, rate_source = hit_rate(system, run_dir, outputs)
-            record = {"round": round_no, "system": system, **m, **outputs,
-                      "prefix_cache_hit_rate": None if rate is None else round(rate, 4),
-                      "hit_rate_source": rate_source, "inner": inner_timings(system, run_dir)}
-            runs.append(record)
-            status = "ok" if m["exit_code"] == 0 else f"EXIT {m['exit_code']} (see {m['log']})"
-            say(
-                f"  {system}: {m['wall_s']:.1f}s wall, {outputs['ok']} ok, {outputs['completion_tokens']} output tokens, "
-                f"hit rate {'n/a' if rate is None else f'{rate:.1%}'}, "
-                f"peak RSS {m['maxrss_mb']:.0f} MB (tree {m['tree_peak_rss_mb']:.0f} MB), load {m['loadavg_1m_before']}: {status}"
-            )
-            if not args.keep:
-                for big in run_dir.glob("out/_work"):
-                    shutil.rmtree(big, ignore_errors=True)
+    server = None
+    try:
+        if set(WARM_SYSTEMS) & set(systems):
+            # untimed; the in-process runs' engine settings and the LLM class's scheduler limits
+            server = start_like_runs(env, pre["model_path"], pre["served_model_name"], work / "warm-engine.log",
+                                     scheduler_flags(pre["llm_class_scheduler"]))
+        runs, texts = run_rounds(args, work, env, ctx, systems, server)
+    finally:
+        if server is not None:
+            server.stop()
+            say("warm engine stopped")
     summary = summarize(runs, systems, workload["lines"])
-    agreement = {}
-    if "llm_chat" in texts:
-        ref = texts["llm_chat"]
-        for system, got in texts.items():
-            same = sum(1 for k, v in ref.items() if got.get(k) == v)
-            agreement[system] = {"same_text_as_llm_chat": same, "of": len(ref)}
     prompt_tokens = next((r["prompt_tokens"] for r in runs if r["exit_code"] == 0 and r["ok"]), 0)
     ok_lines = next((r["ok"] for r in runs if r["exit_code"] == 0 and r["ok"]), 0)
     workload["prompt_tokens_mean"] = round(prompt_tokens / ok_lines, 1) if ok_lines else None
@@ -383,12 +387,82 @@ def bench_workload(
                 **workload,
             },
             "work_dir": str(work),
+            "warm_engine": server.info() if server is not None else None,
         },
         "runs": runs,
         "summary": summary,
-        "agreement": agreement,
+        "agreement": agreement_with_llm_chat(texts),
         "targets": check_targets(args.workload, summary, args.noise),
+        "warm_targets": check_warm_targets(args.workload, summary),
     }
+
+
+def run_rounds(
+    args: argparse.Namespace, work: Path, env: dict[str, str], ctx: dict[str, Any], systems: list[str],
+    server: WarmServer | None,
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, str]]]:
+    """--repeats rounds of every system (rotating with --rotate); (the runs' records, each system's first answers)."""
+    runs: list[dict[str, Any]] = []
+    texts: dict[str, dict[str, str]] = {}
+    order = list(systems)
+    for round_no in range(1, args.repeats + 1):
+        if args.rotate and round_no > 1:
+            order = order[1:] + order[:1]
+        for system in order:
+            say(f"{args.workload} round {round_no}/{args.repeats}: {system} ...")
+            record, answers = run_one(args, work / f"r{round_no}-{system}", system, env, ctx, server)
+            runs.append({"round": round_no, **record})
+            texts.setdefault(system, answers)
+    return runs, texts
+
+
+def run_one(
+    args: argparse.Namespace, run_dir: Path, system: str, env: dict[str, str], ctx: dict[str, Any],
+    server: WarmServer | None,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """One timed run of `system` into a fresh `run_dir`; (its record, its answers by custom_id).
+
+    A warm system runs with ENGINE_URL at `server`, its prefix cache emptied first (untimed); the
+    server's CPU seconds during the run are recorded as engine_cpu_s."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    cmd, out_file = command_for(system, ctx, run_dir)
+    run_env = system_env(system, env)
+    engine_cpu = None
+    if system in WARM_SYSTEMS:
+        assert server is not None
+        run_env = server.fresh_env(run_env)
+        engine_cpu = server.cpu_s()
+    m = measure(cmd, run_env, run_dir / "log.txt", args.timeout)
+    if engine_cpu is not None:
+        m["engine_cpu_s"] = round(server.cpu_s() - engine_cpu, 2)
+    outputs = read_outputs(out_file)
+    answers = outputs.pop("texts")
+    rate, rate_source = hit_rate(system, run_dir, outputs)
+    record = {"system": system, **m, **outputs,
+              "prefix_cache_hit_rate": None if rate is None else round(rate, 4),
+              "hit_rate_source": rate_source, "inner": inner_timings(system, run_dir)}
+    status = "ok" if m["exit_code"] == 0 else f"EXIT {m['exit_code']} (see {m['log']})"
+    engine = f", warm engine {m['engine_cpu_s']:.0f} CPU s" if "engine_cpu_s" in m else ""
+    say(
+        f"  {system}: {m['wall_s']:.1f}s wall, {outputs['ok']} ok, {outputs['completion_tokens']} output tokens, "
+        f"hit rate {'n/a' if rate is None else f'{rate:.1%}'}, "
+        f"peak RSS {m['maxrss_mb']:.0f} MB (tree {m['tree_peak_rss_mb']:.0f} MB){engine}, "
+        f"load {m['loadavg_1m_before']}: {status}"
+    )
+    if not args.keep:
+        for big in run_dir.glob("out/_work"):
+            shutil.rmtree(big, ignore_errors=True)
+    return record, answers
+
+
+def agreement_with_llm_chat(texts: dict[str, dict[str, str]]) -> dict[str, dict[str, int]]:
+    """Per system, how many of llm_chat's answers it gave word for word ({} without llm_chat)."""
+    if "llm_chat" not in texts:
+        return {}
+    ref = texts["llm_chat"]
+    return {system: {"same_text_as_llm_chat": sum(1 for k, v in ref.items() if got.get(k) == v), "of": len(ref)}
+            for system, got in texts.items()}
 
 
 def summarize(runs: list[dict[str, Any]], systems: list[str], total: int) -> dict[str, Any]:
@@ -425,7 +499,9 @@ def summarize(runs: list[dict[str, Any]], systems: list[str], total: int) -> dic
             "prefix_cache_hit_rate": round(statistics.median(rates), 4) if rates else None,
             "prefix_cache_hit_rate_all": rates,
             "hit_rate_source": good[0].get("hit_rate_source"),
-            "cpu_s_median": round(statistics.median(r["cpu_user_s"] + r["cpu_sys_s"] for r in good), 1),
+            # a warm system's own process plus the warm engine's CPU seconds during the run
+            "cpu_s_median": round(statistics.median(r["cpu_user_s"] + r["cpu_sys_s"] + r.get("engine_cpu_s", 0)
+                                                    for r in good), 1),
             "maxrss_mb_max": max(r["maxrss_mb"] for r in good),
             "tree_peak_rss_mb_max": max(r["tree_peak_rss_mb"] for r in good),
             "inner_median": inner,
@@ -466,6 +542,36 @@ def check_targets(kind: str, summary: dict[str, Any], noise: float) -> dict[str,
     return out
 
 
+def check_warm_targets(kind: str, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue #37's ratios for one workload: throughput (successful lines / median wall time) of
+    pipeline_planned_warm over pipeline_planned and over pipeline_input_warm, each with its minimum;
+    `met` only where the target applies (WARM_TARGET_WORKLOADS). [] when no warm system ran."""
+    if not any(system in summary for system in WARM_SYSTEMS):
+        return []
+    out = []
+    for system, ref, minimum, text in WARM_TARGETS:
+        mine, base = summary.get(system, {}).get("requests_per_s"), summary.get(ref, {}).get("requests_per_s")
+        got = round(mine / base, 3) if mine and base else None
+        applies = kind in WARM_TARGET_WORKLOADS
+        out.append({"system": system, "reference": ref, "min_ratio": minimum, "text": text, "measured": got,
+                    "applies": applies, "met": None if got is None or not applies else got >= minimum})
+    return out
+
+
+def warm_target_line(kind: str, targets: list[dict[str, Any]]) -> str:
+    """One line: issue #37's two throughput ratios with their targets (a verdict where the target applies)."""
+    parts = []
+    for t in targets:
+        got = "n/a" if t["measured"] is None else f"{t['measured']:.3f}x"
+        if t["applies"]:
+            verdict = {True: "MET", False: "MISSED", None: "not measured"}[t["met"]]
+            parts.append(f"target {t['text']}: {got} -> {verdict}")
+        else:
+            parts.append(f"{t['system']} / {t['reference']} throughput {got}")
+    note = "" if kind in WARM_TARGET_WORKLOADS else f" (the targets are for {', '.join(WARM_TARGET_WORKLOADS)})"
+    return f"{kind}{note}: " + "; ".join(parts)
+
+
 def target_line(kind: str, targets: dict[str, Any]) -> str:
     """One line: the target of the workload with the measured ratio, and the other ratio for reference."""
     def ratio(key: str) -> str:
@@ -503,6 +609,11 @@ def print_table(result: dict[str, Any]) -> None:
     settings = meta.get("engine_settings_env") or {}
     if settings:
         print("engine settings: " + ", ".join(f"{k}={v if v is not None else 'default'}" for k, v in settings.items()))
+    warm = meta.get("warm_engine")
+    if warm:
+        print(f"warm engine of the *_warm systems (untimed, started once before the rounds): healthy after "
+              f"{warm['start_to_healthy_s']:.1f} s, a first request {warm['first_request_s']:.2f} s; prefix cache "
+              "reset before every warm run")
     width = max([10] + [len(k) for k in s])
     header = (
         f"{'system':<{width}} {'wall s med':>10} {'wall s min':>10} {'req/s':>7} {'out tok/s':>9} {'vs LLM.chat':>11} "
@@ -539,6 +650,8 @@ def print_table(result: dict[str, Any]) -> None:
         )
     if result.get("targets"):
         print(target_line(w["kind"], result["targets"]))
+    if result.get("warm_targets"):
+        print("issue #37, " + warm_target_line(w["kind"], result["warm_targets"]))
     print(f"all runs: {meta['work_dir']} (logs in each r<round>-<system>/log.txt)")
 
 
@@ -551,6 +664,12 @@ def print_results(result: dict[str, Any]) -> None:
     print("targets (speed-up = median whole-process wall time of the reference / pipeline_planned's):")
     for kind, one in per_workload.items():
         print("  " + target_line(kind, one.get("targets") or {}))
+    warm = {kind: one["warm_targets"] for kind, one in per_workload.items() if one.get("warm_targets")}
+    if warm:
+        print("issue #37 targets (throughput = successful lines / median whole-process wall time; the warm engine's "
+              "start not counted):")
+        for kind, targets in warm.items():
+            print("  " + warm_target_line(kind, targets))
 
 
 def all_runs(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -627,7 +746,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "--systems",
         default=",".join(SYSTEMS),
         help=f"comma-separated, run in this order: {','.join(SYSTEMS)} (default) and optionally "
-        f"{','.join(EXTRA_SYSTEMS)} (the pipeline with ORDER unset; llm_chat / pipeline with vLLM's multiprocess engine core)",
+        f"{','.join(EXTRA_SYSTEMS)} (the pipeline with ORDER unset; llm_chat / pipeline with vLLM's multiprocess engine "
+        "core; ORDER=input / planned with ENGINE_URL at one warm vLLM server started per workload, untimed)",
     )
     add_engine_options(p)
     p.add_argument(

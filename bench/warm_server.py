@@ -1,13 +1,16 @@
 """A warm vLLM OpenAI-compatible server for the benchmarks: started once in its own process group, its
 start (launch to /health, then a first request) timed apart, stopped at the end.
 
-Not a benchmark: warm_stream.py, api_burst.py, file_backfill.py and date_files_runs.py import it.
+Not a benchmark: warm_stream.py, api_burst.py, file_backfill.py, date_files_runs.py and run_bench.py import it.
 
     server = WarmServer.engine_start(model_dir, served, work / "warm-engine.log").start()
     try:
         ...  # ENGINE_URL=server.url; server.chat(body); server.cpu_s()
     finally:
         server.stop()
+
+start_like_runs() starts one with the engine settings the in-process runs of an environment get, able to
+reset its prefix cache; fresh_env() then empties that cache and gives a run's environment ENGINE_URL.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from common import REPO, say
+from common import REPO, bench_lock, say
 
 START_SECONDS = 600.0
 HELLO = {"max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "Say hello."}]}
+# The engine settings the benchmarks give every system (common.ENGINE_ENV_NAMES' variables).
+ENGINE_SETTING_NAMES = ("MAX_MODEL_LEN", "KV_CACHE_MEMORY_BYTES", "ENABLE_PREFIX_CACHING")
 
 
 def free_port() -> int:
@@ -110,6 +115,12 @@ class WarmServer:
                 raise SystemExit("the warm engine would not reset its prefix cache within 60 s")
             time.sleep(0.5)
 
+    def fresh_env(self, env: dict[str, str]) -> dict[str, str]:
+        """A run's environment on this engine: `env` with ENGINE_URL at it, its prefix cache emptied first
+        (untimed), so the run starts with a cold cache as an in-process run does."""
+        self.reset_prefix_cache()
+        return dict(env, ENGINE_URL=self.url)
+
     def cpu_s(self) -> float:
         """CPU seconds (user + system) of the server and its children so far."""
         import psutil
@@ -133,3 +144,36 @@ class WarmServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(10)
+
+
+def scheduler_flags(scheduler: dict[str, Any]) -> list[str]:
+    """Scheduler limits ({"max_num_seqs": 256, ...}) as server flags (--max-num-seqs 256 ...); None left out."""
+    flags: list[str] = []
+    for key, value in scheduler.items():
+        if value is not None:
+            flags += ["--" + key.replace("_", "-"), str(value)]
+    return flags
+
+
+def start_like_runs(env: dict[str, str], model_path: Path | str, served: str, log_path: Path,
+                    extra_flags: list[str] | None = None, lock: Path | None = None) -> WarmServer:
+    """A warm engine with the engine settings the in-process runs of `env` get, started (untimed, under the
+    bench lock `lock`; None: no lock) and returned.
+
+    The command is `batch-pipeline engine start`'s (engine/server.py), built from env's MAX_MODEL_LEN,
+    KV_CACHE_MEMORY_BYTES and ENABLE_PREFIX_CACHING (an unset one: the pipeline's default, as in-process),
+    then `extra_flags` (e.g. scheduler_flags of the LLM class's limits). The server's environment is `env`
+    with VLLM_SERVER_DEV_MODE=1 (for POST /reset_prefix_cache, see fresh_env) and its own engine-core process.
+    """
+    for name in ENGINE_SETTING_NAMES:  # engine_start reads the settings from this process's environment
+        if env.get(name) is not None:
+            os.environ[name] = env[name]
+        else:
+            os.environ.pop(name, None)
+    server_env = dict(env, VLLM_SERVER_DEV_MODE="1")
+    server_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server's own default, as `engine start`
+    server = WarmServer.engine_start(model_path, served, log_path, extra_flags, server_env)
+    with bench_lock(lock):  # its start loads the machine too
+        server.start()
+    say("warm engine flags: " + " ".join(server.command[3:]))
+    return server
