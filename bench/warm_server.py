@@ -55,13 +55,17 @@ class WarmServer:
     def engine_start(cls, model_dir: Path | str, served: str, log_path: Path, extra_flags: list[str] | None = None,
                      env: dict[str, str] | None = None) -> WarmServer:
         """The server `batch-pipeline engine start` runs (engine/server.py's command, the pipeline's engine
-        settings from this environment), on a free port; `env` default: engine/server.py's server_env()."""
+        settings from this environment), on a free port; `env` default: engine/server.py's
+        server_env(settings). A given `env` gets the CPU cores `engine start` gives (cpu_binding) where it
+        does not say them itself."""
         from batch_pipeline.defs.resources import LLMResource
-        from batch_pipeline.engine.server import server_command, server_env
+        from batch_pipeline.engine.server import cpu_binding, server_command, server_env
 
         port = free_port()
-        command = server_command(LLMResource().settings(), str(model_dir), served, "127.0.0.1", port)
-        return cls(command + list(extra_flags or []), port, served, log_path, server_env() if env is None else env)
+        settings = LLMResource().settings()
+        command = server_command(settings, str(model_dir), served, "127.0.0.1", port)
+        env = server_env(settings) if env is None else {**cpu_binding(settings), **env}
+        return cls(command + list(extra_flags or []), port, served, log_path, env)
 
     def start(self, timeout: float = START_SECONDS) -> WarmServer:
         """Launch, wait for /health (failing after `timeout` s, the server stopped), then one first request."""

