@@ -92,9 +92,11 @@ def test_a_run_marked_cancelling_without_its_interrupt_stops_keeps_its_answers_a
     assert json.loads((folder / "batch.json").read_text())["request_counts"] == {"total": LINES, "completed": LINES, "failed": 0}
 
 
-def test_a_run_sees_a_more_urgent_run_answering_on_its_engine_and_only_that():
+def test_a_run_sees_a_more_urgent_run_answering_on_its_engine_and_only_that(tmp_path):
     url, other = "http://127.0.0.1:8000", "http://127.0.0.1:8001"
-    with dg.DagsterInstance.ephemeral() as instance:
+    # SQLite files, as a deployment's run storage: the ephemeral instance's in-memory tables refuse a
+    # write at once ("database table is locked") while the watch's thread reads them (CI, 2026-12-06)
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
         bulk = instance.add_run(dg.DagsterRun(job_name="batch_job", run_id="bulk", status=dg.DagsterRunStatus.STARTED,
                                               tags=priority_tags(1)))
 
