@@ -80,7 +80,8 @@ def renderer(model_path: str) -> Render | None:
         if not named:
             return None
         tokens = special_tokens(model_dir)
-        compiled = {name: _environment().from_string(text) for name, text in named.items()}
+        env = _environment()
+        compiled = {name: env.from_string(text) for name, text in named.items()}
     except Exception:  # noqa: BLE001 - the caller falls back to the tokenizer's own rendering
         return None
     if len(compiled) > 1 and "default" not in compiled and "tool_use" not in compiled:
