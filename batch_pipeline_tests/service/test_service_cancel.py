@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from batch_pipeline_tests.support.api_service import (RUN_TIMEOUT, client, request_line, run_status, service_stack, upload)
+from batch_pipeline_tests.support.api_service import (RUN_TIMEOUT, client, request_line, run_status, service_stack,
+                                                      upload, wait_run_status)
 from batch_pipeline_tests.support import wait_for
 
 KEY = "key-cancel-0123456789"
@@ -44,7 +45,10 @@ def test_a_cancel_while_the_run_is_starting_is_taken_and_carried_out(stack):
         return current if current.status in ("cancelled", "completed", "failed", "expired") else None
 
     final = wait_for(f"batch {batch.id} ended", ended, RUN_TIMEOUT, interval=1.0, on_timeout=server.log_tail)
-    assert final.status == "cancelled" and run_status(server, batch.id) == "CANCELED"
+    assert final.status == "cancelled"
+    # The run writes its cancelled batch.json (its files final) before its step returns, so Dagster marks
+    # it CANCELED a moment after the batch reads cancelled: CANCELING meanwhile (failed CI once, 8b708fb).
+    assert wait_run_status(server, batch.id, ("CANCELED", "FAILURE", "SUCCESS"), timeout=120) == "CANCELED"
     assert final.request_counts.completed < len(lines)  # stopped, not answered to the end
 
 
