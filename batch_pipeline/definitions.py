@@ -2,6 +2,7 @@
 
 import multiprocessing
 import sys
+import warnings
 from pathlib import Path
 
 import dagster as dg
@@ -26,7 +27,11 @@ def defs_folder() -> dg.Definitions:
     of each run worker's start here, for metadata only the code server serves. A run worker builds
     the same folder without it (test_definitions checks both give the same definitions)."""
     if in_a_run_worker():
-        return dg.ComponentTree.for_project(path_within_project=PROJECT).build_defs(PROJECT / "defs")
+        # Dagster's own preview loaders inside build_defs warn (PreviewWarning, twice) where
+        # load_from_defs_folder does not: every run's worker would print them to the run's stderr.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", dg.PreviewWarning)
+            return dg.ComponentTree.for_project(path_within_project=PROJECT).build_defs(PROJECT / "defs")
     return dg.load_from_defs_folder(path_within_project=PROJECT)
 
 
