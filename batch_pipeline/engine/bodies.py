@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from batch_pipeline.base import ids
@@ -134,13 +134,18 @@ def responses_body(batch_id: str, req: contract.BatchRequest, body: Any, chat: A
 
 
 def completion_body(
-    batch_id: str, req: contract.BatchRequest, body: Any, prompts: Sequence[str], outs: Sequence[Any], model: str, created: int
+    batch_id: str, req: contract.BatchRequest, body: Any, prompts: Sequence[str], outs: Sequence[Any], model: str,
+    created: int, decode: Callable[[int], str] | None = None,
 ) -> Answer:
-    """A `text_completion` from one vLLM RequestOutput per prompt."""
+    """A `text_completion` from one vLLM RequestOutput per prompt. With `echo` and `logprobs`, the
+    logprobs cover the prompt's tokens before the completion's, the first with none (nothing comes
+    before it), as OpenAI's legacy endpoint and vLLM's server give them: the run asked vLLM for the
+    prompt's logprobs (`prompt_logprobs`); `decode` names the first token."""
     choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     for prompt_text, out in zip(prompts, outs):
         prompt_tokens += len(out.prompt_token_ids or [])
         cached += cached_tokens(out)
+        echoed = _prompt_logprobs(out, decode) if body.echo and body.logprobs is not None else []
         for comp in out.outputs:
             completion_tokens += len(comp.token_ids)
             echo = prompt_text if body.echo else ""
@@ -148,7 +153,7 @@ def completion_body(
                 {
                     "index": len(choices),
                     "text": echo + comp.text,
-                    "logprobs": _completion_logprobs(comp, echo) if body.logprobs is not None else None,
+                    "logprobs": _completion_logprobs(comp, echoed) if body.logprobs is not None else None,
                     "finish_reason": finish_reason(comp),
                 }
             )
@@ -251,14 +256,32 @@ def _logprob_entry(lp: Any) -> dict[str, Any]:
     return {"token": text, "logprob": _floor(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def _completion_logprobs(comp: Any, echo_prefix: str) -> dict[str, Any]:
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = len(echo_prefix)
-    for token_id, candidates in _sampled(comp):
-        text = _token_text(candidates[token_id])
-        tokens.append(text)
-        token_logprobs.append(_floor(candidates[token_id].logprob))
-        top_logprobs.append({_token_text(lp): _floor(lp.logprob) for lp in candidates.values()})
+# One token of a completion's logprobs: its text, its logprob and its top candidates (None for a
+# prompt's first token: nothing comes before it).
+LogprobEntry = tuple[str, "float | None", "dict[str, float] | None"]
+
+
+def _legacy_entry(token_id: int, candidates: dict[int, Any]) -> LogprobEntry:
+    return (_token_text(candidates[token_id]), _floor(candidates[token_id].logprob),
+            {_token_text(lp): _floor(lp.logprob) for lp in candidates.values()})
+
+
+def _prompt_logprobs(out: Any, decode: Callable[[int], str] | None) -> list[LogprobEntry]:
+    """The prompt's tokens as completion logprobs (vLLM's `prompt_logprobs`: None for the first)."""
+    token_ids = list(out.prompt_token_ids or [])
+    found = list(out.prompt_logprobs or [])
+    found += [None] * (len(token_ids) - len(found))
+    return [(decode(token_id) if decode is not None else "", None, None) if candidates is None
+            else _legacy_entry(token_id, candidates) for token_id, candidates in zip(token_ids, found)]
+
+
+def _completion_logprobs(comp: Any, echoed: Sequence[LogprobEntry] = ()) -> dict[str, Any]:
+    """OpenAI's legacy logprobs: the echoed prompt's tokens (if any), then the completion's; each
+    token's text_offset counts from the choice's text (the prompt included when echoed)."""
+    entries = [*echoed, *(_legacy_entry(token_id, candidates) for token_id, candidates in _sampled(comp))]
+    offsets, offset = [], 0
+    for text, _, _ in entries:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries], "text_offset": offsets}

@@ -132,7 +132,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
         return len(self.tokenizer.encode(prompt))
 
     def _sampling(self, body: Any, max_tokens: int, logprobs: int | None,
-                  tools: tool_calls.ToolPlan | None = None) -> Any:
+                  tools: tool_calls.ToolPlan | None = None, prompt_logprobs: int | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import StructuredOutputsParams
 
@@ -147,6 +147,7 @@ class GenerationEngine(vllm_adapter.ServedModel):
             "stop": body.stop_list() or None,
             "max_tokens": max_tokens,
             "logprobs": logprobs,
+            "prompt_logprobs": prompt_logprobs,  # an echoed completion's prompt (bodies.completion_body)
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         if tools is not None:  # what the tool parser asks of decoding; the line's own extras still win
@@ -203,10 +204,13 @@ class GenerationEngine(vllm_adapter.ServedModel):
                 lengths = [self._count_chat(conversation, template_kwargs, plan.tools)]
                 prompts: list[Any] = [images.chat_messages_with_images(conversation, loaded) if loaded else conversation]
                 logprobs = (body.top_logprobs or 0) if body.logprobs else None
+                prompt_logprobs = None
             else:
                 prompts = body.prompts()
                 lengths = [self._count_text(p) for p in prompts]
                 logprobs = body.logprobs
+                # Echoed with logprobs: the prompt's tokens get theirs too, as vLLM's server asks.
+                prompt_logprobs = logprobs if body.echo and logprobs is not None else None
         except Exception as e:  # noqa: BLE001 - a template or tokenizer refusing one request
             return lines.engine_error(batch_id, req, e)
         longest = max(lengths)
@@ -219,7 +223,8 @@ class GenerationEngine(vllm_adapter.ServedModel):
                 "for output",
             )
         try:
-            params = [self._sampling(body, self._room(n, body.token_limit()), logprobs, plan) for n in lengths]
+            params = [self._sampling(body, self._room(n, body.token_limit()), logprobs, plan, prompt_logprobs)
+                      for n in lengths]
         except Exception as e:  # noqa: BLE001 - vLLM refusing a parameter combination
             return lines.engine_error(batch_id, req, e)
         return Prepared(req=req, body=body, prompts=prompts, params=params, prompt_lens=lengths,
@@ -333,7 +338,8 @@ class GenerationEngine(vllm_adapter.ServedModel):
                                        reasoning=self.reasoning, template_kwargs=item.template_kwargs,
                                        tools=item.tools, tool_parser=self.tool_parser)
         return bodies.completion_body(
-            batch_id, item.req, item.body, item.prompts, outputs, self.model_name(item), created
+            batch_id, item.req, item.body, item.prompts, outputs, self.model_name(item), created,
+            decode=self.tokenizer.decode,
         )
 
 

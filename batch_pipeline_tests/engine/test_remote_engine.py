@@ -553,6 +553,10 @@ def mixed_lines() -> list[str]:
     for i in range(3):
         body = {"model": TINY_NAME, "prompt": f"Once upon a time {i}", "max_tokens": 5, "temperature": 0}
         lines.append(json.dumps({"custom_id": f"cmpl-{i}", "method": "POST", "url": "/v1/completions", "body": body}))
+    # Echoed with logprobs: the prompt's tokens carry logprobs too, as vLLM's server gives them.
+    body = {"model": TINY_NAME, "prompt": "The sky over the sea", "max_tokens": 3, "temperature": 0, "echo": True,
+            "logprobs": 2}
+    lines.append(json.dumps({"custom_id": "cmpl-echo", "method": "POST", "url": "/v1/completions", "body": body}))
     body = {"model": TINY_NAME, "input": "Say something", "max_output_tokens": 5, "temperature": 0}
     lines.append(json.dumps({"custom_id": "resp-0", "method": "POST", "url": "/v1/responses", "body": body}))
     long = {"model": TINY_NAME, "messages": [{"role": "user", "content": "word " * (TINY_MAX_MODEL_LEN + 50)}], "max_tokens": 4}
@@ -583,7 +587,7 @@ def test_a_batch_answers_the_same_warm_as_in_process(small_engine, tiny_llm, tmp
         out = tmp_path / name / DATE / "mixed"
         results[name] = (by_id(read_jsonl(str(out / "output.jsonl"))), by_id(read_jsonl(str(out / "errors.jsonl"))))
     (local_out, local_err), (warm_out, warm_err) = results["local"], results["warm"]
-    assert sorted(local_out) == sorted(warm_out) and len(warm_out) == 10
+    assert sorted(local_out) == sorted(warm_out) and len(warm_out) == 11
     for custom_id, record in local_out.items():
         mine = warm_out[custom_id]
         assert texts(mine) == texts(record), custom_id  # greedy: the same tokens
@@ -591,6 +595,14 @@ def test_a_batch_answers_the_same_warm_as_in_process(small_engine, tiny_llm, tmp
         usage = (mine["response"]["body"]["usage"], record["response"]["body"]["usage"])
         assert usage[0].get("completion_tokens", usage[0].get("output_tokens")) == \
             usage[1].get("completion_tokens", usage[1].get("output_tokens")), custom_id
+    # The echoed completion's logprobs, prompt tokens first, in the server's shape.
+    echoed = [record["response"]["body"]["choices"][0]["logprobs"] for record in (local_out["cmpl-echo"],
+                                                                                  warm_out["cmpl-echo"])]
+    assert echoed[0]["tokens"] == echoed[1]["tokens"] and len(echoed[0]["tokens"]) > 3, echoed
+    assert echoed[0]["text_offset"] == echoed[1]["text_offset"] and echoed[0]["text_offset"][0] == 0
+    assert echoed[0]["token_logprobs"][0] is None and echoed[1]["token_logprobs"][0] is None
+    assert echoed[0]["token_logprobs"][1:] == pytest.approx(echoed[1]["token_logprobs"][1:], abs=0.05)
+    assert [sorted(t or {}) for t in echoed[0]["top_logprobs"]] == [sorted(t or {}) for t in echoed[1]["top_logprobs"]]
     assert sorted(local_err) == sorted(warm_err) == ["too-long"]
     assert warm_err["too-long"]["error"]["code"] == local_err["too-long"]["error"]["code"] == "context_length_exceeded"
     # The warm run loaded no model: its record says 0 s and names the server.
