@@ -6,7 +6,7 @@ already holds many finished runs.
 A script, not a test. From the repository root, with PostgreSQL on 127.0.0.1:5432 (trust auth, user
 postgres; TEST_POSTGRES_* as in batch_pipeline_tests/support/postgres_db.py say otherwise):
 
-    .venv/bin/python bench/priority_watch_load.py                      # K = 3, 25, 100; 2,000 finished runs; 30 s each (~3 min)
+    .venv/bin/python bench/priority_watch_load.py                      # K = 3, 25, 100; 2,000 finished runs (~3 min)
     .venv/bin/python bench/priority_watch_load.py --sqlite             # also the local SQLite instance, same K (~5 min)
     .venv/bin/python bench/priority_watch_load.py --pooled             # also each watcher on one held connection (~5 min)
     .venv/bin/python bench/priority_watch_load.py --watchers 3,8 --seconds 10 --finished 500 --json /tmp/pw.json
@@ -46,8 +46,8 @@ and closed (NullPool's cost), medians of 20; plus the look's SQL and its EXPLAIN
 With --pooled each K also runs with every watcher's run storage holding one connection for the run's life
 (optimize_for_webserver's pool of 1, what Dagster's webserver does) instead of NullPool's new connection per
 look: what a pooled watch would save, and what it would hold (K connections; K beyond the server's
-max_connections room is skipped). With --sqlite the same K run against DagsterInstance.local_temp (SQLite files; every watcher opens the same
-directory): no server process, so only latency and the watchers' CPU.
+max_connections room is skipped). With --sqlite the same K run against DagsterInstance.local_temp (SQLite
+files; every watcher opens the same directory): no server process, so only latency and the watchers' CPU.
 
 Caveats (printed): the runs' bodies carry tags and run config but not the code origins and snapshot ids a
 launched run's body has (larger bodies cost each look more to unpickle); no event_logs rows are written
@@ -332,21 +332,29 @@ def run_watchers(kind: str, pooled: bool, home: Path, runs: list[tuple[str, int]
     cpu = sum(o.get("cpu", 0.0) for o in outs)
     errors = [o["error"] for o in outs if o["error"]]
     row = {
-        "kind": kind + ("+pool" if pooled else ""), "k": len(runs), "window_s": round(window, 2), "spawn_s": round(spawn_seconds, 2),
+        "kind": kind + ("+pool" if pooled else ""), "k": len(runs), "window_s": round(window, 2),
+        "spawn_s": round(spawn_seconds, 2),
         "looks": looks, "looks_per_s": round(looks / window, 2),
         "median_ms": round(statistics.median(lat) * 1000, 2) if lat else None,
         "p95_ms": round(pct(lat, 95) * 1000, 2) if lat else None,
         "max_ms": round(max(lat) * 1000, 2) if lat else None,
-        "watchers_cpu_per_s": round(cpu / window, 3), "watchers_cpu_ms_per_look": round(cpu / looks * 1000, 2) if looks else None,
+        "watchers_cpu_per_s": round(cpu / window, 3),
+        "watchers_cpu_ms_per_look": round(cpu / looks * 1000, 2) if looks else None,
         "look_errors": sum(o["errors"] for o in outs), "error_samples": errors[:3],
         "outranked_looks": sum(o["outranked"] for o in outs),
         "host_busy": round((host1[0] - host0[0]) / max(1, host1[1] - host0[1]), 3),
+        "host_cpu_per_s": round((host1[0] - host0[0]) / TICK / window, 3),
         "loadavg_end": load,
     }
+    # What neither the watchers nor the server used: this process, the kernel's own threads, and anything
+    # else running on the host (another job's load shows here).
+    row["rest_cpu_per_s"] = round(row["host_cpu_per_s"] - row["watchers_cpu_per_s"] - (pg1 - pg0) / window
+                                  if pg_db else row["host_cpu_per_s"] - row["watchers_cpu_per_s"], 3)
     if pg_db:
         pg = pg1 - pg0
         delta = {key: db1[key] - db0[key] for key in db0}
-        row.update({"pg_cpu_per_s": round(pg / window, 3), "pg_cpu_ms_per_look": round(pg / looks * 1000, 2) if looks else None,
+        row.update({"pg_cpu_per_s": round(pg / window, 3),
+                    "pg_cpu_ms_per_look": round(pg / looks * 1000, 2) if looks else None,
                     "db_delta": delta,
                     "sessions_per_look": round(delta["sessions"] / looks, 2) if looks else None,
                     "tuples_returned_per_look": round(delta["tup_returned"] / looks, 1) if looks else None,
@@ -416,7 +424,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
           f"run body {meta.get('body_bytes', '?')} B on average")
     head = (f"{'instance':<13} {'K':>4} {'looks':>6} {'looks/s':>8} {'median ms':>10} {'p95 ms':>8} {'max ms':>8} "
             f"{'watch CPU/s':>11} {'watch ms/look':>13} {'pg CPU/s':>9} {'pg ms/look':>10} {'sess/look':>9} "
-            f"{'tup ret/look':>12} {'host busy':>9} {'errors':>6}  loadavg at end")
+            f"{'tup ret/look':>12} {'host busy':>9} {'rest CPU/s':>10} {'errors':>6}  loadavg at end")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -428,7 +436,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
               f"{(format(r['pg_cpu_ms_per_look'], '.2f') if pg else '-'):>10} "
               f"{(format(r['sessions_per_look'], '.2f') if pg else '-'):>9} "
               f"{(format(r['tuples_returned_per_look'], '.1f') if pg else '-'):>12} "
-              f"{r['host_busy']:>9.0%} {r['look_errors']:>6}  {r['loadavg_end']}")
+              f"{r['host_busy']:>9.0%} {r['rest_cpu_per_s']:>10.3f} {r['look_errors']:>6}  {r['loadavg_end']}")
     print()
     print("sanity: looks that named a run of higher priority (every watcher but the priority-5 one should):")
     for r in rows:
@@ -459,7 +467,10 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
           "(backends included, also the reaped ones), end minus start of the window, nothing subtracted (the idle "
           "rate above is the background); sess/look = pg_stat_database sessions per look (1 = a new connection "
           "each time); tup ret/look = pg_stat_database tup_returned per look, catalog reads of new backends included "
-          "(the stats reader's own connection, and with +pool the held connections' set-up flushed late, add a little); host busy = the whole host's CPU over the window. Run bodies here lack the code origins "
+          "(the stats reader's own connection, and with +pool the held connections' set-up flushed late, add a "
+          "little); host busy = the whole host's CPU over the window (of all cores); rest CPU/s = the host's CPU-s/s "
+          "less the watchers' and the server's (this process, kernel threads, softirq, and any other job: a high "
+          "value means the figures were shared). Run bodies here lack the code origins "
           "and snapshot ids of a launched run; no event logs are written; no daemon, webserver or run writes share "
           "the server.")
 
@@ -491,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("nothing to measure: --no-postgres needs --sqlite")
 
     meta: dict[str, Any] = {"cpus": os.cpu_count(), "finished": args.finished, "others": args.others,
-                            "seconds": args.seconds, "idle_seconds": args.idle_seconds, "anatomy": [], "explain": {}, "pool_skipped": [],
+                            "seconds": args.seconds, "idle_seconds": args.idle_seconds, "anatomy": [], "explain": {},
+                            "pool_skipped": [],
                             "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "loadavg_start": loadavg()}
     say(f"load average at start: {meta['loadavg_start']}")
     rows: list[dict[str, Any]] = []
@@ -499,8 +511,9 @@ def main(argv: list[str] | None = None) -> int:
     dbname = f"pw_bench_{os.getpid()}"
     created = False
     pool_room = 0
-    saved_env = {name: os.environ.get(name) for name in ("DAGSTER_HOME", "DAGSTER_POSTGRES_USER", "DAGSTER_POSTGRES_PASSWORD",
-                                                         "DAGSTER_POSTGRES_HOSTNAME", "DAGSTER_POSTGRES_DB", "DAGSTER_POSTGRES_PORT")}
+    saved_env = {name: os.environ.get(name) for name in (
+        "DAGSTER_HOME", "DAGSTER_POSTGRES_USER", "DAGSTER_POSTGRES_PASSWORD", "DAGSTER_POSTGRES_HOSTNAME",
+        "DAGSTER_POSTGRES_DB", "DAGSTER_POSTGRES_PORT")}
     try:
         for kind in kinds:
             if kind == "postgres":
@@ -521,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 home = tmp / "dagster_home_sqlite"
                 home.mkdir()
-                (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")  # Dagster's defaults (SQLite files here)
+                # Dagster's defaults (SQLite files in `home`), telemetry off as in the project's dagster.yaml
+                (home / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
                 instance = dg.DagsterInstance.local_temp(str(home))
             say(f"{kind}: filling the runs table: {args.finished:,} finished runs, {args.others} started elsewhere ...")
             t0 = time.perf_counter()
@@ -553,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                                        dbname if kind == "postgres" else None)
                     rows.append(row)
                     say(f"{label} K={k}: {row['looks']} looks, median {row['median_ms']} ms, p95 {row['p95_ms']} ms, "
-                        f"watchers {row['watchers_cpu_per_s']} CPU-s/s" +
+                        f"watchers {row['watchers_cpu_per_s']} CPU-s/s, rest {row['rest_cpu_per_s']} CPU-s/s" +
                         (f", postgres {row['pg_cpu_per_s']} CPU-s/s, {row['sessions_per_look']} sessions/look"
                          if kind == "postgres" else "") + f", host busy {row['host_busy']:.0%}, load {row['loadavg_end']}")
                 if kind == "postgres":
