@@ -8,7 +8,9 @@ postgres; TEST_POSTGRES_* as in batch_pipeline_tests/support/postgres_db.py say 
 
     .venv/bin/python bench/priority_watch_load.py                      # K = 3, 25, 100; 2,000 finished runs (~3 min)
     .venv/bin/python bench/priority_watch_load.py --sqlite             # also the local SQLite instance, same K (~5 min)
-    .venv/bin/python bench/priority_watch_load.py --pooled             # also each watcher on one held connection (~5 min)
+    .venv/bin/python bench/priority_watch_load.py --pooled             # also each watcher on one held connection (~4 min)
+    .venv/bin/python bench/priority_watch_load.py --pooled --sqlite    # both (6.5 min on 2 idle cores)
+    .venv/bin/python bench/priority_watch_load.py --watchers 85 --pooled   # the highest K a held connection each fits (~2 min)
     .venv/bin/python bench/priority_watch_load.py --watchers 3,8 --seconds 10 --finished 500 --json /tmp/pw.json
 
 What a run does (batch_pipeline/defs/run_watch.py): while it answers on a warm engine it carries the tag
