@@ -15,8 +15,9 @@ postgres; TEST_POSTGRES_* as in batch_pipeline_tests/support/postgres_db.py say 
 
 What a run does (batch_pipeline/defs/run_watch.py): while it answers on a warm engine it carries the tag
 batch_pipeline/answering_on = the engine's URL, and a thread calls PriorityWatch.look every
-PRIORITY_POLL_SECONDS (1 s): instance.get_runs(RunsFilter(statuses=[STARTED], tags={ANSWERING_TAG: url}),
-limit=100). Here:
+PRIORITY_POLL_SECONDS (1 s), or every K / PRIORITY_LOOKS_PER_SECOND (25) s when it saw K runs answering
+there and that is longer (PriorityWatch.interval; --fixed-poll: 1 s whatever K, as before):
+instance.get_runs(RunsFilter(statuses=[STARTED], tags={ANSWERING_TAG: url}), limit=100). Here:
 
 - a fresh database pw_bench_<pid> is created (dropped at the end) and the production instance settings
   (deploy/dagster.yaml, DAGSTER_POSTGRES_* pointing at it) are loaded from a temporary DAGSTER_HOME, as
@@ -29,7 +30,7 @@ limit=100). Here:
 - for each K: K started runs answering on the engine's URL are added (priorities: one at 5, the rest 0 to 2,
   so most watchers see one run above them), then K watcher processes (forked, each with its own
   DagsterInstance.get() and its own GIL, as each run is its own process) each run PriorityWatch.look of
-  its own run on its own instance as the watch thread does: wait PRIORITY_POLL_SECONDS, look, again, from
+  its own run on its own instance as the watch thread does: wait its interval, look, again, from
   a random phase within the first second, for --seconds; then the K runs are deleted again, so every K
   sees the same history.
 
@@ -83,7 +84,7 @@ import dagster as dg
 
 from batch_pipeline.config.priority import priority_tags
 from batch_pipeline.defs.jobs import ENGINE_TAG, batch_run_config
-from batch_pipeline.defs.run_watch import ANSWERING_TAG, PRIORITY_POLL_SECONDS, PriorityWatch
+from batch_pipeline.defs.run_watch import ANSWERING_TAG, PRIORITY_LOOKS_PER_SECOND, PRIORITY_POLL_SECONDS, PriorityWatch
 from common import loadavg, pct, say, write_json
 
 PG_HOST = os.environ.get("TEST_POSTGRES_HOST", "127.0.0.1")
@@ -265,10 +266,14 @@ def add_answering(instance: dg.DagsterInstance, k: int, base: int, seed: int) ->
 # =============================================================================================
 
 
+FIXED_POLL = False
+
+
 def watcher(kind: str, pooled: bool, home: str, run_id: str, ready: Any, go: Any, start_at: Any, seconds: float,
             phase: float, results: Any) -> None:
     """A run's watch thread, in its own process: its own instance and its own run, then look every
-    PRIORITY_POLL_SECONDS from start_at + phase until start_at + seconds."""
+    PriorityWatch.interval() (--fixed-poll: PRIORITY_POLL_SECONDS) from start_at + phase until
+    start_at + seconds."""
     out: dict[str, Any] = {"run_id": run_id, "latencies": [], "errors": 0, "outranked": 0, "error": None}
     try:
         instance = open_instance(kind, Path(home))
@@ -290,9 +295,12 @@ def watcher(kind: str, pooled: bool, home: str, run_id: str, ready: Any, go: Any
                 out["errors"] += 1
                 out["error"] = repr(e)[:300]
             out["latencies"].append(time.perf_counter() - t0)
-            if time.time() + watch.poll > end:
+            # The watch thread's wait between looks: its interval (the poll, longer among many runs),
+            # or with --fixed-poll the poll alone, as before run_watch.PRIORITY_LOOKS_PER_SECOND.
+            wait = watch.poll if FIXED_POLL else watch.interval()
+            if time.time() + wait > end:
                 break
-            time.sleep(watch.poll)  # the watch thread's wait(poll) between looks
+            time.sleep(wait)
         out["cpu"] = time.process_time() - cpu0
     except Exception as e:  # noqa: BLE001 - reported by the parent
         out["error"] = f"setup: {e!r}"[:300]
@@ -419,7 +427,8 @@ def look_sql(instance: dg.DagsterInstance) -> str:
 def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     print()
     print(f"PriorityWatch.look under load: {meta['cpus']} CPU(s), {meta['finished']:,} finished runs + "
-          f"{meta['others']} started on another engine; each watcher looks every {PRIORITY_POLL_SECONDS:g} s "
+          f"{meta['others']} started on another engine; each watcher looks every "
+          f"{f'{PRIORITY_POLL_SECONDS:g} s' if FIXED_POLL else f'max({PRIORITY_POLL_SECONDS:g} s, K / {PRIORITY_LOOKS_PER_SECOND:g})'} "
           f"for {meta['seconds']:g} s; {meta['when']}")
     print(f"PostgreSQL {meta.get('pg_version', '?')}; idle server before the loads: "
           f"{meta.get('pg_idle_cpu_per_s', float('nan')):.4f} CPU-s/s over {meta['idle_seconds']:g} s; "
@@ -480,7 +489,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
 # =============================================================================================
 
 
-def main(argv: list[str] | None = None) -> int:
+def arguments(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--watchers", default="3,25,100", help="K values, comma-separated (default 3,25,100)")
     p.add_argument("--finished", type=int, default=2000, help="finished runs in the runs table (default 2000)")
@@ -494,14 +503,63 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sqlite", action="store_true", help="also the local SQLite instance (DagsterInstance.local_temp)")
     p.add_argument("--no-postgres", action="store_true", help="SQLite only (with --sqlite)")
     p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--fixed-poll", action="store_true",
+                   help="each watcher looks every PRIORITY_POLL_SECONDS whatever K (the watch before it spaced its "
+                        "looks by the runs it sees: PriorityWatch.interval)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
-    ks = [int(x) for x in args.watchers.split(",") if x.strip()]
-    if not ks or min(ks) < 1 or max(ks) > 100:
+    args.ks = [int(x) for x in args.watchers.split(",") if x.strip()]
+    if not args.ks or min(args.ks) < 1 or max(args.ks) > 100:
         p.error("--watchers: 1 to 100 each (a look reads at most 100 runs)")
-    kinds = ([] if args.no_postgres else ["postgres"]) + (["sqlite"] if args.sqlite else [])
-    if not kinds:
+    args.kinds = ([] if args.no_postgres else ["postgres"]) + (["sqlite"] if args.sqlite else [])
+    if not args.kinds:
         p.error("nothing to measure: --no-postgres needs --sqlite")
+    return args
+
+
+def measure_ks(kind: str, instance: Any, home: Path, args: argparse.Namespace, meta: dict[str, Any],
+               dbname: str, pool_room: int) -> list[dict[str, Any]]:
+    """Each K in turn on one instance: K answering runs added, their watchers' window (plain, and
+    pooled with --pooled), then the runs deleted again."""
+    rows: list[dict[str, Any]] = []
+    ks = args.ks
+    base = args.finished + args.others
+    for k in ks:
+        runs = add_answering(instance, k, base, args.seed)
+        base += k
+        if kind == "postgres":
+            pg_sql(dbname, "ANALYZE")
+        a = anatomy(instance, runs[-1][0])
+        meta["anatomy"].append({"kind": kind, "k": k, **a})
+        say(f"{kind} K={k}: unloaded look {a['look_ms']} ms (query+fetch {a['query_fetch_ms']}, "
+            f"unpickle {a['unpickle_ms']}, connect {a['connect_ms']})")
+        for pooled in ([False, True] if kind == "postgres" and args.pooled else [False]):
+            if pooled and k > pool_room:
+                say(f"postgres+pool K={k}: skipped: {k} held connections exceed the server's room "
+                    f"({pool_room}: max_connections less reserved and a margin)")
+                meta["pool_skipped"].append(k)
+                continue
+            label = kind + ("+pool" if pooled else "")
+            say(f"{label} K={k}: {k} watchers for {args.seconds:g} s ...")
+            row = run_watchers(kind, pooled, home, runs, args.seconds, args.seed + k,
+                               dbname if kind == "postgres" else None)
+            rows.append(row)
+            say(f"{label} K={k}: {row['looks']} looks, median {row['median_ms']} ms, p95 {row['p95_ms']} ms, "
+                f"watchers {row['watchers_cpu_per_s']} CPU-s/s, rest {row['rest_cpu_per_s']} CPU-s/s" +
+                (f", postgres {row['pg_cpu_per_s']} CPU-s/s, {row['sessions_per_look']} sessions/look"
+                 if kind == "postgres" else "") + f", host busy {row['host_busy']:.0%}, load {row['loadavg_end']}")
+        if kind == "postgres":
+            meta["explain"][k] = [r[0] for r in pg_sql(dbname, "EXPLAIN (ANALYZE, BUFFERS) " + meta["sql"])]
+        for run_id, _ in runs:
+            instance.delete_run(run_id)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(argv)
+    global FIXED_POLL
+    FIXED_POLL = args.fixed_poll  # read by the forked watchers
+    kinds = args.kinds
 
     meta: dict[str, Any] = {"cpus": os.cpu_count(), "finished": args.finished, "others": args.others,
                             "seconds": args.seconds, "idle_seconds": args.idle_seconds, "anatomy": [], "explain": {},
@@ -547,35 +605,7 @@ def main(argv: list[str] | None = None) -> int:
                 pg_sql(dbname, "VACUUM ANALYZE")
                 meta["body_bytes"] = int(pg_sql(dbname, "SELECT avg(length(run_body)) FROM runs")[0][0])
                 meta["sql"] = look_sql(instance)
-            base = args.finished + args.others
-            for k in ks:
-                runs = add_answering(instance, k, base, args.seed)
-                base += k
-                if kind == "postgres":
-                    pg_sql(dbname, "ANALYZE")
-                a = anatomy(instance, runs[-1][0])
-                meta["anatomy"].append({"kind": kind, "k": k, **a})
-                say(f"{kind} K={k}: unloaded look {a['look_ms']} ms (query+fetch {a['query_fetch_ms']}, "
-                    f"unpickle {a['unpickle_ms']}, connect {a['connect_ms']})")
-                for pooled in ([False, True] if kind == "postgres" and args.pooled else [False]):
-                    if pooled and k > pool_room:
-                        say(f"postgres+pool K={k}: skipped: {k} held connections exceed the server's room "
-                            f"({pool_room}: max_connections less reserved and a margin)")
-                        meta["pool_skipped"].append(k)
-                        continue
-                    label = kind + ("+pool" if pooled else "")
-                    say(f"{label} K={k}: {k} watchers for {args.seconds:g} s ...")
-                    row = run_watchers(kind, pooled, home, runs, args.seconds, args.seed + k,
-                                       dbname if kind == "postgres" else None)
-                    rows.append(row)
-                    say(f"{label} K={k}: {row['looks']} looks, median {row['median_ms']} ms, p95 {row['p95_ms']} ms, "
-                        f"watchers {row['watchers_cpu_per_s']} CPU-s/s, rest {row['rest_cpu_per_s']} CPU-s/s" +
-                        (f", postgres {row['pg_cpu_per_s']} CPU-s/s, {row['sessions_per_look']} sessions/look"
-                         if kind == "postgres" else "") + f", host busy {row['host_busy']:.0%}, load {row['loadavg_end']}")
-                if kind == "postgres":
-                    meta["explain"][k] = [r[0] for r in pg_sql(dbname, "EXPLAIN (ANALYZE, BUFFERS) " + meta["sql"])]
-                for run_id, _ in runs:
-                    instance.delete_run(run_id)
+            rows += measure_ks(kind, instance, home, args, meta, dbname, pool_room)
             instance.dispose()
         report(rows, meta)
         if args.json:

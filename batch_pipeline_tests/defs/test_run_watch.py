@@ -119,3 +119,21 @@ def test_a_run_sees_a_more_urgent_run_answering_on_its_engine_and_only_that(tmp_
             instance.add_run_tags("urgent", {ANSWERING_TAG: ""})  # what its own watch does when it stops answering
             wait_for("the urgent run gone", lambda: watch.outranked() is None, timeout=10, interval=0.01)
         assert instance.get_run_by_id("bulk").tags[ANSWERING_TAG] == ""
+
+
+def test_a_watch_among_many_runs_on_its_engine_looks_less_often(tmp_path):
+    """Every run's watch reads all the runs answering on the engine: at 100 runs, a look a second each
+    fell behind (bench/priority_watch_load.py). A watch seeing K runs waits K / 25 s (at least its poll),
+    so an engine's watches look about 25 times a second in all."""
+    url = "http://127.0.0.1:8000"
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
+        runs = [instance.add_run(dg.DagsterRun(job_name="batch_job", run_id=f"r{i}", status=dg.DagsterRunStatus.STARTED,
+                                               tags={**priority_tags(0), ANSWERING_TAG: url})) for i in range(50)]
+        watch = PriorityWatch(instance, runs[0], url)
+        assert watch.interval() == 1.0  # before its first look: the poll
+        assert watch.look() is None
+        assert watch.interval() == 2.0  # 50 runs answering: 50 / 25 s
+        for run in runs[10:]:
+            instance.add_run_tags(run.run_id, {ANSWERING_TAG: ""})  # 40 of them stopped answering
+        watch.look()
+        assert watch.interval() == 1.0  # 10 runs: the poll again
