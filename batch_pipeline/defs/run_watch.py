@@ -43,7 +43,8 @@ PRIORITY_POLL_SECONDS = 1.0
 # (bench/priority_watch_load.py on PostgreSQL, 2 cores: 0.05 CPU-s/s at 3 runs, 0.5 at 25, about 3 at
 # 100, where the looks fell behind). A watch seeing K runs looks every K / PRIORITY_LOOKS_PER_SECOND
 # seconds when that is longer: an engine's watches then look at most that often in all, and an urgent
-# run among 100 is seen within 4 s.
+# run among 100 is seen within 4 s. (A look reads at most 100 runs, so beyond 100 runs on one engine the
+# looks grow again with K: deploy/dagster.yaml lets 8 run at once, dagster.yaml 3.)
 PRIORITY_LOOKS_PER_SECOND = 25.0
 
 

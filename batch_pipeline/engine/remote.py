@@ -768,6 +768,10 @@ def _completion_shape(prefix: str, batch_id: str, req: contract.BatchRequest, pa
     body = copy.deepcopy(payload)
     body.update(id=ids.completion_id(prefix, batch_id, req.line), created=created, system_fingerprint=None)
     for i, choice in enumerate(body["choices"]):
+        if isinstance(choice, dict):
+            # vLLM's own field, filled for an echoed line with logprobs (token ids -> logprobs, in every
+            # choice): those logprobs are already in `logprobs`, in OpenAI's shape, as in-process has them.
+            choice.pop("prompt_logprobs", None)
         message = choice.get("message") if isinstance(choice, dict) else None
         for j, call in enumerate((message or {}).get("tool_calls") or []):
             if isinstance(call, dict):
