@@ -135,7 +135,7 @@ def responses_body(batch_id: str, req: contract.BatchRequest, body: Any, chat: A
 
 def completion_body(
     batch_id: str, req: contract.BatchRequest, body: Any, prompts: Sequence[str], outs: Sequence[Any], model: str,
-    created: int, decode: Callable[[int], str] | None = None,
+    created: int, decode: Callable[[int], str],
 ) -> Answer:
     """A `text_completion` from one vLLM RequestOutput per prompt. With `echo` and `logprobs`, the
     logprobs cover the prompt's tokens before the completion's, the first with none (nothing comes
@@ -266,16 +266,16 @@ def _legacy_entry(token_id: int, candidates: dict[int, Any]) -> LogprobEntry:
             {_token_text(lp): _floor(lp.logprob) for lp in candidates.values()})
 
 
-def _prompt_logprobs(out: Any, decode: Callable[[int], str] | None) -> list[LogprobEntry]:
+def _prompt_logprobs(out: Any, decode: Callable[[int], str]) -> list[LogprobEntry]:
     """The prompt's tokens as completion logprobs (vLLM's `prompt_logprobs`: None for the first)."""
     token_ids = list(out.prompt_token_ids or [])
     found = list(out.prompt_logprobs or [])
     found += [None] * (len(token_ids) - len(found))
-    return [(decode(token_id) if decode is not None else "", None, None) if candidates is None
+    return [(decode(token_id), None, None) if candidates is None
             else _legacy_entry(token_id, candidates) for token_id, candidates in zip(token_ids, found)]
 
 
-def _completion_logprobs(comp: Any, echoed: Sequence[LogprobEntry] = ()) -> dict[str, Any]:
+def _completion_logprobs(comp: Any, echoed: Sequence[LogprobEntry]) -> dict[str, Any]:
     """OpenAI's legacy logprobs: the echoed prompt's tokens (if any), then the completion's; each
     token's text_offset counts from the choice's text (the prompt included when echoed)."""
     entries = [*echoed, *(_legacy_entry(token_id, candidates) for token_id, candidates in _sampled(comp))]
