@@ -85,12 +85,8 @@ import dagster as dg
 from batch_pipeline.config.priority import priority_tags
 from batch_pipeline.defs.jobs import ENGINE_TAG, batch_run_config
 from batch_pipeline.defs.run_watch import ANSWERING_TAG, PRIORITY_LOOKS_PER_SECOND, PRIORITY_POLL_SECONDS, PriorityWatch
+from batch_pipeline_tests.support.postgres_db import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER, connect
 from common import loadavg, pct, say, write_json
-
-PG_HOST = os.environ.get("TEST_POSTGRES_HOST", "127.0.0.1")
-PG_PORT = int(os.environ.get("TEST_POSTGRES_PORT", "5432"))
-PG_USER = os.environ.get("TEST_POSTGRES_USER", "postgres")
-PG_PASSWORD = os.environ.get("TEST_POSTGRES_PASSWORD", "")
 
 URL = "http://engine-a:8000/v1"  # the warm engine the K runs answer on
 OTHER_URL = "http://engine-b:8000/v1"  # another engine (another model)
@@ -102,16 +98,8 @@ TICK = os.sysconf("SC_CLK_TCK")
 # =============================================================================================
 
 
-def pg_connect(dbname: str) -> Any:
-    import psycopg2  # dagster-postgres depends on psycopg2-binary
-
-    conn = psycopg2.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, password=PG_PASSWORD, dbname=dbname)
-    conn.autocommit = True
-    return conn
-
-
 def pg_sql(dbname: str, sql: str, params: tuple = ()) -> list[tuple]:
-    conn = pg_connect(dbname)
+    conn = connect(dbname)
     try:
         with conn.cursor() as cur:
             cur.execute(sql, params)
