@@ -6,6 +6,7 @@ A script, not a test. From the repository root:
 
     nice -n 10 .venv/bin/python bench/file_backfill.py --json /tmp/file_backfill.json   # 100 files x 2 lines
     nice -n 10 .venv/bin/python bench/file_backfill.py --files 5                         # a smoke run, ~3 min
+    .venv/bin/python bench/file_backfill.py --files 12 --rounds 4 --launchers forked,default  # the launchers side by side
 
 Issue 38: "A date of 100 small files backfills as 100 runs on a warm engine; the cost of a run beyond its
 answers (launch, Dagster, writing) is measured and stated, aiming at 5 s or less on this machine size."
@@ -20,7 +21,8 @@ the same lock, so this one waits for them):
    (OpenAI Batch format, /v1/chat/completions, --max-tokens 8, temperature 0; each round its own texts),
    --date (default yesterday, UTC; PARTITIONS_START is set to it).
 3. Per round, a fresh `dagster dev` (its own DAGSTER_HOME with the repo's dagster.yaml, as `make dev`
-   does; web server, daemon, code server) with ENGINE_URL at the warm engine, started untimed. The files'
+   does; web server, daemon, code server; with --launchers, the rounds take the run launchers in turn:
+   `forked`, dagster.yaml's ForkedRunLauncher, or `default`, Dagster's DefaultRunLauncher in a copy of it) with ENGINE_URL at the warm engine, started untimed. The files'
    `batch_files` partitions (`<date>/f-NNN`) are added (instance.add_dynamic_partitions), then ONE
    backfill of job `batch_file_job` over those partition keys is launched through the web server's
    GraphQL `launchPartitionBackfill` (the job's partition set, partitionNames), as Jobs > batch_file_job >
@@ -150,7 +152,8 @@ def answer_wall_s(metrics: dict[str, Any]) -> float | None:
 class Round:
     """One fresh `dagster dev` over this round's files, with ENGINE_URL at the warm engine."""
 
-    def __init__(self, root: Path, model_dir: Path, served: str, engine_url: str, date: str) -> None:
+    def __init__(self, root: Path, model_dir: Path, served: str, engine_url: str, date: str,
+                 launcher: str = "forked") -> None:
         from batch_pipeline_tests.support.dagster_server import start_dagster_dev
 
         root.mkdir(parents=True)
@@ -162,7 +165,9 @@ class Round:
                     "MODEL_PATH": str(model_dir), "SERVED_MODEL_NAME": served, "ENGINE_URL": engine_url,
                     "PARTITIONS_START": date, "TMPDIR": str(root / "tmp")}
         self.dagster = None
-        self.start_dagster = lambda: start_dagster_dev(root / "home", self.env, root / "dagster-dev.log")
+        self.launcher = launcher
+        instance_yaml = instance_settings(root, launcher)
+        self.start_dagster = lambda: start_dagster_dev(root / "home", self.env, root / "dagster-dev.log", instance_yaml)
 
     def start(self) -> None:
         started = time.perf_counter()
@@ -173,6 +178,20 @@ class Round:
     def stop(self) -> None:
         if self.dagster is not None:
             self.dagster.stop()  # SIGKILL to its process group: web server, daemon, code server, run workers
+
+
+def instance_settings(root: Path, launcher: str) -> Path | None:
+    """The repo's dagster.yaml (`forked`: its ForkedRunLauncher), or a copy of it with Dagster's default
+    launcher (`default`: each run a new process started by the code server)."""
+    if launcher == "forked":
+        return None
+    import yaml
+
+    settings = yaml.safe_load((REPO / "dagster.yaml").read_text())
+    settings["run_launcher"] = {"module": "dagster.core.launcher", "class": "DefaultRunLauncher"}
+    path = root / "dagster-default-launcher.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return path
 
 
 def launch_backfill(rnd: Round, keys: list[str]) -> tuple[str, str]:
@@ -346,7 +365,7 @@ def report(args: argparse.Namespace, engine: WarmServer, rounds: list[dict[str, 
     verdicts = []
     for r in rounds:
         p, b = r["pipeline"], r["baseline"]
-        print(f"\nround {r['round']} (load {p['load_before']} -> {p['load_after']}; backfill {p['backfill_id']}, "
+        print(f"\nround {r['round']}, {r['launcher']} run launcher (load {p['load_before']} -> {p['load_after']}; backfill {p['backfill_id']}, "
               f"partition set {p['partition_set']}, run tags batch_pipeline/engine: {', '.join(p['engine_tags'])})")
         print(f"  backfill wall time (launch to the last run's end): {p['wall_s']:.1f} s for {p['runs_n']} runs, all "
               f"SUCCESS: {p['runs_per_min']:.1f} runs/min ({p['wall_s'] / p['runs_n']:.2f} s a run); the poll saw it "
@@ -385,7 +404,17 @@ def report(args: argparse.Namespace, engine: WarmServer, rounds: list[dict[str, 
               f"{r['engine_cpu_backfill_s']:.1f} s, in the baseline {r['engine_cpu_baseline_s']:.1f} s")
         print(f"  issue 38's aim, a run's cost beyond its answers (launched -> end minus answering wall, median) <= "
               f"{AIM_S:.0f} s: {beyond} s -> {'MET' if met else 'NOT MET'}")
-    return {"aim_s": AIM_S, "aim_met_per_round": verdicts}
+    by_launcher = {}
+    for name in dict.fromkeys(r["launcher"] for r in rounds):
+        mine = [r["pipeline"] for r in rounds if r["launcher"] == name]
+        by_launcher[name] = {
+            "rounds": len(mine), "wall_s": [p["wall_s"] for p in mine],
+            "launch_s_median": [p["summary"].get("launch_s", {}).get("median") for p in mine],
+            "beyond_answers_s_median": [p["summary"].get("beyond_answers_s", {}).get("median") for p in mine]}
+        print(f"\n{name} run launcher, {len(mine)} round(s): backfill wall {by_launcher[name]['wall_s']} s; run worker "
+              f"start (median) {by_launcher[name]['launch_s_median']} s; beyond answers (median) "
+              f"{by_launcher[name]['beyond_answers_s_median']} s")
+    return {"aim_s": AIM_S, "aim_met_per_round": verdicts, "by_launcher": by_launcher}
 
 
 def main() -> int:
@@ -394,6 +423,9 @@ def main() -> int:
     p.add_argument("--lines", type=int, default=2, help="chat lines per file (default 2)")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--rounds", type=int, default=1, help="rounds, each a fresh dagster dev and its own texts (default 1)")
+    p.add_argument("--launchers", type=lambda v: v.split(","), default=["forked"],
+                   help="run launchers the rounds take in turn: forked (dagster.yaml's ForkedRunLauncher), default "
+                        "(Dagster's DefaultRunLauncher); e.g. forked,default with --rounds 4 (default forked)")
     p.add_argument("--date", default=None, help="the files' date, YYYY-MM-DD (default yesterday, UTC)")
     p.add_argument("--baseline-concurrency", type=int, default=4)
     p.add_argument("--poll", type=float, default=1.0, help="seconds between looks at the runs")
@@ -419,15 +451,17 @@ def main() -> int:
         try:
             engine.start()
             for r in range(1, args.rounds + 1):
-                rnd = Round(work / f"r{r}", model_dir, served, engine.url, date)
+                launcher = args.launchers[(r - 1) % len(args.launchers)]
+                rnd = Round(work / f"r{r}", model_dir, served, engine.url, date, launcher)
                 rnd.lines = args.lines
                 files = write_files(rnd.inbox, date, r, args, served)
-                say(f"round {r}/{args.rounds}: {len(files)} files x {args.lines} lines written; starting dagster dev (untimed)")
+                say(f"round {r}/{args.rounds} ({launcher} run launcher): {len(files)} files x {args.lines} lines written; "
+                    "starting dagster dev (untimed)")
                 try:
                     rnd.start()
                     say(f"  dagster dev ready after {rnd.start_s:.1f} s at {rnd.dagster.url}")
                     order = ["pipeline", "baseline"] if r % 2 else ["baseline", "pipeline"]
-                    fig: dict[str, Any] = {"round": r, "date": date, "dagster_start_s": rnd.start_s}
+                    fig: dict[str, Any] = {"round": r, "launcher": launcher, "date": date, "dagster_start_s": rnd.start_s}
                     for part in order:
                         cpu = engine.cpu_s()
                         if part == "pipeline":
