@@ -167,7 +167,8 @@ class Round:
         self.dagster = None
         self.launcher = launcher
         instance_yaml = instance_settings(root, launcher)
-        self.start_dagster = lambda: start_dagster_dev(root / "home", self.env, root / "dagster-dev.log", instance_yaml)
+        self.start_dagster = lambda: start_dagster_dev(root / "home", self.env, root / "dagster-dev.log",
+                                                         instance_yaml=instance_yaml)
 
     def start(self) -> None:
         started = time.perf_counter()

@@ -8,10 +8,13 @@ what it cost.
 
 This launcher starts each run's worker as a fork of a warm process instead: Python's multiprocessing
 fork server, started on the first launch, which imports defs/run_worker.py (Dagster's run execution
-and the pipeline's wiring, never vLLM) once. The worker runs what the default launcher's runs run,
-`dagster api execute_run`, and the run's event log says it was forked (or started afresh, when the
-project's code changed since the fork server imported it: an edit behaves as with the default launcher).
-A code location with another Python (its `executable_path`) gets a new process of that Python.
+and the pipeline's wiring, never vLLM) once. The worker runs `dagster api execute_run`, as the run
+workers of Dagster's container launchers (Docker, Kubernetes) do, and the run's event log says it was
+forked (or started afresh, when the project's code changed since the fork server imported it: an edit
+behaves as with the default launcher). A code location with another Python (its `executable_path`)
+gets a new process of that Python. The fork server finds modules as a new `python -c` would (installed
+packages, PYTHONPATH, the working directory; Python 3.11's does not take the daemon's sys.path): a worker
+whose fork server could not import the pipeline imports it itself, and says so.
 
 What the default launcher's code server does for its runs, this launcher does for its own:
 - a worker that dies before its run finished fails the run, with Dagster's own wording of the exit
@@ -22,18 +25,24 @@ What the default launcher's code server does for its runs, this launcher does fo
 The worker is found by the run's PID_TAG (its pid and start time, so a reused pid is never signalled),
 so the web server can terminate a run the daemon launched. That is why it serves instances whose daemon,
 web server and runs share one machine: `dagster dev`, `make dev` and the tests (dagster.yaml). deploy/
-keeps Dagster's default launcher, whose runs start beside the code server in the container with the GPUs.
+keeps Dagster's launchers: the compose file's default launcher starts runs beside the code server, in the
+container with the GPUs, and the Helm chart a Kubernetes pod per run. As with the default launcher, whose
+code server forgets its runs when it restarts, a worker that dies while the daemon that launched it is
+down is not noticed: terminate its run in the UI.
 """
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -46,13 +55,24 @@ from dagster._utils import get_run_crash_explanation
 PID_TAG = "batch_pipeline/run_worker"
 WARM_MODULE = "batch_pipeline.defs.run_worker"
 WATCH_SECONDS = 1.0
+log = logging.getLogger(__name__)
 
 
 def _run_worker(argv: list[str]) -> None:
-    """The forked worker's entry: run_worker.py is already imported there (the fork server's preload)."""
-    from batch_pipeline.defs.run_worker import execute_run
+    """The forked worker's entry (run_worker.py is already imported here: the fork server's preload). It
+    ends as a normal exit would (atexit handlers, threads), which a fork server's child otherwise skips."""
+    try:
+        from batch_pipeline.defs.run_worker import execute_run
+    except Exception:  # noqa: BLE001 - the pipeline does not import: a new process says why in the run's log
+        os.execv(argv[0], argv)
+    from batch_pipeline.base.runtime import exit_without_teardown
 
-    execute_run(argv)
+    try:
+        execute_run(argv)
+        code = 0
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    exit_without_teardown(code)
 
 
 def process_start(pid: int) -> str | None:
@@ -64,6 +84,22 @@ def process_start(pid: int) -> str | None:
         return None
 
 
+@dataclass
+class _Worker:
+    process: Any  # multiprocessing.Process (forked) or subprocess.Popen (another Python)
+    started: str | None  # process_start(pid) right after the start
+
+    def exit_code(self) -> int | None:
+        """Its exit code once it has ended, else None; negative: the signal that ended it. Only under the
+        launcher's lock: two readers of a forked worker's status would get the code and an EOF (255)."""
+        if isinstance(self.process, multiprocessing.process.BaseProcess):
+            return self.process.exitcode
+        return self.process.poll()
+
+    def alive(self) -> bool:
+        return self.started is not None and process_start(self.process.pid) == self.started
+
+
 class ForkedRunLauncher(RunLauncher, ConfigurableClass):
     """Starts each run's worker as a fork of a process that has Dagster and the pipeline imported.
     `preload`: further modules the fork server imports (the code location's own, when it is not this
@@ -72,8 +108,8 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
     def __init__(self, preload: Sequence[str] = (), inst_data: ConfigurableClassData | None = None) -> None:
         self._inst_data = inst_data
         self.preload = [WARM_MODULE, *preload]
-        self._workers: dict[str, Any] = {}  # run id -> multiprocessing.Process or subprocess.Popen
-        self._lock = threading.Lock()
+        self._workers: dict[str, _Worker] = {}
+        self._lock = threading.RLock()  # the workers, their starts and every read of their status
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._forks: Any = None
@@ -99,17 +135,28 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
         # The code location's Python runs the run, as Dagster's code server starts its runs with its own.
         args = ExecuteRunArgs(job_origin=origin, run_id=run.run_id, instance_ref=self._instance.get_ref())
         argv = [origin.executable_path, "-m", "dagster", "api", "execute_run", serialize_value(args)]
-        if self.forks(argv):
-            worker = self._fork_context().Process(target=_run_worker, args=(argv,), name=f"dagster run {run.run_id}")
-            worker.start()
-        else:  # another Python: a new process of it, as Dagster's own command-line launchers do
-            worker = subprocess.Popen(argv)
-        self._instance.add_run_tags(run.run_id, {PID_TAG: f"{worker.pid}@{process_start(worker.pid) or ''}"})
         with self._lock:
-            self._workers[run.run_id] = worker
+            process = self._start(run, argv)
+            worker = self._workers[run.run_id] = _Worker(process, process_start(process.pid))
             if self._watcher is None:
                 self._watcher = threading.Thread(target=self._watch, name="forked-run-watch", daemon=True)
                 self._watcher.start()
+        try:
+            self._instance.add_run_tags(run.run_id, {PID_TAG: f"{process.pid}@{worker.started or ''}"})
+        except Exception:  # noqa: BLE001 - the run goes on; only a terminate from another process misses it
+            log.exception("could not tag run %s with its worker's pid %s", run.run_id, process.pid)
+
+    def _start(self, run: dg.DagsterRun, argv: list[str]) -> Any:
+        if self.forks(argv):
+            try:
+                process = self._fork_context().Process(target=_run_worker, args=(argv,), name=f"dagster run {run.run_id}")
+                process.start()
+                return process
+            except Exception as e:  # noqa: BLE001 - e.g. the fork server died importing the pipeline
+                self._instance.report_engine_event(
+                    f"Could not fork the run's worker from the warm process ({e!r}): starting it as a new process.",
+                    run, cls=self.__class__)
+        return subprocess.Popen(argv)  # another Python: a new process of it, as Dagster's command-line launchers do
 
     @staticmethod
     def forks(argv: Sequence[str]) -> bool:
@@ -127,12 +174,17 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
     def _watch(self) -> None:
         while not self._stopping.wait(WATCH_SECONDS):
             with self._lock:
-                ended = [(run_id, code) for run_id, worker in self._workers.items()
-                         if (code := _exit_code(worker)) is not None]
-                for run_id, _ in ended:
+                ended = {run_id: (worker, code) for run_id, worker in self._workers.items()
+                         if (code := worker.exit_code()) is not None and not worker.alive()}
+                for run_id in ended:
                     del self._workers[run_id]
-            for run_id, code in ended:
-                self._worker_ended(run_id, code)
+            for run_id, (worker, code) in ended.items():
+                try:
+                    self._worker_ended(run_id, code)
+                except Exception:  # noqa: BLE001 - e.g. a locked database: look again next time
+                    log.exception("could not record the end of run %s's worker", run_id)
+                    with self._lock:
+                        self._workers[run_id] = worker
 
     def _worker_ended(self, run_id: str, code: int) -> None:
         """As Dagster's code server does for a run process of its own: a worker that ended before its run
@@ -147,10 +199,9 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
     def _worker_pid(self, run: dg.DagsterRun) -> int | None:
         """The run's worker's pid while that process lives (whichever process launched it), else None."""
         pid, _, started = run.tags.get(PID_TAG, "").partition("@")
-        if not pid.isdigit():
+        if not pid.isdigit() or not started:
             return None
-        now = process_start(int(pid))
-        return int(pid) if now is not None and (not started or now == started) else None
+        return int(pid) if process_start(int(pid)) == started else None
 
     def terminate(self, run_id: str) -> bool:
         run = self._instance.get_run_by_id(run_id)
@@ -164,7 +215,7 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
             return False
         try:
             os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
+        except (ProcessLookupError, PermissionError):
             return False
         return True
 
@@ -175,8 +226,8 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
     def check_run_worker_health(self, run: dg.DagsterRun) -> CheckRunHealthResult:
         with self._lock:
             worker = self._workers.get(run.run_id)
-        code = None if worker is None else _exit_code(worker)
-        if worker is not None and code is not None:
+            code = None if worker is None else worker.exit_code()
+        if worker is not None and code is not None and not worker.alive():
             return CheckRunHealthResult(WorkerStatus.SUCCESS if code == 0 else WorkerStatus.FAILED,
                                         get_run_crash_explanation("Run worker", code) if code else None)
         if worker is not None or self._worker_pid(run) is not None:
@@ -187,16 +238,14 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
 
     def join(self, timeout: int = 30) -> None:
         """Waits until every worker this launcher started has ended (tests)."""
-        with self._lock:
-            workers = list(self._workers.values())
-        for worker in workers:
-            (worker.join if hasattr(worker, "join") else worker.wait)(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(w.exit_code() is not None and not w.alive() for w in self._workers.values()):
+                    return
+            time.sleep(0.1)
 
     def dispose(self) -> None:
-        """Stops watching (the workers go on: a run outlives the daemon that launched it)."""
+        """Stops watching. The workers go on; a daemon's own exit waits for the forked ones, since
+        multiprocessing joins a process's children at exit (as a code server waits for its runs)."""
         self._stopping.set()
-
-
-def _exit_code(worker: Any) -> int | None:
-    """A worker's exit code once it has ended, else None; negative: the signal that ended it."""
-    return worker.exitcode if isinstance(worker, multiprocessing.process.BaseProcess) else worker.poll()

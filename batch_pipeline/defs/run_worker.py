@@ -42,26 +42,47 @@ import batch_pipeline.defs.run_watch  # noqa: E402
 import batch_pipeline.defs.schedules  # noqa: E402
 import batch_pipeline.defs.sensors  # noqa: E402
 
-# Where the interpreter and installed packages live: their files are not the project's own code.
-_INSTALLED = tuple({str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sysconfig.get_paths()["purelib"])})
+# Where the interpreter's own modules and installed packages live: their files are not the project's code.
+_ROOTS = {Path(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+_INSTALLED = tuple(f"{root}{os.sep}" for root in _ROOTS | {root.resolve() for root in _ROOTS})
 FORKED_MESSAGE = "Run worker forked from the warm process (pid {pid}): Dagster and the pipeline already imported."
 FRESH_MESSAGE = "Run worker started afresh: {path} changed since the warm process imported it."
 
 
-def changed_since_imported(modules: dict | None = None, since: float | None = None) -> str | None:
-    """A source file of the project's own modules imported here that was modified after `since` (default:
-    when this module was imported), or None."""
-    since = IMPORTED_AT if since is None else since
-    for module in list((sys.modules if modules is None else modules).values()):
+def project_files(modules: dict) -> list[str]:
+    """The source files of `modules` that are the project's own (not the interpreter's or installed)."""
+    files = []
+    for module in list(modules.values()):
         path = getattr(module, "__file__", None)
-        if not path or path.startswith(_INSTALLED) or str(Path(path).resolve()).startswith(_INSTALLED):
-            continue
-        try:
-            if os.stat(path).st_mtime > since:
-                return path
-        except OSError:  # a module whose file is gone: run the code that is there now
+        if path and not path.startswith(_INSTALLED) and not str(Path(path).resolve()).startswith(_INSTALLED):
+            files.append(path)
+    return files
+
+
+def _stamp(path: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(path)
+    except OSError:  # gone
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
+def changed_since_imported(modules: dict | None = None, stamps: dict | None = None, since: float | None = None) -> str | None:
+    """A source file of the project's modules in `modules` (default: this process's) that is not as it
+    was when imported, or None: one whose modification time or size differs from `stamps` (taken when
+    this module's imports were done), or one imported later that was modified after `since` (when this
+    module's import began), or one that is gone."""
+    stamps = STAMPS if stamps is None else stamps
+    since = IMPORTED_AT if since is None else since
+    for path in project_files(sys.modules if modules is None else modules):
+        now = _stamp(path)
+        if now is None or (now != stamps[path] if path in stamps else now[0] > since * 1e9):
             return path
     return None
+
+
+STAMPS = {path: _stamp(path) for path in project_files(sys.modules)}
+IMPORTED_IN = os.getpid()  # the fork server's pid; in a worker, its own pid if the fork server could not import this
 
 
 def execute_run(argv: list[str]) -> None:
@@ -70,10 +91,15 @@ def execute_run(argv: list[str]) -> None:
     Either way the run's event log says which."""
     changed = changed_since_imported()
     args = deserialize_value(argv[-1], ExecuteRunArgs)
+    if changed:
+        message = FRESH_MESSAGE.format(path=changed)
+    elif IMPORTED_IN == os.getpid():
+        message = "Run worker forked, but the warm process had not imported the pipeline: imported here."
+    else:
+        message = FORKED_MESSAGE.format(pid=IMPORTED_IN)
     with dg.DagsterInstance.from_ref(args.instance_ref) as instance:
         run = instance.get_run_by_id(args.run_id)
         if run is not None:
-            message = FRESH_MESSAGE.format(path=changed) if changed else FORKED_MESSAGE.format(pid=os.getppid())
             instance.report_engine_event(message, run)
     if changed:
         os.execv(argv[0], argv)
@@ -81,4 +107,4 @@ def execute_run(argv: list[str]) -> None:
     dagster._cli.main()
 
 
-__all__ = ["IMPORTED_AT", "changed_since_imported", "dg", "execute_run"]
+__all__ = ["IMPORTED_AT", "STAMPS", "changed_since_imported", "execute_run", "project_files"]

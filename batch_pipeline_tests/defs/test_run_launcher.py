@@ -25,10 +25,29 @@ REPO = Path(__file__).resolve().parents[2]
 FINISHED = {dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
 
 
+@pytest.fixture(scope="module")
+def own_module(tmp_path_factory):
+    """A module of the code location's own (outside the venv) that the fork server imports too: the
+    launcher's `preload`. The fork server is this process's one, started by the first launch with these
+    settings; it finds the module on PYTHONPATH (Python 3.11's fork server does not take its parent's
+    sys.path)."""
+    folder = tmp_path_factory.mktemp("own")
+    name = f"own_module_{os.getpid()}"
+    (folder / f"{name}.py").write_text("OWN = True\n")
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), before]))
+    yield folder / f"{name}.py", name
+    if before is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = before
+
+
 @pytest.fixture
-def instance(tmp_path):
-    """A SQLite instance with the repo's dagster.yaml run launcher."""
+def instance(tmp_path, own_module):
+    """A SQLite instance with the repo's dagster.yaml run launcher (preloading `own_module` too)."""
     launcher = yaml.safe_load((REPO / "dagster.yaml").read_text())["run_launcher"]
+    launcher = {**launcher, "config": {"preload": [own_module[1]]}}
     with dg.instance_for_test(temp_dir=str(tmp_path), overrides={"run_launcher": launcher}) as inst:
         assert isinstance(inst.run_launcher, ForkedRunLauncher)
         yield inst
@@ -68,18 +87,14 @@ def test_each_run_is_a_fork_of_the_warm_process(instance):
     assert len(pids) == 2 and os.getpid() not in pids  # a process per run, never this one
 
 
-def test_a_run_starts_afresh_when_the_project_changed_since_the_fork(instance):
+def test_a_run_starts_afresh_when_the_project_changed_since_the_fork(instance, own_module):
     """An edit after the fork server imported the code: the run's worker runs the edited code, as a new
     process would (the same command, `execv`), and says why."""
     assert _finished(instance, _launch(instance, quick_job)).status == dg.DagsterRunStatus.SUCCESS
-    edited = Path(run_worker.__file__)
-    before = edited.stat()
-    try:
-        os.utime(edited, None)  # now: newer than the fork server's import
-        run_id = _launch(instance, quick_job)
-        assert _finished(instance, run_id).status == dg.DagsterRunStatus.SUCCESS, _messages(instance, run_id)
-    finally:
-        os.utime(edited, ns=(before.st_atime_ns, before.st_mtime_ns))
+    edited = own_module[0]
+    edited.write_text("OWN = 'edited'\n")
+    run_id = _launch(instance, quick_job)
+    assert _finished(instance, run_id).status == dg.DagsterRunStatus.SUCCESS, _messages(instance, run_id)
     assert f"Run worker started afresh: {edited} changed since the warm process imported it." in _messages(instance, run_id)
 
 
@@ -123,13 +138,20 @@ def test_forks_only_this_python():
 
 
 def test_changed_since_imported_looks_at_the_projects_files_only(tmp_path):
-    own = tmp_path / "own.py"
-    own.write_text("")
-    installed = type(sys)("installed")
-    installed.__file__ = dg.__file__  # an installed package's file, however new
-    assert run_worker.changed_since_imported({"own": _module(own), "dg": installed}, since=own.stat().st_mtime - 1) == str(own)
-    assert run_worker.changed_since_imported({"own": _module(own), "dg": installed}, since=own.stat().st_mtime + 1) is None
-    assert run_worker.changed_since_imported({"gone": _module(tmp_path / "gone.py")}, since=0) == str(tmp_path / "gone.py")
+    own, later = tmp_path / "own.py", tmp_path / "later.py"
+    own.write_text("A = 1\n")
+    later.write_text("")
+    installed = _module(Path(dg.__file__))  # an installed package's file, however new
+    modules = {"own": _module(own), "later": _module(later), "dg": installed}
+    assert run_worker.project_files(modules) == [str(own), str(later)]
+    stamps = {str(own): (own.stat().st_mtime_ns, own.stat().st_size)}
+    since = later.stat().st_mtime + 1  # `later` imported after the stamps, and not modified since
+    assert run_worker.changed_since_imported(modules, stamps, since) is None
+    own.write_text("A = 22\n")  # another size: changed, whatever its time says
+    os.utime(own, ns=stamps[str(own)][:1] * 2)
+    assert run_worker.changed_since_imported(modules, stamps, since) == str(own)
+    assert run_worker.changed_since_imported({"later": _module(later)}, {}, since - 2) == str(later)  # modified after
+    assert run_worker.changed_since_imported({"gone": _module(tmp_path / "gone.py")}, {}, 0) == str(tmp_path / "gone.py")
 
 
 def _module(path: Path):
