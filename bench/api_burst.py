@@ -6,6 +6,7 @@ A script, not a test. From the repository root:
 
     nice -n 10 .venv/bin/python bench/api_burst.py --json /tmp/api_burst.json     # 12 x 8, one round
     nice -n 10 .venv/bin/python bench/api_burst.py --batches 3 --lines 3 --bulk-lines 64   # a smoke run
+    .venv/bin/python bench/api_burst.py --batches 1 --rounds 2 --poll 0.25 --launcher default  # Dagster's launcher
 
 Issue 37 ("a warm engine per model"), through the Batch API. What runs, all on 127.0.0.1: per system
 and round, a fresh `dagster dev` (the repo's dagster.yaml: SQLite, the queued run coordinator with
@@ -65,7 +66,7 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ORDER", "MAX_MODEL
     os.environ.pop(_name, None)  # the pipeline's defaults for the runs and for the warm server alike
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
-from common import loadavg, say  # noqa: E402
+from common import instance_settings, loadavg, say  # noqa: E402
 from warm_server import WarmServer  # noqa: E402
 from workloads import batch_text, summary_bodies  # noqa: E402
 
@@ -88,7 +89,8 @@ def lines_of(tag: str, n: int, served: str, max_tokens: int) -> bytes:
 class Stack:
     """A `dagster dev` (the repo's dagster.yaml) and `batch-pipeline serve` over it; runs warm with engine_url."""
 
-    def __init__(self, root: Path, model_dir: Path, engine_url: str | None, tenants: list[str]) -> None:
+    def __init__(self, root: Path, model_dir: Path, engine_url: str | None, tenants: list[str],
+                 launcher: str = "forked") -> None:
         import openai
 
         from batch_pipeline_tests.support.dagster_server import free_port, start_dagster_dev, wait_for
@@ -99,7 +101,8 @@ class Stack:
                "MODEL_PATH": str(model_dir), "ENGINE_URL": engine_url, "TMPDIR": str(root / "tmp")}
         (root / "in").mkdir()
         (root / "tmp").mkdir()
-        self.dagster = start_dagster_dev(root / "home", env, root / "dagster-dev.log")
+        self.dagster = start_dagster_dev(root / "home", env, root / "dagster-dev.log",
+                                         instance_yaml=instance_settings(root, launcher))
         port = free_port()
         serve_env = {**os.environ, **env, "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": self.dagster.url,
                      "BATCH_API_KEYS": ",".join(f"{t}:{key(t)}" for t in tenants), "BATCH_API_MAX_PRIORITY": URGENT_PRIORITY}
@@ -302,6 +305,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--urgent-after", type=float, default=2.0,
                    help="seconds after the bulk's inference step starts to create the urgent batch (default 2)")
     p.add_argument("--no-priority", action="store_true", help="the burst only")
+    p.add_argument("--launcher", choices=("forked", "default"), default="forked",
+                   help="the instance's run launcher: dagster.yaml's ForkedRunLauncher (default), or Dagster's "
+                        "DefaultRunLauncher in a copy of it")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between polls of the unfinished batches")
     p.add_argument("--timeout", type=float, default=1800, help="per burst or batch, seconds")
     p.add_argument("--work-dir", type=Path, default=None)
@@ -330,7 +336,7 @@ def _run_system(args: argparse.Namespace, setup: _Setup, figures: _Figures, r: i
     server, served = setup.server, setup.served
     say(f"round {r}/{args.rounds}: {system}: starting dagster dev and batch-pipeline serve (untimed)")
     stack = Stack(setup.work / f"r{r}-{system}", setup.model_dir, server.url if system == "warm" else None,
-                  setup.tenants + ["bulk", "urgent"])
+                  setup.tenants + ["bulk", "urgent"], args.launcher)
     try:
         cpu = server.cpu_s()
         say(f"  burst: {args.batches} x {args.lines} lines over {args.tenants} tenants (load {loadavg()})")

@@ -1,6 +1,7 @@
 """What the benchmarks share: the environment of their subprocesses, the preflight that resolves the
 model and engine arguments as the pipeline does, timing one subprocess, reading an output file, the
-engine settings, exporting a git revision of the pipeline, the machine-wide bench lock.
+engine settings, exporting a git revision of the pipeline, the Dagster instance settings of a launcher, the
+machine-wide bench lock.
 
 Not a benchmark: the scripts in bench/ import it (`sys.path.insert(0, <bench>)`, then `from common import ...`).
 """
@@ -378,6 +379,21 @@ def pipeline_source(rev: str | None, work: Path, env: dict[str, str]) -> dict[st
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(dest), env.get("PYTHONPATH", "")) if p)
     say(f"pipeline code: {rev} = {commit[:12]}, exported to {dest}")
     return {"tree": rev, "commit": commit, "path": str(dest)}
+
+
+def instance_settings(root: Path, launcher: str) -> Path | None:
+    """The Dagster instance settings of a benchmark's `dagster dev`: None for the repo's dagster.yaml
+    (`forked`: its ForkedRunLauncher), or a copy of it in `root` with Dagster's DefaultRunLauncher
+    (`default`: each run a new process started by the code server)."""
+    if launcher == "forked":
+        return None
+    import yaml
+
+    settings = yaml.safe_load((REPO / "dagster.yaml").read_text())
+    settings["run_launcher"] = {"module": "dagster.core.launcher", "class": "DefaultRunLauncher"}
+    path = root / "dagster-default-launcher.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    return path
 
 
 # =============================================================================================

@@ -68,7 +68,7 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ORDER", "MAX_MODEL
     os.environ.pop(_name, None)  # the pipeline's defaults for the runs and for the warm server alike
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
-from common import bench_lock, loadavg, pct, say  # noqa: E402
+from common import bench_lock, instance_settings, loadavg, pct, say  # noqa: E402
 from warm_server import WarmServer  # noqa: E402
 from workloads import summary_bodies, write_batch  # noqa: E402
 
@@ -179,20 +179,6 @@ class Round:
     def stop(self) -> None:
         if self.dagster is not None:
             self.dagster.stop()  # SIGKILL to its process group: web server, daemon, code server, run workers
-
-
-def instance_settings(root: Path, launcher: str) -> Path | None:
-    """The repo's dagster.yaml (`forked`: its ForkedRunLauncher), or a copy of it with Dagster's default
-    launcher (`default`: each run a new process started by the code server)."""
-    if launcher == "forked":
-        return None
-    import yaml
-
-    settings = yaml.safe_load((REPO / "dagster.yaml").read_text())
-    settings["run_launcher"] = {"module": "dagster.core.launcher", "class": "DefaultRunLauncher"}
-    path = root / "dagster-default-launcher.yaml"
-    path.write_text(yaml.safe_dump(settings))
-    return path
 
 
 def launch_backfill(rnd: Round, keys: list[str]) -> tuple[str, str]:
