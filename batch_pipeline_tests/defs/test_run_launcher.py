@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -158,3 +159,38 @@ def _module(path: Path):
     module = type(sys)(path.stem)
     module.__file__ = str(path)
     return module
+
+
+FALLBACK_SCRIPT = """
+import sys
+import dagster as dg
+from batch_pipeline_tests.support.launched_jobs import quick_job
+
+launcher = {"module": "batch_pipeline.defs.run_launcher", "class": "ForkedRunLauncher",
+            "config": {"preload": ["broken_at_import"]}}
+with dg.instance_for_test(temp_dir=sys.argv[1], overrides={"run_launcher": launcher}) as instance:
+    origin = dg.reconstructable(quick_job).get_python_origin()
+    run = instance.create_run_for_job(job_def=quick_job, job_code_origin=origin)
+    instance.launch_run(run.run_id, workspace=None)
+    instance.run_launcher.join(timeout=120)
+    run = instance.get_run_by_id(run.run_id)
+    print(run.status.value)
+    for entry in instance.all_logs(run.run_id):
+        print(entry.message)
+"""
+
+
+def test_a_fork_server_that_cannot_start_leaves_runs_to_new_processes(tmp_path):
+    """A module the fork server imports raises at import (not an ImportError, which it would skip): the
+    fork server dies, and each run starts as a new process instead, saying why. In a process of its own:
+    the fork server is one per process."""
+    (tmp_path / "broken_at_import.py").write_text("raise RuntimeError('a bad setting, say')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    (tmp_path / "home").mkdir()
+    done = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT, str(tmp_path / "home")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    status, *messages = done.stdout.splitlines()
+    assert status == "SUCCESS", done.stdout + done.stderr[-3000:]
+    assert any("Could not fork the run's worker from the warm process" in m for m in messages), messages
+    assert not any(m.startswith("Run worker forked") for m in messages), messages
