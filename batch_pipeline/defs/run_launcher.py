@@ -99,6 +99,12 @@ class _Worker:
     def alive(self) -> bool:
         return self.started is not None and process_start(self.process.pid) == self.started
 
+    def ended(self) -> int | None:
+        """Its exit code once its process is gone, else None (a forked worker's code can be read while it
+        still runs: when the fork server dies, it reads 255). Under the launcher's lock, as exit_code."""
+        code = self.exit_code()
+        return None if code is None or self.alive() else code
+
 
 class ForkedRunLauncher(RunLauncher, ConfigurableClass):
     """Starts each run's worker as a fork of a process that has Dagster and the pipeline imported.
@@ -175,7 +181,7 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
         while not self._stopping.wait(WATCH_SECONDS):
             with self._lock:
                 ended = {run_id: (worker, code) for run_id, worker in self._workers.items()
-                         if (code := worker.exit_code()) is not None and not worker.alive()}
+                         if (code := worker.ended()) is not None}
                 for run_id in ended:
                     del self._workers[run_id]
             for run_id, (worker, code) in ended.items():
@@ -226,8 +232,8 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
     def check_run_worker_health(self, run: dg.DagsterRun) -> CheckRunHealthResult:
         with self._lock:
             worker = self._workers.get(run.run_id)
-            code = None if worker is None else worker.exit_code()
-        if worker is not None and code is not None and not worker.alive():
+            code = None if worker is None else worker.ended()
+        if worker is not None and code is not None:
             return CheckRunHealthResult(WorkerStatus.SUCCESS if code == 0 else WorkerStatus.FAILED,
                                         get_run_crash_explanation("Run worker", code) if code else None)
         if worker is not None or self._worker_pid(run) is not None:
@@ -241,7 +247,7 @@ class ForkedRunLauncher(RunLauncher, ConfigurableClass):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if all(w.exit_code() is not None and not w.alive() for w in self._workers.values()):
+                if all(w.ended() is not None for w in self._workers.values()):
                     return
             time.sleep(0.1)
 
