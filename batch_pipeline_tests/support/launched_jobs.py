@@ -1,5 +1,7 @@
 """Two small Dagster jobs a run launcher's tests launch as real runs: `quick_job` ends at once;
-`held_job` runs until its release file exists (or 120 s), so a test can kill or terminate its worker."""
+`held_job` runs until its release file exists (or 120 s), so a test can kill or terminate its worker.
+Their ops run in the run's worker (the in-process executor, as the pipeline's jobs do), so a killed
+worker leaves no step process behind."""
 
 import os
 import time
@@ -22,11 +24,11 @@ def hold(context: dg.OpExecutionContext) -> None:
         time.sleep(0.2)
 
 
-@dg.job
+@dg.job(executor_def=dg.in_process_executor)
 def quick_job() -> None:
     say_pid()
 
 
-@dg.job
+@dg.job(executor_def=dg.in_process_executor)
 def held_job() -> None:
     hold()
