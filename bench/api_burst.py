@@ -7,6 +7,7 @@ A script, not a test. From the repository root:
     nice -n 10 .venv/bin/python bench/api_burst.py --json /tmp/api_burst.json     # 12 x 8, one round
     nice -n 10 .venv/bin/python bench/api_burst.py --batches 3 --lines 3 --bulk-lines 64   # a smoke run
     .venv/bin/python bench/api_burst.py --batches 1 --rounds 2 --poll 0.25 --launcher default  # Dagster's launcher
+    .venv/bin/python bench/api_burst.py --priority-only --rounds 2 --poll 0.25  # the urgent batch only, its phases
 
 Issue 37 ("a warm engine per model"), through the Batch API. What runs, all on 127.0.0.1: per system
 and round, a fresh `dagster dev` (the repo's dagster.yaml: SQLite, the queued run coordinator with
@@ -242,7 +243,7 @@ def priority(stack: Stack, bulk_file: bytes, urgent_file: bytes, args: argparse.
     time.sleep(args.urgent_after)
     counts = stack.sdk["bulk"].batches.retrieve(bulk).request_counts
     bulk_answered_at_urgent = counts.completed if counts else 0  # as checkpointed (every 5 s)
-    t_urgent = time.perf_counter()
+    t_urgent, e_urgent = time.perf_counter(), time.time()
     urgent = create(stack, "urgent", urgent_fid, {"priority": URGENT_PRIORITY})
     done = wait_done(stack, {urgent: ("urgent", t_urgent), bulk: ("bulk", t_bulk)}, args.poll, args.timeout)
     urgent_s, bulk_s = done[urgent], done[bulk]
@@ -250,7 +251,7 @@ def priority(stack: Stack, bulk_file: bytes, urgent_file: bytes, args: argparse.
     check(stack, urgent, "urgent", args.lines)
     bulk_run, urgent_run = stack.run_timings(bulk), stack.run_timings(urgent)
     load_mid = loadavg()
-    t_alone = time.perf_counter()
+    t_alone, e_alone = time.perf_counter(), time.time()
     alone = create(stack, "urgent", urgent_fid, {"priority": URGENT_PRIORITY})
     alone_s = wait_done(stack, {alone: ("urgent", t_alone)}, args.poll, args.timeout)[alone]
     check(stack, alone, "urgent", args.lines)
@@ -265,7 +266,17 @@ def priority(stack: Stack, bulk_file: bytes, urgent_file: bytes, args: argparse.
             "urgent_infer_step_s": urgent_run["infer_step_s"], "alone_infer_step_s": alone_run["infer_step_s"],
             "bulk_infer_step_s": bulk_run["infer_step_s"], "urgent_metrics": stack.metrics(urgent),
             "runs": {"bulk": bulk_run, "urgent": urgent_run, "alone": alone_run},
+            "phases": {"urgent": phases(e_urgent, urgent_run, urgent_s), "alone": phases(e_alone, alone_run, alone_s)},
             "load_before": load_before, "load_mid": load_mid, "load_after": loadavg()}
+
+
+def phases(created: float, run: dict[str, Any], done_s: float) -> dict[str, float]:
+    """Where a batch's seconds went, from its create call (epoch `created`) to the poll that saw it done
+    (`done_s` after it): to its run's creation (the service), the queue, the run's steps before its
+    inference step, that step, the steps after it, and from the run's end to the poll."""
+    marks = [created, run["created"], run["started"], run["infer_start"], run["infer_end"], run["ended"], created + done_s]
+    names = ("service", "queued", "before_infer", "infer", "after_infer", "to_seen")
+    return {name: round(b - a, 2) for name, a, b in zip(names, marks, marks[1:])}
 
 
 def med(values: list[float]) -> float:
@@ -305,6 +316,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--urgent-after", type=float, default=2.0,
                    help="seconds after the bulk's inference step starts to create the urgent batch (default 2)")
     p.add_argument("--no-priority", action="store_true", help="the burst only")
+    p.add_argument("--priority-only", action="store_true", help="the priority part only (no in-process system, no burst)")
     p.add_argument("--launcher", choices=("forked", "default"), default="forked",
                    help="the instance's run launcher: dagster.yaml's ForkedRunLauncher (default), or Dagster's "
                         "DefaultRunLauncher in a copy of it")
@@ -333,11 +345,13 @@ def _prepare(args: argparse.Namespace) -> _Setup:
 def _run_system(args: argparse.Namespace, setup: _Setup, figures: _Figures, r: int, system: str,
                 files: list[bytes]) -> None:
     """One system in round `r`: its own dagster dev and serve, the burst, then (warm) the priority runs."""
-    server, served = setup.server, setup.served
+    server = setup.server
     say(f"round {r}/{args.rounds}: {system}: starting dagster dev and batch-pipeline serve (untimed)")
     stack = Stack(setup.work / f"r{r}-{system}", setup.model_dir, server.url if system == "warm" else None,
                   setup.tenants + ["bulk", "urgent"], args.launcher)
     try:
+        if args.priority_only:
+            return _priority_round(args, setup, figures, r, stack)
         cpu = server.cpu_s()
         say(f"  burst: {args.batches} x {args.lines} lines over {args.tenants} tenants (load {loadavg()})")
         fig = burst(stack, files, setup.tenants, args)
@@ -345,20 +359,24 @@ def _run_system(args: argparse.Namespace, setup: _Setup, figures: _Figures, r: i
         figures.results[system].append({"round": r, **fig})
         say(f"  {system}: last of {args.batches} completed after {fig['last_done_s']:.1f} s (load {loadavg()})")
         if system == "warm" and not args.no_priority:
-            say(f"  priority: bulk {args.bulk_lines} x {args.bulk_max_tokens}, then urgent {args.lines} lines")
-            bulk_file = lines_of(f"r{r}-bulk", args.bulk_lines, served, args.bulk_max_tokens)
-            pr = priority(stack, bulk_file, lines_of(f"r{r}-urgent", args.lines, served, args.max_tokens), args)
-            figures.prio.append({"round": r, **pr})
-            say(f"  urgent beside bulk {pr['urgent_beside_bulk_s']:.1f} s, alone {pr['urgent_alone_s']:.1f} s, "
-                f"bulk {pr['bulk_s']:.1f} s")
+            _priority_round(args, setup, figures, r, stack)
     finally:
         stack.stop()
+
+
+def _priority_round(args: argparse.Namespace, setup: _Setup, figures: _Figures, r: int, stack: Stack) -> None:
+    say(f"  priority: bulk {args.bulk_lines} x {args.bulk_max_tokens}, then urgent {args.lines} lines")
+    bulk_file = lines_of(f"r{r}-bulk", args.bulk_lines, setup.served, args.bulk_max_tokens)
+    pr = priority(stack, bulk_file, lines_of(f"r{r}-urgent", args.lines, setup.served, args.max_tokens), args)
+    figures.prio.append({"round": r, **pr})
+    say(f"  urgent beside bulk {pr['urgent_beside_bulk_s']:.1f} s, alone {pr['urgent_alone_s']:.1f} s, "
+        f"bulk {pr['bulk_s']:.1f} s")
 
 
 def _measure(args: argparse.Namespace, setup: _Setup) -> _Figures:
     """--rounds rounds of both systems, their order rotating; the warm engine stopped at the end."""
     figures = _Figures()
-    order = list(SYSTEMS)
+    order = ["warm"] if args.priority_only else list(SYSTEMS)
     try:
         for r in range(1, args.rounds + 1):
             files = [lines_of(f"r{r}-b{b:02d}", args.lines, setup.served, args.max_tokens) for b in range(args.batches)]
@@ -423,6 +441,8 @@ def _print_priority(args: argparse.Namespace, prio: list[dict[str, Any]]) -> dic
               f"{x['urgent_run_start_after_bulk_infer_end_s']:+.1f} s, its inference step "
               f"{x['urgent_infer_start_after_bulk_infer_end_s']:+.1f} s; inference steps: urgent "
               f"{x['urgent_infer_step_s']} s, alone {x['alone_infer_step_s']} s, bulk {x['bulk_infer_step_s']} s")
+        for kind in ("urgent", "alone"):
+            print(f"  {kind:<6} " + ", ".join(f"{k} {v:.2f}" for k, v in x["phases"][kind].items()) + " s")
         print(f"  load {x['load_before']} -> {x['load_mid']} -> {x['load_after']}")
     pr_ratio = statistics.median(x["ratio"] for x in prio)
     print(f"urgent beside bulk / alone: {pr_ratio:.2f}x; target <= 1.5x: {'MET' if pr_ratio <= 1.5 else 'NOT MET'}")
@@ -448,8 +468,8 @@ def main() -> int:
     args = parse_args()
     setup = _prepare(args)
     figures = _measure(args, setup)
-    equal = _answers_equal(figures.results)
-    summary = _print_burst(args, setup, figures, equal)
+    equal = [] if args.priority_only else _answers_equal(figures.results)
+    summary = {} if args.priority_only else _print_burst(args, setup, figures, equal)
     if figures.prio:
         summary.update(_print_priority(args, figures.prio))
     if args.json:
