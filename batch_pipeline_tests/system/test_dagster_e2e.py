@@ -274,10 +274,11 @@ def batch_json(client: Any, bucket: str, folder: str) -> dict[str, Any] | None:
         return None
 
 
-# Tests whose work runs in a background thread started with the module (by `e2e`, or by the first of
-# them to run), in turn: most of the schedule's time is waiting for the scheduler's next minute, most
-# of the queue scenario's for sensor ticks, the run queue and SQS's visibility timeout; the sensor's
-# and `make dev`'s tests fill that time.
+# Tests whose work runs in background threads started with the module (by `e2e`, or by the first of
+# them to run), a thread each: most of the schedule's time is waiting for the scheduler's next minute,
+# most of the queue scenario's for sensor ticks, the run queue and SQS's visibility timeout; the
+# sensor's and `make dev`'s tests fill that time. (In turn in one thread, the queue's test waited
+# 50 s for the schedule's scenario to end first, with a core free.)
 BACKGROUND = {
     "test_schedule_fired_by_the_daemon_runs_each_file_of_yesterday": "schedule",
     "test_queue_trigger_survives_a_server_killed_between_receive_and_run_request": "queue",
@@ -287,11 +288,11 @@ BACKGROUND = {
 @pytest.fixture(scope="module")
 def background(request: pytest.FixtureRequest, moto_server: MotoS3, tiny_model_dir: Path, warm_engine_url: str,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
-    """The selected ones of BACKGROUND's scenarios, in turn in one thread (the schedule's, then the
-    queue's): name -> its future."""
+    """The selected ones of BACKGROUND's scenarios, each in a thread of its own (their buckets, queues
+    and `dagster dev`s are their own): name -> its future."""
     selected = {BACKGROUND[item.name] for item in request.session.items
                 if item.name in BACKGROUND and item.path == request.path}
-    with ThreadPoolExecutor(1, thread_name_prefix="e2e-background") as pool:
+    with ThreadPoolExecutor(len(BACKGROUND), thread_name_prefix="e2e-background") as pool:
         futures = {}
         if "schedule" in selected:
             futures["schedule"] = pool.submit(schedule_scenario, moto_server, tiny_model_dir,
