@@ -503,6 +503,16 @@ def sensor_interval_from_env(env: dict[str, str] | None = None) -> int:
     return DEFAULT_SENSOR_INTERVAL_SECONDS if value is None else value
 
 
+DEFAULT_ALERT_INTERVAL_SECONDS = 30
+
+
+def alert_interval_from_env(env: dict[str, str] | None = None) -> int:
+    """ALERT_INTERVAL_SECONDS (5-3600, default 30): how often run_failure_alert_sensor looks for failed
+    runs, so the longest an alert waits. Read when the definitions load; ConfigError naming the variable."""
+    value = int_in_range(env, "ALERT_INTERVAL_SECONDS", 5, 3600, " seconds")
+    return DEFAULT_ALERT_INTERVAL_SECONDS if value is None else value
+
+
 def sensor_settings_from_env(env: dict[str, str] | None = None) -> SensorSettings:
     """SENSOR_WINDOW_DAYS, SENSOR_BACKLOG, SENSOR_MAX_RUNS_PER_TICK, INPUT_QUEUE_URL and
     INPUT_QUEUE_VISIBILITY_SECONDS, validated; a bad value raises ConfigError naming the variable."""

@@ -28,6 +28,7 @@ from typing import Any
 import dagster as dg
 
 from batch_pipeline.base.env import read_checked
+from batch_pipeline.config.settings import alert_interval_from_env
 
 log = logging.getLogger("batch_pipeline.alerts")
 
@@ -135,9 +136,10 @@ def post_alert(url: str, payload: dict[str, Any]) -> str | None:
     name="run_failure_alert_sensor",
     # Running from the start: ALERT_WEBHOOK_URL is the switch (unset, each tick skips at once).
     default_status=dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=30,
+    minimum_interval_seconds=alert_interval_from_env(),
     description="POSTs each failed run of batch_job or batch_file_job (run, job, partition, batch, failed "
-                "step and its error's class; no user text) to ALERT_WEBHOOK_URL; off while it is unset.",
+                "step and its error's class; no user text) to ALERT_WEBHOOK_URL; off while it is unset. "
+                "Looks every ALERT_INTERVAL_SECONDS.",
 )
 def run_failure_alert_sensor(context: dg.RunFailureSensorContext) -> dg.SkipReason | None:
     url = webhook_url_from_env()

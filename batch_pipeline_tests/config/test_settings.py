@@ -185,6 +185,22 @@ def test_the_sensor_interval_is_a_setting_read_when_the_definitions_load():
     assert out == ["7", "True"]
 
 
+def test_the_alert_interval_is_a_setting_read_when_the_definitions_load():
+    import os
+    import subprocess
+    import sys
+
+    from batch_pipeline.config.settings import ConfigError, alert_interval_from_env
+
+    assert alert_interval_from_env({}) == 30 and alert_interval_from_env({"ALERT_INTERVAL_SECONDS": "60"}) == 60
+    for raw in ("4", "3601", "often"):
+        with pytest.raises(ConfigError, match=f"ALERT_INTERVAL_SECONDS='{raw}'"):
+            alert_interval_from_env({"ALERT_INTERVAL_SECONDS": raw})
+    code = "from batch_pipeline.defs.alerts import run_failure_alert_sensor as s; print(s.minimum_interval_seconds)"
+    env = {**os.environ, "ALERT_INTERVAL_SECONDS": "9"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split() == ["9"]
+
+
 def test_every_engine_setting_is_a_launchpad_field_naming_its_variable():
     from batch_pipeline.config.settings import ENGINE_ENV, SECRET_ENGINE_ENV
 

@@ -45,7 +45,8 @@ def test_the_daemon_posts_a_failed_run_to_the_webhook(tmp_path: Path, tiny_model
     receiver = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=receiver.serve_forever, daemon=True).start()
     env = pipeline_env(tiny_model_dir, str(tmp_path / "in"), str(tmp_path / "out"),
-                       ALERT_WEBHOOK_URL=f"http://127.0.0.1:{receiver.server_address[1]}/hook")
+                       ALERT_WEBHOOK_URL=f"http://127.0.0.1:{receiver.server_address[1]}/hook",
+                       ALERT_INTERVAL_SECONDS="5")  # the ticks this test waits for, 5 s apart instead of 30
     server = start_dagster_dev(tmp_path / "home", env, tmp_path / "dagster-dev.log")
     try:
         # Running by default: its first tick sets where it starts reading run failures from.

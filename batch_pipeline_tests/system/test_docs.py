@@ -353,6 +353,7 @@ def code_defaults(monkeypatch, tmp_path) -> dict[str, Any]:
         "NIGHTLY_CRON": schedules.nightly_cron_from_env({}),
         "SHARDS": settings_module.shards_from_env({}),
         "SENSOR_INTERVAL_SECONDS": settings_module.sensor_interval_from_env({}),
+        "ALERT_INTERVAL_SECONDS": settings_module.alert_interval_from_env({}),
         "SENSOR_WINDOW_DAYS": sensor.window_days,
         "SENSOR_BACKLOG": sensor.backlog,
         "SENSOR_MAX_RUNS_PER_TICK": sensor.max_runs_per_tick,
