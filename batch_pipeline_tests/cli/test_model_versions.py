@@ -245,18 +245,27 @@ def test_model_verify_compares_a_golden_batch_with_the_current_version(tiny_mode
     env = tiny_env(tiny_model_dir, MODELS_FILE=str(models_file), STORAGE_OUTPUT_PATH=str(tmp_path / "out"))
     command = [str(Path(sys.executable).with_name("batch-pipeline")), "model", "verify"]
 
-    ok = subprocess.run([*command, "summ@v2", "--golden", str(golden), "--min-match", "1", "--report",
-                         str(tmp_path / "v2.json"), "--work-dir", str(tmp_path / "w2")],
-                        capture_output=True, text=True, env=env, timeout=600)
+    def verify(*args: str) -> subprocess.Popen:
+        return subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    # Both at once (their vLLM imports and model loads overlap), each in its own work folder.
+    runs = {"v2": verify("summ@v2", "--golden", str(golden), "--min-match", "1", "--report", str(tmp_path / "v2.json"),
+                         "--work-dir", str(tmp_path / "w2")),
+            "v3": verify("summ@v3", "--golden", str(golden), "--min-match", "0.99", "--report",
+                         str(tmp_path / "v3.json"), "--work-dir", str(tmp_path / "w3"))}
+    try:
+        outs = {name: run.communicate(timeout=600) for name, run in runs.items()}
+    finally:
+        for run in runs.values():
+            run.kill()
+    ok = subprocess.CompletedProcess(runs["v2"].args, runs["v2"].returncode, *outs["v2"])
+    bad = subprocess.CompletedProcess(runs["v3"].args, runs["v3"].returncode, *outs["v3"])
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "summ@v2: 1 weight file(s) match their checksums" in ok.stdout
     assert "greedy lines (temperature 0): 6, the same answer on both: 6 (100.0%)" in ok.stdout
     report = json.loads((tmp_path / "v2.json").read_text())
     assert (report["candidate"], report["current"], report["lines"]) == ("summ@v2", "summ@v1", 7)
 
-    bad = subprocess.run([*command, "summ@v3", "--golden", str(golden), "--min-match", "0.99", "--report",
-                          str(tmp_path / "v3.json"), "--work-dir", str(tmp_path / "w3")],
-                         capture_output=True, text=True, env=env, timeout=600)
     assert bad.returncode == 1, bad.stdout + bad.stderr
     report = json.loads((tmp_path / "v3.json").read_text())
     assert report["greedy"]["exact_match_rate"] < 0.99 and "FAIL: exact-match rate of greedy lines" in bad.stdout

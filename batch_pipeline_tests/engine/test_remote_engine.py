@@ -529,16 +529,31 @@ def test_at_run_start_a_wrong_server_is_refused_naming_the_url_and_its_models():
 
 
 @pytest.fixture(scope="module")
-def small_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """vLLM's server on the tiny model (as `batch-pipeline engine start` runs it), decoding 4 sequences
-    at a time (--max-num-seqs 4) so that requests queue in it; killed and restarted by the last test here."""
+def real_servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """This file's two real servers, started together when the first is needed (their vLLM imports and
+    loads overlap; the pooling one waited ~30 s of its own later), not waited for here: "small" on the
+    tiny model and "pooling" on the bundled embedding model."""
+    from batch_pipeline.config import models
     from batch_pipeline_tests.support.warm_engine import WarmServer
 
-    server = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("small_engine") / "server.log", batch_size=4)
+    servers: dict[str, Any] = {}
     try:
-        yield server
+        servers["small"] = WarmServer(tiny_model_dir, TINY_NAME, tmp_path_factory.mktemp("small_engine") / "server.log",
+                                      batch_size=4, wait=False)
+        servers["pooling"] = WarmServer(models.embedding_model_dir(), EMBED_NAME,
+                                        tmp_path_factory.mktemp("pooling") / "server.log", runner="pooling", wait=False)
+        yield servers
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def small_engine(real_servers: dict[str, Any]) -> Any:
+    """vLLM's server on the tiny model (as `batch-pipeline engine start` runs it), decoding 4 sequences
+    at a time (--max-num-seqs 4) so that requests queue in it; killed and restarted by the last test here."""
+    real_servers["small"].wait_healthy()
+    return real_servers["small"]
 
 
 
@@ -721,17 +736,10 @@ def test_a_server_killed_and_restarted_mid_stream_loses_no_line_and_doubles_none
 
 
 @pytest.fixture(scope="module")
-def pooling_engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def pooling_engine(real_servers: dict[str, Any]) -> Any:
     """vLLM's server on the bundled all-MiniLM-L6-v2 (`batch-pipeline engine start --runner pooling`)."""
-    from batch_pipeline.config import models
-    from batch_pipeline_tests.support.warm_engine import WarmServer
-
-    server = WarmServer(models.embedding_model_dir(), EMBED_NAME, tmp_path_factory.mktemp("pooling") / "server.log",
-                        runner="pooling")
-    try:
-        yield server
-    finally:
-        server.stop()
+    real_servers["pooling"].wait_healthy()
+    return real_servers["pooling"]
 
 
 def pooling_lines() -> list[str]:

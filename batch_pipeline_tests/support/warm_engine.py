@@ -36,25 +36,30 @@ class WarmServer:
     """`python -m vllm.entrypoints.launchers.api_server.entry` in its own process group."""
 
     def __init__(self, model_dir: Path, name: str, log_path: Path, port: int | None = None, runner: str = "generate",
-                 owner: int | None = None, **settings: Any) -> None:
+                 owner: int | None = None, wait: bool = True, **settings: Any) -> None:
         """The server `batch-pipeline engine start` runs (engine/server.py's flags), for the tiny model
         with the tests' settings (tiny_llm's) and any other EngineSettings field given; `runner`
         "pooling" for an embedding or scoring model. It is stopped when `owner` (a process id; this
-        process by default) is gone, even killed with SIGKILL (orphan_watch.py)."""
+        process by default) is gone, even killed with SIGKILL (orphan_watch.py). `wait` False: started
+        and not waited for (`wait_healthy()` does)."""
         self.owner = owner or os.getpid()
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         engine = EngineSettings(max_model_len=TINY_MAX_MODEL_LEN, kv_cache_memory_bytes=TEST_KV_BYTES, **settings)
         self.command = server_command(engine, str(model_dir), name, "127.0.0.1", self.port, runner)
-        self.start()
+        self.start(wait)
 
-    def start(self) -> None:
+    def start(self, wait: bool = True) -> None:
         """Start the server (again, after `kill`: the same port and flags) and wait until it is healthy."""
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
                                             start_new_session=True)
         watch_group(self.owner, self.process.pid)
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self) -> None:
         wait_for(f"the warm engine on port {self.port} healthy", self.healthy, START_SECONDS, interval=0.5,
                  on_timeout=self.log_tail)
         self.started_at = time.monotonic()

@@ -157,9 +157,11 @@ def test_doctor_in_a_helm_code_server_pod_uses_the_charts_password_variable(dags
     assert "DAGSTER_POSTGRES_PASSWORD" not in os.environ  # borrowed for the check only
 
 
-def test_console_script_run_is_recorded_in_postgres(dagster_home: Path, database: str, tmp_path: Path, tiny_model_dir):
+def test_console_script_run_is_recorded_in_postgres(dagster_home: Path, database: str, tmp_path: Path, tiny_model_dir,
+                                                     warm_engine_url: str):
     """The issue's own check: `batch-pipeline run` with the production instance leaves a successful
-    run and all four materializations in PostgreSQL (real vLLM on the tiny model, a new process)."""
+    run and all four materializations in PostgreSQL (a new process; real vLLM: the test run's warm
+    engine on the tiny model, so this process imports none; test_cli.py runs the in-process path)."""
     import subprocess
     import sys
 
@@ -167,7 +169,7 @@ def test_console_script_run_is_recorded_in_postgres(dagster_home: Path, database
 
     batch = tmp_path / "pg.jsonl"
     batch.write_text("\n".join([_line("a", TINY_NAME), _line("b", TINY_NAME)]) + "\n")
-    env = tiny_env(tiny_model_dir, DAGSTER_HOME=os.environ["DAGSTER_HOME"], **{
+    env = tiny_env(tiny_model_dir, DAGSTER_HOME=os.environ["DAGSTER_HOME"], ENGINE_URL=warm_engine_url, **{
         k: v for k, v in os.environ.items() if k.startswith("DAGSTER_POSTGRES_")})
     script = Path(sys.executable).parent / "batch-pipeline"
     proc = subprocess.run([str(script), "run", str(batch), "--output-dir", str(tmp_path / "out"), "--date", PARTITION],
