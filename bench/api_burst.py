@@ -249,13 +249,13 @@ def priority(stack: Stack, bulk_file: bytes, urgent_file: bytes, args: argparse.
     urgent_s, bulk_s = done[urgent], done[bulk]
     check(stack, bulk, "bulk", args.bulk_lines)
     check(stack, urgent, "urgent", args.lines)
-    bulk_run, urgent_run = stack.run_timings(bulk), stack.run_timings(urgent)
+    bulk_run, urgent_run = ended_timings(stack, bulk), ended_timings(stack, urgent)
     load_mid = loadavg()
     t_alone, e_alone = time.perf_counter(), time.time()
     alone = create(stack, "urgent", urgent_fid, {"priority": URGENT_PRIORITY})
     alone_s = wait_done(stack, {alone: ("urgent", t_alone)}, args.poll, args.timeout)[alone]
     check(stack, alone, "urgent", args.lines)
-    alone_run = stack.run_timings(alone)
+    alone_run = ended_timings(stack, alone)
     gap = round(urgent_run["infer_start"] - bulk_run["infer_end"], 2)
     return {"urgent_beside_bulk_s": urgent_s, "urgent_alone_s": alone_s, "ratio": round(urgent_s / alone_s, 2),
             "bulk_s": bulk_s, "bulk_answered_when_urgent_created": bulk_answered_at_urgent,
@@ -268,6 +268,14 @@ def priority(stack: Stack, bulk_file: bytes, urgent_file: bytes, args: argparse.
             "runs": {"bulk": bulk_run, "urgent": urgent_run, "alone": alone_run},
             "phases": {"urgent": phases(e_urgent, urgent_run, urgent_s), "alone": phases(e_alone, alone_run, alone_s)},
             "load_before": load_before, "load_mid": load_mid, "load_after": loadavg()}
+
+
+def ended_timings(stack: Stack, batch_id: str, timeout: float = 30.0) -> dict[str, Any]:
+    """run_timings once the run has ended (a batch reads completed a moment before its run's end is stored)."""
+    deadline = time.perf_counter() + timeout
+    while (timings := stack.run_timings(batch_id))["ended"] is None and time.perf_counter() < deadline:
+        time.sleep(0.2)
+    return timings
 
 
 def phases(created: float, run: dict[str, Any], done_s: float) -> dict[str, float]:

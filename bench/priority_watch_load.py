@@ -15,8 +15,8 @@ postgres; TEST_POSTGRES_* as in batch_pipeline_tests/support/postgres_db.py say 
 
 What a run does (batch_pipeline/defs/run_watch.py): while it answers on a warm engine it carries the tag
 batch_pipeline/answering_on = the engine's URL, and a thread calls PriorityWatch.look every
-PRIORITY_POLL_SECONDS (1 s), or every K / PRIORITY_LOOKS_PER_SECOND (25) s when it saw K runs answering
-there and that is longer (PriorityWatch.interval; --fixed-poll: 1 s whatever K, as before):
+PRIORITY_POLL_SECONDS (0.25 s; 1 s before 2026-12-07), or every K / PRIORITY_LOOKS_PER_SECOND (25) s when it saw K runs answering
+there and that is longer (PriorityWatch.interval; --fixed-poll: the poll whatever K, as before):
 instance.get_runs(RunsFilter(statuses=[STARTED], tags={ANSWERING_TAG: url}), limit=100). Here:
 
 - a fresh database pw_bench_<pid> is created (dropped at the end) and the production instance settings

@@ -19,7 +19,7 @@ import time
 import dagster as dg
 
 from batch_pipeline.defs import run_watch
-from batch_pipeline.defs.run_watch import ANSWERING_TAG, CancelWatch, PriorityWatch
+from batch_pipeline.defs.run_watch import ANSWERING_TAG, PRIORITY_POLL_SECONDS, CancelWatch, PriorityWatch
 from batch_pipeline.config.priority import priority_tags
 from batch_pipeline_tests.support.asset_runs import DATE, chat_line, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.support import wait_for
@@ -130,10 +130,14 @@ def test_a_watch_among_many_runs_on_its_engine_looks_less_often(tmp_path):
         runs = [instance.add_run(dg.DagsterRun(job_name="batch_job", run_id=f"r{i}", status=dg.DagsterRunStatus.STARTED,
                                                tags={**priority_tags(0), ANSWERING_TAG: url})) for i in range(50)]
         watch = PriorityWatch(instance, runs[0], url)
-        assert watch.interval() == 1.0  # before its first look: the poll
+        assert watch.interval() == PRIORITY_POLL_SECONDS == 0.25  # before its first look: the poll
         assert watch.look() is None
         assert watch.interval() == 2.0  # 50 runs answering: 50 / 25 s
         for run in runs[10:]:
             instance.add_run_tags(run.run_id, {ANSWERING_TAG: ""})  # 40 of them stopped answering
         watch.look()
-        assert watch.interval() == 1.0  # 10 runs: the poll again
+        assert watch.interval() == 0.4  # 10 runs: 10 / 25 s
+        for run in runs[5:10]:
+            instance.add_run_tags(run.run_id, {ANSWERING_TAG: ""})
+        watch.look()
+        assert watch.interval() == PRIORITY_POLL_SECONDS  # 5 runs: 5 / 25 s is shorter than the poll
