@@ -121,7 +121,6 @@ SLOW_FILES = (
     "test_model_versions.py",  # 64 s: two model verify processes
     "test_alert_sensor_e2e.py",  # 59 s
     "test_reliability.py",  # 58 s
-    "test_engine_server.py",  # ~55 s alone (not yet in a full run): a vLLM server started and stopped through the CLI
     "test_shards.py",  # 33 s
     "test_service_cancel.py",  # 32 s
     "test_service_audit.py",  # 31 s

@@ -3,12 +3,12 @@
 Covers: the server flags built from engine_kwargs (CPU defaults, parsers, LoRA, tensor and data
 parallelism, ENGINE_ARGS) and that no engine keyword can be dropped on the way; the same flags read
 back by vLLM's own argument parser into the values an in-process engine gets; a taken port refused
-before anything starts; stop and status with nothing or a dead engine recorded. One real start of
-the tiny model through the CLI, in its own process: /health, /v1/models, a chat completion with a
-priority, a second start on the same port refused, status, stop.
+before anything starts; stop and status with nothing or a dead engine recorded. The real start
+through the CLI (status, a chat completion with a priority, a second start on the same port refused,
+stop) is `make dev`'s, in system/test_dagster_e2e.py: `make dev` runs `batch-pipeline engine start`,
+so one vLLM server start covers both.
 
-Engine records go to a temporary BATCH_PIPELINE_CACHE; vLLM's cache stays the session's. The real
-start runs at nice 10 and is the only server this file starts.
+Engine records go to a temporary BATCH_PIPELINE_CACHE; vLLM's cache stays the session's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,7 +25,7 @@ import pytest
 from batch_pipeline.config.settings import EngineSettings
 from batch_pipeline.engine import engine_args, server
 from batch_pipeline.engine.engine_args import engine_kwargs
-from batch_pipeline_tests.support import REPO, TINY_NAME, tiny_env, wait_for
+from batch_pipeline_tests.support import wait_for
 from batch_pipeline_tests.support.dagster_server import free_port
 
 MODEL = "/models/SmolLM2-135M-Instruct"
@@ -291,59 +289,3 @@ def test_a_pid_reused_by_another_process_is_not_the_engine(engines_cache):
     assert server.is_alive(record)
     record.start_ticks = (record.start_ticks or 0) + 1
     assert not server.is_alive(record)
-
-
-# ----------------------------------------------------------------------------------- real
-
-
-def cli(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    # nice 10: the server it starts inherits it, and leaves the shared cores to the rest of the suite.
-    return subprocess.run(["nice", "-n", "10", sys.executable, "-m", "batch_pipeline.cli", "engine", *args],
-                          env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def chat(url: str, priority: int) -> tuple[int, dict]:
-    body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-            "priority": priority}
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return response.status, json.load(response)
-
-
-@pytest.mark.server
-def test_engine_start_status_chat_refused_second_start_stop(tiny_model_dir, tmp_path):
-    env = tiny_env(tiny_model_dir, BATCH_PIPELINE_CACHE=str(tmp_path / "cache"),
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
-                                                            os.environ.get("PYTHONPATH")])))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    up = cli("start", "--port", str(port), "--timeout", "150", env=env, timeout=200)
-    try:
-        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-        print(f"engine start: {time.monotonic() - started:.1f}s")
-        assert f"engine up on {url}" in up.stdout and f"models: {TINY_NAME}" in up.stdout
-        pid = json.loads((tmp_path / "cache" / "engines" / f"{port}.json").read_text())["pid"]
-        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
-        # one rank: it computes on every core (vLLM's CPU build would keep one for its scheduler)
-        assert environ["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
-
-        shown = cli("status", env=env, timeout=60)
-        assert shown.returncode == 0, shown.stdout + shown.stderr
-        assert f"{url}  up" in shown.stdout and TINY_NAME in shown.stdout
-
-        status, answer = chat(url, priority=5)
-        assert status == 200 and answer["object"] == "chat.completion"
-        assert answer["usage"]["prompt_tokens_details"] is not None  # --enable-prompt-tokens-details
-
-        again = cli("start", "--port", str(port), env=env, timeout=60)
-        assert again.returncode != 0 and f"an engine already runs on port {port}" in again.stderr
-    finally:
-        down = cli("stop", "--port", str(port), env=env, timeout=90)
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert f"stopped the engine on {url}" in down.stdout
-    after = cli("status", env=env, timeout=60)
-    assert after.returncode == 0 and "no engine recorded" in after.stdout
-    with pytest.raises(OSError):
-        urllib.request.urlopen(f"{url}/health", timeout=2)

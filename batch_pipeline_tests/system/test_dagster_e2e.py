@@ -183,10 +183,24 @@ def test_sensor_runs_an_uploaded_batch(e2e, moto_server: MotoS3) -> None:
     assert len(runs_tagged(server, "dagster/sensor_name", SENSOR)) == 1
 
 
+def engine_cli(env: dict[str, str], *args: str) -> Any:
+    """`batch-pipeline engine <args>` in a process of its own; its CompletedProcess."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "batch_pipeline.cli", "engine", *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
 def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`make dev` (the README's UI command) starts a warm engine, then comes up with the code location
     loaded and the daemons healthy, its runs pointed at the engine, and prints no warning on the way
-    (Dagster's or Python's); Ctrl-C stops the engine too."""
+    (Dagster's or Python's); Ctrl-C stops the engine too.
+
+    The engine is `batch-pipeline engine start`'s (the suite's one real start through the CLI; its flags
+    are engine/test_engine_server.py's): `engine status` shows it up, it computes on every core, answers
+    a chat with a priority and reports cached tokens, a second start on its port is refused, and after
+    Ctrl-C `engine stop` has stopped it and `engine status` no longer lists it."""
     import os
     import re
     import signal
@@ -220,6 +234,23 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
         [code_server, *_] = [p for p in psutil.Process(process.pid).children(recursive=True)
                              if "code-server" in " ".join(p.cmdline())]
         assert code_server.environ().get("ENGINE_URL") == engine_url  # the runs it launches answer on the engine
+
+        shown = engine_cli(env, "status")
+        assert shown.returncode == 0 and f"{engine_url}  up" in shown.stdout and TINY_NAME in shown.stdout, shown
+        record = read_record(engine_port)
+        engine_env = dict(item.split("=", 1) for item in Path(f"/proc/{record.pid}/environ").read_text().split("\0")
+                          if "=" in item)
+        # one rank: it computes on every core (vLLM's CPU build would keep one for its scheduler)
+        assert engine_env["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "priority": 5}
+        request = urllib.request.Request(f"{engine_url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.load(response)
+        assert answer["object"] == "chat.completion"
+        assert answer["usage"]["prompt_tokens_details"] is not None  # --enable-prompt-tokens-details
+        again = engine_cli(env, "start", "--port", str(engine_port))
+        assert again.returncode != 0 and f"an engine already runs on port {engine_port}" in again.stderr, again
     finally:
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as a user stops it
         try:
@@ -235,6 +266,11 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
     assert (home / ".nux" / "nux.yaml").read_text() == "seen: 1\n"
     assert f"engine up on http://127.0.0.1:{engine_port}" in text, text[-2000:]
     assert read_record(engine_port) is None  # stopped with dev: no engine left behind
+    assert f"stopped the engine on {engine_url}" in text, text[-2000:]  # make's trap: `engine stop`
+    after = engine_cli(env, "status")
+    assert after.returncode == 0 and engine_url not in after.stdout, after.stdout
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{engine_url}/health", timeout=2)
 
 
 def runs_tagged(server: DagsterDev, key: str, value: str) -> list[Any]:
