@@ -101,26 +101,26 @@ def smollm2_llm(bundled_model_dir, monkeypatch) -> SessionLLM:
 
 # Test files that start real servers and subprocesses (dagster dev, the Batch API, engine ranks,
 # Chromium), costliest first: seconds of test time each (setup, calls and teardown of its tests, from
-# --durations=0) in a full `make test` on 2 workers, 2026-12-03 16:58-17:17 (973 passed in 18:36).
+# --durations=0) in a full `make test` on 2 workers, a fresh clone on 2026-12-07 (1100 passed in 13:31).
 # `make test` hands out whole files in collection order (pytest-xdist --dist loadfile
 # --no-loadscope-reorder), and these come first, so the run does not end on one of them while the
 # other worker has nothing left. (xdist's default order, most tests first, put the files with few
 # long tests last.) The other files follow in their usual order.
 SLOW_FILES = (
-    "test_ui_walkthrough.py",  # 225 s: Chromium over dagster dev, a backfill of two dates and re-runs
-    "test_service_priority.py",  # 202 s: queued runs that must come up one after another (their order is the point)
-    "test_batch_api.py",  # 198 s
-    "test_remote_engine.py",  # ~150 s alone (not yet timed in a full run): a vLLM server, started twice
-    "test_dagster_e2e.py",  # 180 s: two dagster dev (the schedule's own), the sensor, the SQS queue
-    "test_data_parallel.py",  # 170 s
-    "test_engine_multiprocess.py",  # 164 s
-    "test_service_model_versions.py",  # 116 s: three API batches in turn
-    "test_service_usage.py",  # 95 s: three real runs of two tenants
-    "test_cli.py",  # 86 s: real batch-pipeline processes, two at a time
-    "test_images_pipeline.py",  # 70 s
-    "test_model_versions.py",  # 64 s: two model verify processes
-    "test_alert_sensor_e2e.py",  # 59 s
-    "test_reliability.py",  # 58 s
+    "test_ui_walkthrough.py",  # 139 s: Chromium over dagster dev, a backfill of two dates and re-runs
+    "test_service_priority.py",  # 107 s: queued runs that must come up one after another (their order is the point)
+    "test_batch_api.py",  # 111 s
+    "test_remote_engine.py",  # 149 s: two vLLM servers started together, one restarted
+    "test_dagster_e2e.py",  # 147 s: four dagster devs, make dev's engine, the sensor, the SQS queue
+    "test_data_parallel.py",  # 174 s
+    "test_engine_multiprocess.py",  # 113 s
+    "test_service_model_versions.py",  # 48 s: three API batches in turn
+    "test_service_usage.py",  # 23 s: three real runs of two tenants
+    "test_cli.py",  # 52 s: real batch-pipeline processes, two at a time
+    "test_images_pipeline.py",  # 50 s
+    "test_model_versions.py",  # 30 s: two model verify processes at once
+    "test_alert_sensor_e2e.py",  # 18 s
+    "test_reliability.py",  # 36 s
     "test_shards.py",  # 33 s
     "test_service_cancel.py",  # 32 s
     "test_service_audit.py",  # 31 s

@@ -332,7 +332,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=1800, help="per burst or batch, seconds")
     p.add_argument("--work-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.priority_only and args.no_priority:
+        p.error("--priority-only and --no-priority leave nothing to measure")
+    return args
 
 
 def _prepare(args: argparse.Namespace) -> _Setup:
@@ -359,7 +362,8 @@ def _run_system(args: argparse.Namespace, setup: _Setup, figures: _Figures, r: i
                   setup.tenants + ["bulk", "urgent"], args.launcher)
     try:
         if args.priority_only:
-            return _priority_round(args, setup, figures, r, stack)
+            _priority_round(args, setup, figures, r, stack)
+            return
         cpu = server.cpu_s()
         say(f"  burst: {args.batches} x {args.lines} lines over {args.tenants} tenants (load {loadavg()})")
         fig = burst(stack, files, setup.tenants, args)

@@ -255,6 +255,7 @@ def add_answering(instance: dg.DagsterInstance, k: int, base: int, seed: int) ->
 
 
 FIXED_POLL = False
+POLL: float | None = None  # --poll: the watch's poll instead of PRIORITY_POLL_SECONDS
 
 
 def watcher(kind: str, pooled: bool, home: str, run_id: str, ready: Any, go: Any, start_at: Any, seconds: float,
@@ -268,7 +269,7 @@ def watcher(kind: str, pooled: bool, home: str, run_id: str, ready: Any, go: Any
         if pooled:  # one connection held for the run's life, as the webserver's run storage does
             instance.run_storage.optimize_for_webserver(statement_timeout=15000, pool_recycle=3600, max_overflow=0)
         run = instance.get_run_by_id(run_id)
-        watch = PriorityWatch(instance, run, URL)
+        watch = PriorityWatch(instance, run, URL, poll=POLL)
         ready.put(run_id)
         go.wait()
         begin, end = start_at.value + phase, start_at.value + seconds
@@ -303,7 +304,7 @@ def run_watchers(kind: str, pooled: bool, home: Path, runs: list[tuple[str, int]
     start_at = ctx.Value("d", 0.0)
     rnd = random.Random(seed)
     procs = [ctx.Process(target=watcher, args=(kind, pooled, str(home), run_id, ready, go, start_at, seconds,
-                                               rnd.uniform(0, PRIORITY_POLL_SECONDS), results), daemon=True)
+                                               rnd.uniform(0, POLL or PRIORITY_POLL_SECONDS), results), daemon=True)
              for run_id, _ in runs]
     t_spawn = time.perf_counter()
     for p in procs:
@@ -416,7 +417,7 @@ def report(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     print()
     print(f"PriorityWatch.look under load: {meta['cpus']} CPU(s), {meta['finished']:,} finished runs + "
           f"{meta['others']} started on another engine; each watcher looks every "
-          f"{f'{PRIORITY_POLL_SECONDS:g} s' if FIXED_POLL else f'max({PRIORITY_POLL_SECONDS:g} s, K / {PRIORITY_LOOKS_PER_SECOND:g})'} "
+          f"{f'{POLL or PRIORITY_POLL_SECONDS:g} s' if FIXED_POLL else f'max({POLL or PRIORITY_POLL_SECONDS:g} s, K / {PRIORITY_LOOKS_PER_SECOND:g})'} "
           f"for {meta['seconds']:g} s; {meta['when']}")
     print(f"PostgreSQL {meta.get('pg_version', '?')}; idle server before the loads: "
           f"{meta.get('pg_idle_cpu_per_s', float('nan')):.4f} CPU-s/s over {meta['idle_seconds']:g} s; "
@@ -494,6 +495,9 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fixed-poll", action="store_true",
                    help="each watcher looks every PRIORITY_POLL_SECONDS whatever K (the watch before it spaced its "
                         "looks by the runs it sees: PriorityWatch.interval)")
+    p.add_argument("--poll", type=float, default=None,
+                   help="the watch's poll in seconds (default PRIORITY_POLL_SECONDS, 0.25; --poll 1 is the pace before "
+                        "2026-12-07)")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
     args.ks = [int(x) for x in args.watchers.split(",") if x.strip()]
@@ -545,8 +549,9 @@ def measure_ks(kind: str, instance: Any, home: Path, args: argparse.Namespace, m
 
 def main(argv: list[str] | None = None) -> int:
     args = arguments(argv)
-    global FIXED_POLL
+    global FIXED_POLL, POLL
     FIXED_POLL = args.fixed_poll  # read by the forked watchers
+    POLL = args.poll
     kinds = args.kinds
 
     meta: dict[str, Any] = {"cpus": os.cpu_count(), "finished": args.finished, "others": args.others,

@@ -38,15 +38,16 @@ POLL_SECONDS = 5.0
 GRACE_SECONDS = 10.0
 # The warm engine a run is answering on now (its URL; blank once it has stopped answering).
 ANSWERING_TAG = "batch_pipeline/answering_on"
-# A quarter of a second: the bulk run's decode steps an urgent run shares until it is seen are half a
-# second of them on average at a 1 s poll (bench/api_burst.py --priority-only, 3 rounds each: the
-# urgent inference step 1.8-2.0 s beside a bulk one against 2.1-3.0 s at 1 s; 0.9-1.0 s alone).
+# A quarter of a second: at a 1 s poll an urgent run shares half a second of the bulk run's decode
+# steps on average before it is seen (bench/api_burst.py --priority-only, 3 rounds each: the urgent
+# inference step 1.8-2.0 s beside a bulk one against 2.1-3.0 s at 1 s; 0.9-1.0 s alone). It costs the
+# instance 4 looks a second per run up to the cap below (0.29 CPU-s/s at 8 runs against 0.09 at 1 s).
 PRIORITY_POLL_SECONDS = 0.25
 # Every watch on one engine reads all the runs answering there, so K runs looking every second cost K^2
 # (bench/priority_watch_load.py on PostgreSQL, 2 cores: 0.05 CPU-s/s at 3 runs, 0.5 at 25, about 3 at
 # 100, where the looks fell behind). A watch seeing K runs looks every K / PRIORITY_LOOKS_PER_SECOND
-# seconds when that is longer (from 7 runs on): an engine's watches then look at most that often in all,
-# and an urgent run among 100 is seen within 4 s. (A look reads at most 100 runs, so beyond 100 runs on one engine the
+# seconds when that is longer than its poll (from 7 runs on): an engine's watches then look at most
+# that often in all, and an urgent run among 100 is seen within 4 s. (A look reads at most 100 runs, so beyond 100 runs on one engine the
 # looks grow again with K: deploy/dagster.yaml lets 8 run at once, dagster.yaml 3.)
 PRIORITY_LOOKS_PER_SECOND = 25.0
 

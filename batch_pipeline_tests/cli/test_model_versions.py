@@ -218,6 +218,7 @@ def test_model_verify_compares_a_golden_batch_with_the_current_version(tiny_mode
     current weights matches on every greedy line; weights with noise added do not, and it exits 1."""
     import subprocess
     import sys
+    import time
 
     import torch
     from safetensors.torch import load_file, save_file
@@ -245,21 +246,28 @@ def test_model_verify_compares_a_golden_batch_with_the_current_version(tiny_mode
     env = tiny_env(tiny_model_dir, MODELS_FILE=str(models_file), STORAGE_OUTPUT_PATH=str(tmp_path / "out"))
     command = [str(Path(sys.executable).with_name("batch-pipeline")), "model", "verify"]
 
-    def verify(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Both at once (their vLLM imports and model loads overlap), each in its own work folder and
+    # output files (files, not pipes: neither waits on the other's being read).
+    def verify(name: str, *args: str) -> subprocess.Popen:
+        with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+            return subprocess.Popen([*command, *args], stdout=out, stderr=err, text=True, env=env)
 
-    # Both at once (their vLLM imports and model loads overlap), each in its own work folder.
-    runs = {"v2": verify("summ@v2", "--golden", str(golden), "--min-match", "1", "--report", str(tmp_path / "v2.json"),
-                         "--work-dir", str(tmp_path / "w2")),
-            "v3": verify("summ@v3", "--golden", str(golden), "--min-match", "0.99", "--report",
-                         str(tmp_path / "v3.json"), "--work-dir", str(tmp_path / "w3"))}
+    runs: dict[str, subprocess.Popen] = {}
     try:
-        outs = {name: run.communicate(timeout=600) for name, run in runs.items()}
+        runs["v2"] = verify("v2", "summ@v2", "--golden", str(golden), "--min-match", "1", "--report",
+                            str(tmp_path / "v2.json"), "--work-dir", str(tmp_path / "w2"))
+        runs["v3"] = verify("v3", "summ@v3", "--golden", str(golden), "--min-match", "0.99", "--report",
+                            str(tmp_path / "v3.json"), "--work-dir", str(tmp_path / "w3"))
+        deadline = time.monotonic() + 600
+        for run in runs.values():
+            run.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for run in runs.values():
-            run.kill()
-    ok = subprocess.CompletedProcess(runs["v2"].args, runs["v2"].returncode, *outs["v2"])
-    bad = subprocess.CompletedProcess(runs["v3"].args, runs["v3"].returncode, *outs["v3"])
+            if run.poll() is None:
+                run.kill()
+                run.wait()
+    ok, bad = (subprocess.CompletedProcess(runs[n].args, runs[n].returncode, (tmp_path / f"{n}.out").read_text(),
+                                           (tmp_path / f"{n}.err").read_text()) for n in ("v2", "v3"))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "summ@v2: 1 weight file(s) match their checksums" in ok.stdout
     assert "greedy lines (temperature 0): 6, the same answer on both: 6 (100.0%)" in ok.stdout

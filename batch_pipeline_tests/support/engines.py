@@ -32,13 +32,8 @@ def session_engine(kwargs: dict[str, Any]) -> Any:
 
 
 def shutdown_session_engines() -> None:
-    """At the session's end, stop the engines whose core runs in a process of its own (left running,
-    it would hang this process's exit). An in-process core (the CPU default) ends with the process:
-    vLLM's shutdown of one is two full garbage collections of the test worker's heap, 10-14 s at the
-    end of a full run for the few engines a worker holds, which the exit does not need."""
     for llm in _ENGINES.values():
-        if type(llm.llm_engine.engine_core).__name__ != "InprocClient":
-            shutdown_llm(llm)
+        shutdown_llm(llm)
     _ENGINES.clear()
 
 

@@ -51,7 +51,7 @@ class WarmServer:
         self.start(wait)
 
     def start(self, wait: bool = True) -> None:
-        """Start the server (again, after `kill`: the same port and flags) and wait until it is healthy."""
+        """Start the server (again, after `kill`: the same port and flags); with `wait`, until it is healthy."""
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
                                             start_new_session=True)
@@ -60,6 +60,7 @@ class WarmServer:
             self.wait_healthy()
 
     def wait_healthy(self) -> None:
+        """Until /health answers 200 (RuntimeError with the log's tail if the server exits first)."""
         wait_for(f"the warm engine on port {self.port} healthy", self.healthy, START_SECONDS, interval=0.5,
                  on_timeout=self.log_tail)
         self.started_at = time.monotonic()

@@ -17,7 +17,7 @@ whole server is killed with SIGKILL, a new one starts on the same instance, and 
 visible again the file runs exactly once and the queue ends empty. It has its own bucket, queue,
 proxy and instance.
 
-The schedule's and then the queue's stories run in a thread started with the module, alongside the
+The schedule's and the queue's stories run in two threads started with the module, alongside the
 sensor's and `make dev`'s tests (most of their time is waiting on the scheduler's minute, ticks, the
 run queue and SQS's visibility timeout); their tests report them.
 
@@ -97,8 +97,8 @@ def s3_server_env(moto_server: MotoS3, tiny_model_dir: Path, bucket: str,
 @pytest.fixture(scope="module")
 def e2e(moto_server: MotoS3, tiny_model_dir: Path, warm_engine_url: str, tmp_path_factory: pytest.TempPathFactory,
         request: pytest.FixtureRequest) -> Any:
-    """The sensor's and the UI's runs on the test run's warm engine (the schedule's and the queue's
-    scenarios below answer in-process: both ways into the engine run end to end here)."""
+    """The sensor's and the UI's runs on the test run's warm engine (the schedule's scenario below too;
+    the queue's answers in-process: both ways into the engine run end to end here)."""
     request.getfixturevalue("background")  # under way while this server comes up
     bucket = moto_server.create_bucket()
     root = tmp_path_factory.mktemp("dagster_e2e")
@@ -199,7 +199,7 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
 
     The engine is `batch-pipeline engine start`'s (the suite's one real start through the CLI; its flags
     are engine/test_engine_server.py's): `engine status` shows it up, it computes on every core, answers
-    a chat with a priority and reports cached tokens, a second start on its port is refused, and after
+    a chat with a priority with cached-token details in its usage, a second start on its port is refused, and after
     Ctrl-C `engine stop` has stopped it and `engine status` no longer lists it."""
     import os
     import re
@@ -235,8 +235,8 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
                              if "code-server" in " ".join(p.cmdline())]
         assert code_server.environ().get("ENGINE_URL") == engine_url  # the runs it launches answer on the engine
 
-        shown = engine_cli(env, "status")
-        assert shown.returncode == 0 and f"{engine_url}  up" in shown.stdout and TINY_NAME in shown.stdout, shown
+        shown = engine_cli(env, "status")  # its exit code also counts engines others left recorded down: not asserted
+        assert f"{engine_url}  up" in shown.stdout and TINY_NAME in shown.stdout, shown
         record = read_record(engine_port)
         engine_env = dict(item.split("=", 1) for item in Path(f"/proc/{record.pid}/environ").read_text().split("\0")
                           if "=" in item)
@@ -257,6 +257,9 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
             process.wait(timeout=90)  # make's trap stops the engine after dagster dev: on loaded cores, over 30 s seen
         except subprocess.TimeoutExpired:
             server.stop()
+        left = read_record(engine_port)
+        if left is not None:  # make killed before its trap ran: the engine (a session of its own) is stopped here
+            engine_cli(env, "stop", "--port", str(engine_port))
     text = log_path.read_text(errors="replace")
     assert "Serving dagster-webserver" in text, text[-2000:]
     warnings = [line for line in text.splitlines() if re.search(r" - WARNING - |\w+Warning: ", re.sub(r"\x1b\[[0-9;]*m", "", line))]
@@ -265,10 +268,9 @@ def test_make_dev_starts_without_warnings(tmp_path: Path, tiny_model_dir: Path) 
     # No "Join the Dagster community" dialog over the first page a user opens (issue #28).
     assert (home / ".nux" / "nux.yaml").read_text() == "seen: 1\n"
     assert f"engine up on http://127.0.0.1:{engine_port}" in text, text[-2000:]
-    assert read_record(engine_port) is None  # stopped with dev: no engine left behind
+    assert left is None  # stopped with dev: no engine left behind
     assert f"stopped the engine on {engine_url}" in text, text[-2000:]  # make's trap: `engine stop`
-    after = engine_cli(env, "status")
-    assert after.returncode == 0 and engine_url not in after.stdout, after.stdout
+    assert engine_url not in engine_cli(env, "status").stdout
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{engine_url}/health", timeout=2)
 

@@ -8,7 +8,8 @@ the instance (get_runs, get_latest_materialization_event) and through plain SQL 
 event_logs tables (psycopg2); and the doctor's instance check against that database, including a
 clear failure for an unreachable server or a missing variable.
 
-Does not load a model or start vLLM (validation needs neither), the daemon, the webserver or a code
+Loads no model in its own process (validation needs none; the console-script run answers on the test
+run's warm engine, which it starts if no other file has), and starts no daemon, webserver or code
 server; files stay in pytest's tmp_path. Skipped, saying why, when nothing listens on 127.0.0.1:5432.
 """
 
