@@ -132,14 +132,17 @@ def post_alert(url: str, payload: dict[str, Any]) -> str | None:
     return problem
 
 
+ALERT_INTERVAL_SECONDS = alert_interval_from_env()
+
+
 @dg.run_failure_sensor(
     name="run_failure_alert_sensor",
     # Running from the start: ALERT_WEBHOOK_URL is the switch (unset, each tick skips at once).
     default_status=dg.DefaultSensorStatus.RUNNING,
-    minimum_interval_seconds=alert_interval_from_env(),
+    minimum_interval_seconds=ALERT_INTERVAL_SECONDS,
     description="POSTs each failed run of batch_job or batch_file_job (run, job, partition, batch, failed "
                 "step and its error's class; no user text) to ALERT_WEBHOOK_URL; off while it is unset. "
-                "Looks every ALERT_INTERVAL_SECONDS.",
+                f"Looks every {ALERT_INTERVAL_SECONDS} s (ALERT_INTERVAL_SECONDS).",
 )
 def run_failure_alert_sensor(context: dg.RunFailureSensorContext) -> dg.SkipReason | None:
     url = webhook_url_from_env()

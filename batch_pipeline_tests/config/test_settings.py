@@ -196,9 +196,11 @@ def test_the_alert_interval_is_a_setting_read_when_the_definitions_load():
     for raw in ("4", "3601", "often"):
         with pytest.raises(ConfigError, match=f"ALERT_INTERVAL_SECONDS='{raw}'"):
             alert_interval_from_env({"ALERT_INTERVAL_SECONDS": raw})
-    code = "from batch_pipeline.defs.alerts import run_failure_alert_sensor as s; print(s.minimum_interval_seconds)"
+    code = ("from batch_pipeline.defs.alerts import run_failure_alert_sensor as s; "
+            "print(s.minimum_interval_seconds, 'every 9 s (ALERT_INTERVAL_SECONDS)' in s.description)")
     env = {**os.environ, "ALERT_INTERVAL_SECONDS": "9"}
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split() == ["9"]
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["9", "True"]
 
 
 def test_every_engine_setting_is_a_launchpad_field_naming_its_variable():
