@@ -8,6 +8,7 @@ A script, not a test. From the repository root:
     nice -n 10 .venv/bin/python bench/api_burst.py --batches 3 --lines 3 --bulk-lines 64   # a smoke run
     .venv/bin/python bench/api_burst.py --batches 1 --rounds 2 --poll 0.25 --launcher default  # Dagster's launcher
     .venv/bin/python bench/api_burst.py --priority-only --rounds 2 --poll 0.25  # the urgent batch only, its phases
+    .venv/bin/python bench/api_burst.py --priority-only --rounds 3 --poll 0.25 --postgres  # on PostgreSQL storage
 
 Issue 37 ("a warm engine per model"), through the Batch API. What runs, all on 127.0.0.1: per system
 and round, a fresh `dagster dev` (the repo's dagster.yaml: SQLite, the queued run coordinator with
@@ -91,8 +92,12 @@ class Stack:
     """A `dagster dev` (the repo's dagster.yaml) and `batch-pipeline serve` over it; runs warm with engine_url."""
 
     def __init__(self, root: Path, model_dir: Path, engine_url: str | None, tenants: list[str],
-                 launcher: str = "forked") -> None:
+                 launcher: str = "forked", postgres: bool = False) -> None:
+        import contextlib
+
         import openai
+
+        from batch_pipeline_tests.support.postgres_db import fresh_database
 
         from batch_pipeline_tests.support.dagster_server import free_port, start_dagster_dev, wait_for
 
@@ -102,8 +107,14 @@ class Stack:
                "MODEL_PATH": str(model_dir), "ENGINE_URL": engine_url, "TMPDIR": str(root / "tmp")}
         (root / "in").mkdir()
         (root / "tmp").mkdir()
-        self.dagster = start_dagster_dev(root / "home", env, root / "dagster-dev.log",
-                                         instance_yaml=instance_settings(root, launcher))
+        self.closing = contextlib.ExitStack()  # the database (--postgres), dropped by stop()
+        database = self.closing.enter_context(fresh_database("api_burst")) if postgres else None
+        try:
+            self.dagster = start_dagster_dev(root / "home", env, root / "dagster-dev.log",
+                                             instance_yaml=instance_settings(root, launcher, database))
+        except BaseException:
+            self.closing.close()
+            raise
         port = free_port()
         serve_env = {**os.environ, **env, "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": self.dagster.url,
                      "BATCH_API_KEYS": ",".join(f"{t}:{key(t)}" for t in tenants), "BATCH_API_MAX_PRIORITY": URGENT_PRIORITY}
@@ -150,6 +161,7 @@ class Stack:
                 os.killpg(self.serve.pid, signal.SIGKILL)
                 self.serve.wait(10)
         self.dagster.stop()  # SIGKILL to its process group: web server, daemon, code server, run workers
+        self.closing.close()
 
 
 def create(stack: Stack, tenant: str, file_id: str, metadata: dict[str, str] | None = None) -> str:
@@ -325,6 +337,9 @@ def parse_args() -> argparse.Namespace:
                    help="seconds after the bulk's inference step starts to create the urgent batch (default 2)")
     p.add_argument("--no-priority", action="store_true", help="the burst only")
     p.add_argument("--priority-only", action="store_true", help="the priority part only (no in-process system, no burst)")
+    p.add_argument("--postgres", action="store_true",
+                   help="the instance's storage on PostgreSQL (a fresh database per stack, TEST_POSTGRES_* or "
+                        "127.0.0.1:5432), as deploy/dagster.yaml has it, instead of dagster.yaml's SQLite")
     p.add_argument("--launcher", choices=("forked", "default"), default="forked",
                    help="the instance's run launcher: dagster.yaml's ForkedRunLauncher (default), or Dagster's "
                         "DefaultRunLauncher in a copy of it")
@@ -359,7 +374,7 @@ def _run_system(args: argparse.Namespace, setup: _Setup, figures: _Figures, r: i
     server = setup.server
     say(f"round {r}/{args.rounds}: {system}: starting dagster dev and batch-pipeline serve (untimed)")
     stack = Stack(setup.work / f"r{r}-{system}", setup.model_dir, server.url if system == "warm" else None,
-                  setup.tenants + ["bulk", "urgent"], args.launcher)
+                  setup.tenants + ["bulk", "urgent"], args.launcher, args.postgres)
     try:
         if args.priority_only:
             _priority_round(args, setup, figures, r, stack)

@@ -381,17 +381,25 @@ def pipeline_source(rev: str | None, work: Path, env: dict[str, str]) -> dict[st
     return {"tree": rev, "commit": commit, "path": str(dest)}
 
 
-def instance_settings(root: Path, launcher: str) -> Path | None:
+def instance_settings(root: Path, launcher: str, postgres_db: str | None = None) -> Path | None:
     """The Dagster instance settings of a benchmark's `dagster dev`: None for the repo's dagster.yaml
     (`forked`: its ForkedRunLauncher), or a copy of it in `root` with Dagster's DefaultRunLauncher
-    (`default`: each run a new process started by the code server)."""
-    if launcher == "forked":
+    (`default`: each run a new process started by the code server) and/or its storage on PostgreSQL's
+    database `postgres_db` (TEST_POSTGRES_* as the tests read them), as deploy/dagster.yaml has it."""
+    if launcher == "forked" and postgres_db is None:
         return None
     import yaml
 
+    from batch_pipeline_tests.support.postgres_db import PG_HOST, PG_PASSWORD, PG_PORT, PG_USER
+
     settings = yaml.safe_load((REPO / "dagster.yaml").read_text())
-    settings["run_launcher"] = {"module": "dagster.core.launcher", "class": "DefaultRunLauncher"}
-    path = root / "dagster-default-launcher.yaml"
+    if launcher == "default":
+        settings["run_launcher"] = {"module": "dagster.core.launcher", "class": "DefaultRunLauncher"}
+    if postgres_db is not None:
+        settings["storage"] = {"postgres": {"postgres_db": {
+            "username": PG_USER, "password": PG_PASSWORD, "hostname": PG_HOST, "port": PG_PORT, "db_name": postgres_db,
+            "scheme": "postgresql+psycopg2"}}}  # deploy/dagster.yaml says why
+    path = root / f"dagster-{launcher}{'-postgres' if postgres_db else ''}.yaml"
     path.write_text(yaml.safe_dump(settings))
     return path
 
