@@ -167,40 +167,27 @@ def test_partitions_start_from_the_environment_with_a_recent_default():
     assert bad.returncode != 0 and "PARTITIONS_START='yesterday' is not a date (YYYY-MM-DD)" in bad.stderr
 
 
-def test_the_sensor_interval_is_a_setting_read_when_the_definitions_load():
+@pytest.mark.parametrize("variable, read, sensor", [
+    ("SENSOR_INTERVAL_SECONDS", "sensor_interval_from_env", "batch_pipeline.defs.sensors import batch_upload_sensor"),
+    ("ALERT_INTERVAL_SECONDS", "alert_interval_from_env", "batch_pipeline.defs.alerts import run_failure_alert_sensor"),
+])
+def test_a_sensors_interval_is_a_setting_read_when_the_definitions_load(variable, read, sensor):
     import os
     import subprocess
     import sys
 
-    from batch_pipeline.config.settings import ConfigError, sensor_interval_from_env
+    from batch_pipeline.config import settings
+    from batch_pipeline.config.settings import ConfigError
 
-    assert sensor_interval_from_env({}) == 30 and sensor_interval_from_env({"SENSOR_INTERVAL_SECONDS": "300"}) == 300
+    interval_from_env = getattr(settings, read)
+    assert interval_from_env({}) == 30 and interval_from_env({variable: "300"}) == 300
     for raw in ("4", "3601", "soon"):
-        with pytest.raises(ConfigError, match=f"SENSOR_INTERVAL_SECONDS='{raw}'"):
-            sensor_interval_from_env({"SENSOR_INTERVAL_SECONDS": raw})
-    code = ("from batch_pipeline.defs.sensors import batch_upload_sensor as s; "
-            "print(s.minimum_interval_seconds, 'every 7 s (SENSOR_INTERVAL_SECONDS)' in s.description)")
-    env = {**os.environ, "SENSOR_INTERVAL_SECONDS": "7"}
+        with pytest.raises(ConfigError, match=f"{variable}='{raw}'"):
+            interval_from_env({variable: raw})
+    code = f"from {sensor} as s; print(s.minimum_interval_seconds, 'every 7 s ({variable})' in s.description)"
+    env = {**os.environ, variable: "7"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
     assert out == ["7", "True"]
-
-
-def test_the_alert_interval_is_a_setting_read_when_the_definitions_load():
-    import os
-    import subprocess
-    import sys
-
-    from batch_pipeline.config.settings import ConfigError, alert_interval_from_env
-
-    assert alert_interval_from_env({}) == 30 and alert_interval_from_env({"ALERT_INTERVAL_SECONDS": "60"}) == 60
-    for raw in ("4", "3601", "often"):
-        with pytest.raises(ConfigError, match=f"ALERT_INTERVAL_SECONDS='{raw}'"):
-            alert_interval_from_env({"ALERT_INTERVAL_SECONDS": raw})
-    code = ("from batch_pipeline.defs.alerts import run_failure_alert_sensor as s; "
-            "print(s.minimum_interval_seconds, 'every 9 s (ALERT_INTERVAL_SECONDS)' in s.description)")
-    env = {**os.environ, "ALERT_INTERVAL_SECONDS": "9"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["9", "True"]
 
 
 def test_every_engine_setting_is_a_launchpad_field_naming_its_variable():
