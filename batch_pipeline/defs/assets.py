@@ -27,7 +27,7 @@ from batch_pipeline.config.priority import run_priority
 from batch_pipeline.config.settings import DEFAULT_MAX_FAILED_LINE_RATE, ConfigError, max_failed_line_rate_from_env
 from batch_pipeline.io.shards import Shard, merge_if_complete, reusable_validation
 from batch_pipeline.io.storage import join as storage_join
-from batch_pipeline.io.storage import read_json
+from batch_pipeline.io.storage import exists, read_json
 
 DEFAULT_MAX_FAILED_RATE = DEFAULT_MAX_FAILED_LINE_RATE
 # A crashed engine fails the answering step; it is retried twice, RETRY_DELAY_SECONDS after the
@@ -66,6 +66,20 @@ def _assembled(loc: BatchLocation, shard: Shard, merge: bool = False) -> bool:
     own = read_json(loc.work(shard.record_name()))
     finished, _ = merge_if_complete(loc, own["checkpoint_key"], shard.count, write=merge)
     return finished == shard.count
+
+
+def _measured_here(loc: BatchLocation, shard: Shard, run_id: str) -> bool:
+    """Whether throughput_metrics measures the batch in this run: a whole batch always (a later run with
+    nothing left to do records its figures again); a shard's only when this run's batch_outputs wrote
+    its results (batch.json names the run). Asking _assembled again here is not the same: a shard that
+    found the others unfinished at its output step can find them all finished a moment later, while the
+    last one is still writing batch.json (two shard runs ending together failed reading it)."""
+    if shard.whole:
+        return True
+    batch_uri = loc.out("batch.json")
+    if not exists(batch_uri):
+        return False
+    return (read_json(batch_uri).get("metadata") or {}).get("dagster_run_id") == run_id
 
 
 def _in_date_layout(taken: list[BatchLocation], output_root: str) -> bool:
@@ -476,7 +490,7 @@ def throughput_metrics(
         whole_date = metrics.date_metrics(output_root, context.partition_key)
         if whole_date:
             return dg.MaterializeResult(metadata=date_figures(output_root, context.partition_key, 0, whole_date))
-    per_batch = [metrics.batch_metrics(loc) for loc in taken if _assembled(loc, shard)]
+    per_batch = [metrics.batch_metrics(loc) for loc in taken if _measured_here(loc, shard, context.run.run_id)]
     if not per_batch:
         return dg.MaterializeResult(metadata=metrics.aggregate_metrics(per_batch))
     if _in_date_layout(taken, output_root):

@@ -109,6 +109,31 @@ def test_shard_runs_write_one_set_of_results_once_every_shard_is_done(tiny_llm, 
     assert again.success and json.loads((results / "batch.json").read_text())["id"] == batch["id"]
 
 
+def test_a_shard_that_the_last_one_overtakes_while_writing_measures_nothing(tiny_llm, tmp_path, monkeypatch):
+    """Two shard runs ending together: shard 1's output step finds shard 2 unfinished (so writes no
+    results), then shard 2 finishes and is still writing batch.json when shard 1's throughput_metrics
+    runs. Shard 1 measures nothing rather than reading a batch.json that is not there yet (the two
+    `batch-pipeline run --shard` processes below failed so, now and then, on a slow machine)."""
+    from batch_pipeline.defs import assets
+
+    inbox, out = tmp_path / "in", tmp_path / "out"
+    write_date_batch(inbox / DATE, "raced.jsonl", [chat_line(f"r-{i}") for i in range(4)])
+    work = out / DATE / "raced" / "_work"
+    write_batches = assets.write_batches
+
+    def then_shard_2_finishes(context, taken, shard, *args, **kwargs):
+        rows = write_batches(context, taken, shard, *args, **kwargs)
+        own = json.loads((work / "inference-shard-1-of-2.json").read_text())  # shard 2's record: same key
+        (work / "inference-shard-2-of-2.json").write_text(json.dumps({**own, "shard": "2/2"}))
+        return rows
+
+    monkeypatch.setattr(assets, "write_batches", then_shard_2_finishes)
+    first = materialize(tiny_llm, str(inbox), str(out), run_config=batch_run_config(shard="1/2"))
+    assert first.success, [e.message for e in first.all_events if e.is_failure]
+    assert metadata_of(first, "batch_outputs")["batches"] == 0 and not (work.parent / "batch.json").exists()
+    assert metadata_of(first, "throughput_metrics") == {"batches": 0}
+
+
 def test_smollm2_shards_give_one_runs_answers(smollm2_llm, tmp_path):
     inbox = tmp_path / "in"
     questions = ["What is the capital of France?", "What is the capital of Germany?", "What is the capital of Japan?",
