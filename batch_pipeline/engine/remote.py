@@ -632,7 +632,7 @@ class RemoteEngines:
             try:
                 if sent.stop.is_set():
                     raise Stopped(req.line)
-                reply = self.clients[sent.url].post(req.url, body, request_id, stop=sent.stop, sent=sent)
+                reply = self._post(sent, body, request_id)
                 if reply.status not in RETRY_STATUSES:
                     self._answered(sent.url)
                     return answer_of(sent, reply, created, sent.url)
@@ -664,6 +664,22 @@ class RemoteEngines:
             self.window.shrink()
             sent.stop.wait(backoff)
             backoff = min(backoff * 2, BACKOFF_MAX)
+
+    def _post(self, sent: Sent, body: dict[str, Any], request_id: str) -> Reply:
+        """The line's request. A completion of several prompts goes as one request per prompt, one
+        after another, their answers merged as the server merges them (merged_completions): vLLM's
+        server counts the cached tokens of a request's last prompt only, the in-process engine every
+        prompt's. A prompt refused or pushed back is the whole line's reply, as in one request."""
+        client, prompts = self.clients[sent.url], body.get("prompt")
+        if sent.req.url != contract.COMPLETIONS_URL or not isinstance(prompts, list) or len(prompts) < 2:
+            return client.post(sent.req.url, body, request_id, stop=sent.stop, sent=sent)
+        replies = []
+        for i, prompt in enumerate(prompts):
+            reply = client.post(sent.req.url, {**body, "prompt": prompt}, f"{request_id}-{i}", stop=sent.stop, sent=sent)
+            if reply.status != 200:
+                return reply
+            replies.append(reply)
+        return merged_completions(replies)
 
     def _check_alive(self, urls: set[str]) -> None:
         """Nothing answered for STALL_CHECK_SECONDS: each of `urls` silent that long is asked for
@@ -737,6 +753,37 @@ def answer_of(sent: Sent, response: Reply, created: int, url: str) -> Answer:
             status=502)
     body, prompt, completion, reasoning, cached = shaped
     return lines.success(batch_id, req, body, prompt, completion, reasoning, cached)
+
+
+def merged_completions(replies: list[Reply]) -> Reply:
+    """One text_completion from the answers to a line's prompts sent one by one: the choices in prompt
+    order, numbered on (as the server numbers them: a prompt's n choices, then the next prompt's), and
+    the usage summed, cached tokens included. An answer that is not a completion is returned as it is
+    (answer_of makes it the line's error)."""
+    counts = (("prompt_tokens",), ("completion_tokens",), ("total_tokens",), ("prompt_tokens_details", "cached_tokens"),
+              ("completion_tokens_details", "reasoning_tokens"))
+    payloads, sums = [], [0] * len(counts)
+    for reply in replies:
+        payload = _json_or_none(reply)
+        try:
+            usage = payload["usage"]
+            if not isinstance(payload["choices"], list) or not isinstance(usage, dict):
+                return reply
+            for n, path in enumerate(counts):
+                value: Any = usage
+                for key in path:  # a missing or null count (details the server was not asked for) is 0
+                    value = value.get(key) if isinstance(value, dict) else None
+                sums[n] += int(value or 0)
+        except (KeyError, TypeError, ValueError):
+            return reply
+        payloads.append(payload)
+    choices: list[Any] = []
+    for payload in payloads:
+        choices += [{**c, "index": len(choices) + i} if isinstance(c, dict) else c for i, c in enumerate(payload["choices"])]
+    prompt, completion, total, cached, reasoning = sums
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total,
+             "prompt_tokens_details": {"cached_tokens": cached}, "completion_tokens_details": {"reasoning_tokens": reasoning}}
+    return Reply(200, json.dumps({**payloads[0], "choices": choices, "usage": usage}).encode())
 
 
 def _json_or_none(reply: Reply) -> Any:

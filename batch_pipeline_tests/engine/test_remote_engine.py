@@ -5,7 +5,8 @@ completions and Responses lines gives the same result lines warm as in this proc
 finish reasons, token counts, deterministic ids), a prompt over MAX_MODEL_LEN the same
 `context_length_exceeded` error line, and the run builds no engine of its own (loads no model); a
 closed stream makes the server abort the requests it holds (its running count falls to 0 and it stops
-generating). With stand-in servers (failure injection): 503s, 429s and dropped connections are waited
+generating); a completion line of several prompts counts every prompt's cached tokens (the server
+counts the last one's). With stand-in servers (failure injection): 503s, 429s and dropped connections are waited
 out with every line answered once; a server gone longer than ENGINE_WAIT_SECONDS fails naming its
 URL, and so does one that holds its connections but answers neither them nor /health (a slow one
 whose /health answers is waited for); a file run in its own process imports neither torch nor vLLM; at run start an unreachable URL or a server of another model is refused naming the URL and what
@@ -30,7 +31,7 @@ from batch_pipeline.config.settings import ConfigError, EngineSettings
 from batch_pipeline import contract
 from batch_pipeline.contract import prompts
 from batch_pipeline.engine.remote import (BATCH_SCALE, EPOCH_SECONDS, EngineUnavailable, RemoteEngines, Reply, Sent,
-                                          Window, answer_of, base_url, vllm_priority, window_size)
+                                          Window, answer_of, base_url, merged_completions, vllm_priority, window_size)
 from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.support import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
 from batch_pipeline_tests.support.warm_engine import StandIn, chat_answer
@@ -144,6 +145,30 @@ def test_the_servers_answers_become_the_in_process_lines():
         bad = answer(200, garbage)
         assert bad.kind == "error" and bad.record["response"]["status_code"] == 502
         assert "http://e:1" in bad.record["response"]["body"]["error"]["message"]
+
+
+def test_the_answers_to_a_lines_prompts_merge_as_one_completion():
+    """A completion line of several prompts is sent one prompt at a time (see the real server's test
+    below); the answers become the one body the server gives: choices numbered on, usage summed."""
+    def completion(texts: list[str], prompt: int, cached: int) -> Reply:
+        body = {"id": "cmpl-x", "object": "text_completion", "created": 5, "model": TINY_NAME,
+                "choices": [{"index": i, "text": t, "finish_reason": "length"} for i, t in enumerate(texts)],
+                "usage": {"prompt_tokens": prompt, "completion_tokens": len(texts), "total_tokens": prompt + len(texts),
+                          "prompt_tokens_details": {"cached_tokens": cached}}}
+        return Reply(200, json.dumps(body).encode())
+
+    merged = merged_completions([completion(["a", "b"], 10, 0), completion(["c", "d"], 12, 8)]).json()
+    assert [(c["index"], c["text"]) for c in merged["choices"]] == [(0, "a"), (1, "b"), (2, "c"), (3, "d")]
+    assert merged["usage"] == {"prompt_tokens": 22, "completion_tokens": 4, "total_tokens": 26,
+                               "prompt_tokens_details": {"cached_tokens": 8},
+                               "completion_tokens_details": {"reasoning_tokens": 0}}
+    for odd in (Reply(200, b'{"object": "text_completion"}'), Reply(200, b"<html>busy</html>"),
+                Reply(200, b'{"choices": [], "usage": {"prompt_tokens": "many"}}')):
+        assert merged_completions([completion(["a"], 3, 0), odd]) is odd  # returned as it is: the line's error
+    bare = json.loads(completion(["a"], 3, 0).data)
+    bare["usage"]["prompt_tokens_details"] = None  # a server not asked for the details
+    merged = merged_completions([Reply(200, json.dumps(bare).encode())] * 2).json()
+    assert merged["usage"]["prompt_tokens"] == 6 and merged["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 # -- failure injection: stand-in servers ----------------------------------------------------------
@@ -654,6 +679,31 @@ def test_a_closed_stream_makes_the_server_abort_what_it_holds(small_engine):
     # ones are not among them, whenever the abort came): without the abort all four would be.
     finished = after.get("vllm:request_success_total", 0.0) - before.get("vllm:request_success_total", 0.0)
     assert finished == 1, finished
+
+
+def test_a_completion_of_several_prompts_counts_every_prompts_cached_tokens(small_engine):
+    """vLLM's server counts the cached tokens of a request's last prompt only; the pipeline sends a line
+    of several prompts as one request per prompt, so its usage counts every prompt's, as in-process."""
+    engines = engines_at(small_engine.url)
+    # Over two of the CPU build's 128-token blocks (only whole blocks are cached), within MAX_MODEL_LEN.
+    text = "A long opening that every prompt of this test shares, word for word, " * 10
+    list_body = {"model": TINY_NAME, "prompt": [text, text, text], "max_tokens": 3, "temperature": 0}
+
+    def answer(req: contract.BatchRequest) -> Any:
+        [got] = list(engines.stream("batch_cached", [req], created=1))
+        assert got.kind == "output", got.record
+        return got
+
+    answer(request(1, text, url=contract.COMPLETIONS_URL, temperature=0, max_tokens=3))  # now in the prefix cache
+    one = answer(request(2, text, url=contract.COMPLETIONS_URL, temperature=0, max_tokens=3))
+    three = answer(contract.BatchRequest(line=3, custom_id="c-3", url=contract.COMPLETIONS_URL, body=list_body))
+    assert one.cached_tokens >= 128 and three.cached_tokens == 3 * one.cached_tokens, (one.cached_tokens, three.cached_tokens)
+    body = three.record["response"]["body"]
+    assert three.prompt_tokens == 3 * one.prompt_tokens and body["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+        three.cached_tokens
+    single = one.record["response"]["body"]["choices"][0]["text"]
+    assert [(c["index"], c["text"]) for c in body["choices"]] == [(0, single), (1, single), (2, single)]  # greedy
+    engines.close()
 
 
 def timed(stream: Any) -> list[tuple[float, Any]]:
