@@ -9,6 +9,7 @@ A script, not a test. From the repository root:
     .venv/bin/python bench/api_burst.py --batches 1 --rounds 2 --poll 0.25 --launcher default  # Dagster's launcher
     .venv/bin/python bench/api_burst.py --priority-only --rounds 2 --poll 0.25  # the urgent batch only, its phases
     .venv/bin/python bench/api_burst.py --priority-only --rounds 3 --poll 0.25 --postgres  # on PostgreSQL storage
+    .venv/bin/python bench/api_burst.py --priority-only --rounds 3 --poll 0.25 --engine-cores 1  # the engine computing on a core of its own
 
 Issue 37 ("a warm engine per model"), through the Batch API. What runs, all on 127.0.0.1: per system
 and round, a fresh `dagster dev` (the repo's dagster.yaml: SQLite, the queued run coordinator with
@@ -34,6 +35,12 @@ pipeline's default CPU engine settings. Two systems, their order rotating per ro
    the urgent batch's create to completed beside the bulk one, then (bulk finished) the same urgent
    file alone on the same engine; the bulk's create to completed too. Target: beside the bulk within
    1.5x of alone. The urgent batch alone runs second, so any prefix-cache reuse favours "alone".
+
+By default the engine and everything else share every core. --engine-cores N binds the warm engine's
+compute threads (VLLM_CPU_OMP_THREADS_BIND) to the last N usable cores and runs everything else on the
+others: the server's API process and scheduler, this script, dagster dev, serve, the run workers (and
+the burst's in-process engines). That is the CPU equivalent of a GPU host, where the model computes on
+its own device while the CPUs run the server's front end and the runs' control steps.
 
 Every batch must end `completed` with every line answered (status 200 and a message in its output file),
 else the script stops. Also printed: the Dagster runs' own timings (queued: creation to start; the
@@ -343,11 +350,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--launcher", choices=("forked", "default"), default="forked",
                    help="the instance's run launcher: dagster.yaml's ForkedRunLauncher (default), or Dagster's "
                         "DefaultRunLauncher in a copy of it")
+    p.add_argument("--engine-cores", type=int, default=0,
+                   help="the warm engine's compute threads bound to this many of the last usable cores, everything "
+                        "else (its API server and scheduler, dagster dev, serve, the run workers, this script) on the "
+                        "others: the CPU equivalent of a GPU host (default 0: all share every core)")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between polls of the unfinished batches")
     p.add_argument("--timeout", type=float, default=1800, help="per burst or batch, seconds")
     p.add_argument("--work-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    if args.engine_cores and not 0 < args.engine_cores < cores:
+        p.error(f"--engine-cores {args.engine_cores}: at least 1 and at most {cores - 1} on this machine ({cores} usable "
+                "cores: everything else needs at least one)")
     if args.priority_only and args.no_priority:
         p.error("--priority-only and --no-priority leave nothing to measure")
     return args
@@ -364,7 +379,19 @@ def _prepare(args: argparse.Namespace) -> _Setup:
     tenants = [f"tenant{i}" for i in range(args.tenants)]
     load_start = loadavg()
     say(f"work folder {work}; load average {load_start}")
-    server = WarmServer.engine_start(model_dir, served, work / "warm-engine.log").start()
+    usable = sorted(os.sched_getaffinity(0))
+    env = None
+    if args.engine_cores:
+        from batch_pipeline.defs.resources import LLMResource
+        from batch_pipeline.engine.server import server_env
+
+        compute, rest = usable[len(usable) - args.engine_cores:], usable[:len(usable) - args.engine_cores]
+        # The engine's compute threads (vLLM's CPU build binds them) on `compute`; its other processes (the
+        # API server, the scheduler) with everything else on `rest`, as a GPU host's CPUs run them.
+        env = {**server_env(LLMResource().settings()), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, compute))}
+        os.sched_setaffinity(0, rest)  # this script and all it starts, the server's processes too
+        say(f"the warm engine computes on cores {compute}; everything else, its API server too, on {rest}")
+    server = WarmServer.engine_start(model_dir, served, work / "warm-engine.log", env=env).start()
     return _Setup(model_dir=model_dir, served=served, work=work, tenants=tenants, server=server, load_start=load_start)
 
 
