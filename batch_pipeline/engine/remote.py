@@ -760,30 +760,20 @@ def merged_completions(replies: list[Reply]) -> Reply:
     order, numbered on (as the server numbers them: a prompt's n choices, then the next prompt's), and
     the usage summed, cached tokens included. An answer that is not a completion is returned as it is
     (answer_of makes it the line's error)."""
-    counts = (("prompt_tokens",), ("completion_tokens",), ("total_tokens",), ("prompt_tokens_details", "cached_tokens"),
-              ("completion_tokens_details", "reasoning_tokens"))
-    payloads, sums = [], [0] * len(counts)
+    payloads, sums = [], (0, 0, 0, 0)
     for reply in replies:
         payload = _json_or_none(reply)
         try:
-            usage = payload["usage"]
-            if not isinstance(payload["choices"], list) or not isinstance(usage, dict):
+            if not isinstance(payload["choices"], list) or not isinstance(payload["usage"], dict):
                 return reply
-            for n, path in enumerate(counts):
-                value: Any = usage
-                for key in path:  # a missing or null count (details the server was not asked for) is 0
-                    value = value.get(key) if isinstance(value, dict) else None
-                sums[n] += int(value or 0)
-        except (KeyError, TypeError, ValueError):
+            sums = tuple(a + b for a, b in zip(sums, _completion_counts(payload["usage"])))
+        except (AttributeError, KeyError, TypeError, ValueError):
             return reply
         payloads.append(payload)
     choices: list[Any] = []
     for payload in payloads:
         choices += [{**c, "index": len(choices) + i} if isinstance(c, dict) else c for i, c in enumerate(payload["choices"])]
-    prompt, completion, total, cached, reasoning = sums
-    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total,
-             "prompt_tokens_details": {"cached_tokens": cached}, "completion_tokens_details": {"reasoning_tokens": reasoning}}
-    return Reply(200, json.dumps({**payloads[0], "choices": choices, "usage": usage}).encode())
+    return Reply(200, json.dumps({**payloads[0], "choices": choices, "usage": _completion_usage(*sums)}).encode())
 
 
 def _json_or_none(reply: Reply) -> Any:
@@ -823,13 +813,24 @@ def _completion_shape(prefix: str, batch_id: str, req: contract.BatchRequest, pa
         for j, call in enumerate((message or {}).get("tool_calls") or []):
             if isinstance(call, dict):
                 call["id"] = ids.tool_call_id(batch_id, req.line, i, j)
+    prompt, completion, reasoning, cached = _completion_counts(usage)
+    body["usage"] = _completion_usage(prompt, completion, reasoning, cached)
+    return body, prompt, completion, reasoning, cached
+
+
+def _completion_counts(usage: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(prompt, completion, reasoning, cached) tokens of a chat or text completion's usage; a count that is
+    missing or null (details the server was not asked for) is 0."""
     prompt, completion = int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
     cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
     reasoning = int(((usage.get("completion_tokens_details") or {}).get("reasoning_tokens")) or 0)
-    body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                     "prompt_tokens_details": {"cached_tokens": cached},
-                     "completion_tokens_details": {"reasoning_tokens": reasoning}}
-    return body, prompt, completion, reasoning, cached
+    return prompt, completion, reasoning, cached
+
+
+def _completion_usage(prompt: int, completion: int, reasoning: int, cached: int) -> dict[str, Any]:
+    """A completion's usage as the in-process engine writes it."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}, "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def _response_shape(batch_id: str, req: contract.BatchRequest, payload: dict[str, Any], created: int) -> Shaped | None:
