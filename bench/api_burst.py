@@ -76,7 +76,7 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "ORDER", "MAX_MODEL
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
 from common import instance_settings, loadavg, say  # noqa: E402
-from warm_server import WarmServer  # noqa: E402
+from warm_server import WarmServer, add_engine_cores, apart_engine_env, engine_cores_error  # noqa: E402
 from workloads import batch_text, summary_bodies  # noqa: E402
 
 SYSTEMS = ("in_process", "warm")
@@ -350,19 +350,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--launcher", choices=("forked", "default"), default="forked",
                    help="the instance's run launcher: dagster.yaml's ForkedRunLauncher (default), or Dagster's "
                         "DefaultRunLauncher in a copy of it")
-    p.add_argument("--engine-cores", type=int, default=0,
-                   help="the warm engine's compute threads bound to this many of the last usable cores, everything "
-                        "else (its API server and scheduler, dagster dev, serve, the run workers, this script) on the "
-                        "others: the CPU equivalent of a GPU host (default 0: all share every core)")
+    add_engine_cores(p)
     p.add_argument("--poll", type=float, default=1.0, help="seconds between polls of the unfinished batches")
     p.add_argument("--timeout", type=float, default=1800, help="per burst or batch, seconds")
     p.add_argument("--work-dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args()
-    cores = len(os.sched_getaffinity(0))
-    if args.engine_cores and not 0 < args.engine_cores < cores:
-        p.error(f"--engine-cores {args.engine_cores}: at least 1 and at most {cores - 1} on this machine ({cores} usable "
-                "cores: everything else needs at least one)")
+    placement = engine_cores_error(args.engine_cores)
+    if placement:
+        p.error(placement)
     if args.priority_only and args.no_priority:
         p.error("--priority-only and --no-priority leave nothing to measure")
     return args
@@ -379,18 +375,7 @@ def _prepare(args: argparse.Namespace) -> _Setup:
     tenants = [f"tenant{i}" for i in range(args.tenants)]
     load_start = loadavg()
     say(f"work folder {work}; load average {load_start}")
-    usable = sorted(os.sched_getaffinity(0))
-    env = None
-    if args.engine_cores:
-        from batch_pipeline.defs.resources import LLMResource
-        from batch_pipeline.engine.server import server_env
-
-        compute, rest = usable[len(usable) - args.engine_cores:], usable[:len(usable) - args.engine_cores]
-        # The engine's compute threads (vLLM's CPU build binds them) on `compute`; its other processes (the
-        # API server, the scheduler) with everything else on `rest`, as a GPU host's CPUs run them.
-        env = {**server_env(LLMResource().settings()), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, compute))}
-        os.sched_setaffinity(0, rest)  # this script and all it starts, the server's processes too
-        say(f"the warm engine computes on cores {compute}; everything else, its API server too, on {rest}")
+    env = apart_engine_env(args.engine_cores)
     server = WarmServer.engine_start(model_dir, served, work / "warm-engine.log", env=env).start()
     return _Setup(model_dir=model_dir, served=served, work=work, tenants=tenants, server=server, load_start=load_start)
 

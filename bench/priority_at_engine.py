@@ -48,7 +48,7 @@ for _name in ("ENGINE_URL", "ENGINE_API_KEY", "MODELS_FILE", "MAX_MODEL_LEN", "K
 os.environ.setdefault("BATCH_PIPELINE_CACHE", str(REPO / ".cache"))
 
 from common import loadavg, say  # noqa: E402
-from warm_server import WarmServer  # noqa: E402
+from warm_server import WarmServer, add_engine_cores, apart_engine_env, engine_cores_error  # noqa: E402
 
 URGENT_PRIORITY, BULK_PRIORITY = -100, 1000
 
@@ -61,8 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--urgent-tokens", type=int, default=16)
     p.add_argument("--bulk-tokens", type=int, default=32)
     p.add_argument("--settle", type=float, default=3.0, help="seconds of bulk load before the urgent requests go")
-    p.add_argument("--engine-cores", type=int, default=0,
-                   help="the engine's compute threads on this many of the last usable cores, all else on the others")
+    add_engine_cores(p)
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = p.parse_args()
     try:
@@ -71,10 +70,9 @@ def parse_args() -> argparse.Namespace:
         p.error(f"--widths {args.widths!r}: comma-separated whole numbers, e.g. 2,8,64")
     if not args.widths or min(args.widths) < 1:
         p.error("--widths: at least one width, each at least 1")
-    cores = len(os.sched_getaffinity(0))
-    if args.engine_cores and not 0 < args.engine_cores < cores:
-        p.error(f"--engine-cores {args.engine_cores}: at least 1 and at most {cores - 1} on this machine ({cores} usable "
-                "cores: everything else needs at least one)")
+    placement = engine_cores_error(args.engine_cores)
+    if placement:
+        p.error(placement)
     return args
 
 
@@ -82,16 +80,7 @@ def start_server(args: argparse.Namespace, work: Path) -> tuple[WarmServer, str]
     from batch_pipeline.config import models
 
     model_dir = models.prepare_bundled_model(log=say)
-    env = None
-    if args.engine_cores:
-        from batch_pipeline.defs.resources import LLMResource
-        from batch_pipeline.engine.server import server_env
-
-        usable = sorted(os.sched_getaffinity(0))
-        compute, rest = usable[len(usable) - args.engine_cores:], usable[:len(usable) - args.engine_cores]
-        env = {**server_env(LLMResource().settings()), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, compute))}
-        os.sched_setaffinity(0, rest)
-        say(f"the engine computes on cores {compute}; its API process, its scheduler and this script on {rest}")
+    env = apart_engine_env(args.engine_cores)
     server = WarmServer.engine_start(model_dir, model_dir.name, work / "warm-engine.log", env=env).start()
     return server, model_dir.name
 

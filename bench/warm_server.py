@@ -15,6 +15,7 @@ reset its prefix cache; fresh_env() then empties that cache and gives a run's en
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -181,3 +182,38 @@ def start_like_runs(env: dict[str, str], model_path: Path | str, served: str, lo
         server.start()
     say("warm engine flags: " + " ".join(server.command[3:]))
     return server
+
+
+def add_engine_cores(p: argparse.ArgumentParser) -> None:
+    """The benchmarks' --engine-cores N (checked by engine_cores_error, applied by apart_engine_env)."""
+    p.add_argument("--engine-cores", type=int, default=0,
+                   help="the warm engine's compute threads bound to this many of the last usable cores, everything "
+                        "else (its API server and scheduler, dagster dev, serve, the run workers, this script) on the "
+                        "others: the CPU equivalent of a GPU host (default 0: all share every core)")
+
+
+def engine_cores_error(engine_cores: int) -> str | None:
+    """Why --engine-cores cannot be honoured on this machine, or None."""
+    cores = len(os.sched_getaffinity(0))
+    if engine_cores and not 0 < engine_cores < cores:
+        return (f"--engine-cores {engine_cores}: at least 1 and at most {cores - 1} on this machine ({cores} usable "
+                "cores: everything else needs at least one)")
+    return None
+
+
+def apart_engine_env(engine_cores: int) -> dict[str, str] | None:
+    """With engine_cores N: the warm engine's environment (engine start's, from this environment's settings)
+    with its compute threads (vLLM's CPU build binds them) on the last N usable cores, and this process
+    moved to the others, so that all it starts (the server's API process and scheduler too) runs there,
+    as a GPU host's CPUs run them. 0: None, nothing moved (engine_start's own placement)."""
+    if not engine_cores:
+        return None
+    from batch_pipeline.defs.resources import LLMResource
+    from batch_pipeline.engine.server import server_env
+
+    usable = sorted(os.sched_getaffinity(0))
+    compute, rest = usable[len(usable) - engine_cores:], usable[:len(usable) - engine_cores]
+    env = {**server_env(LLMResource().settings()), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, compute))}
+    os.sched_setaffinity(0, rest)
+    say(f"the warm engine computes on cores {compute}; everything else, its API server too, on {rest}")
+    return env
