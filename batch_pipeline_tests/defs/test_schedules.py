@@ -24,10 +24,12 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from batch_pipeline.defs import assets
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.io import storage as store
 from batch_pipeline.defs.resources import BatchSelection, LLMResource, StorageResource
+from batch_pipeline.engine import vllm_adapter
 from batch_pipeline.defs.schedules import NIGHTLY_CRON, nightly_requests, nightly_schedule_for, previous_day
 
 nightly_batch_schedule = nightly_schedule_for(NIGHTLY_CRON)
@@ -133,7 +135,7 @@ class NoEngineLLM(LLMResource):
         raise AssertionError(f"an engine was built for {kwargs.get('model')}")
 
 
-def test_a_date_without_files_finishes_fast_without_an_engine(tmp_path: Path) -> None:
+def test_a_date_without_files_finishes_fast_without_an_engine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     inbox, out = tmp_path / "in", tmp_path / "out"
     inbox.mkdir()
     (inbox / "2026-11-28").mkdir()  # another day's folder, and a file uploaded another day
@@ -143,6 +145,9 @@ def test_a_date_without_files_finishes_fast_without_an_engine(tmp_path: Path) ->
     os.utime(inbox / "loose.jsonl", (stamp, stamp))
     assert isinstance(tick(dt.datetime(2026, 11, 30, 2, 0, tzinfo=UTC), inbox, out), dg.SkipReason)
     request = dg.RunRequest(partition_key="2026-11-29")  # a date run of batch_job, as the CLI starts
+    # vLLM's import ahead of the GPU step is recorded, not done (10-20 s of CPU this test has no use for).
+    imports: list[str] = []
+    monkeypatch.setattr(vllm_adapter, "import_vllm", lambda: imports.append("vllm"))
 
     started = time.perf_counter()
     result = materialize(request, NoEngineLLM(model_path="/nonexistent/model", served_model_name=TINY_NAME), inbox, out)
@@ -154,15 +159,19 @@ def test_a_date_without_files_finishes_fast_without_an_engine(tmp_path: Path) ->
         assert metadata_of(result, asset)["batches"] == 0
     assert "model_load_seconds" not in metadata_of(result, "inference_results")  # no zeros in the plots
     assert metadata_of(result, "throughput_metrics") == {"batches": 0}
+    assert imports == []  # nothing to answer: vLLM is not even imported
     # Nothing but the run's record of the (no) batches it took.
     assert [p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()] == [f"2026-11-29/.runs/{result.run_id}.json"]
 
-    # The injection is live: the same resource fails the run once the date has a request to answer.
+    # The injection is live: the same resource fails the run once the date has a request to answer
+    # (after the GPU step's retries, here without their wait).
+    monkeypatch.setattr(assets, "RETRY_DELAY_SECONDS", 0.0)
     (inbox / "2026-11-29").mkdir()
     (inbox / "2026-11-29" / "one.jsonl").write_text(chat_line("x") + "\n")
     failed = materialize(request, NoEngineLLM(model_path="/nonexistent/model", served_model_name=TINY_NAME), inbox, out)
     assert not failed.success
     assert "an engine was built" in str(failed.get_step_failure_events()[0].step_failure_data.error)
+    assert imports == ["vllm"]
 
 
 def chat_line(custom_id: str) -> str:
