@@ -6,6 +6,11 @@ BIN := $(VENV)/bin
 # Models, vLLM's cache and temp files stay inside the checkout (vLLM writes to $HOME otherwise).
 export BATCH_PIPELINE_CACHE ?= $(CURDIR)/.cache
 export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+# Python's own default: compiled modules (and pytest's rewritten test modules) are kept in
+# __pycache__ and read back by the next process. A shell that sets PYTHONDONTWRITEBYTECODE (some
+# sandboxes and images do) would have every run worker, engine rank and pytest worker compile the
+# package and the test files anew: 6 s of each pytest worker's start here.
+unexport PYTHONDONTWRITEBYTECODE
 # Used only when the plain install of the CPU torch wheel fails (it is not on PyPI).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 SAMPLE := batch_pipeline/samples/sample_batch.jsonl
@@ -64,9 +69,10 @@ test: install
 	$(BIN)/python -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 # The fast lane: no engine, no model, no server (markers set in batch_pipeline_tests/conftest.py
-# from the fixtures each test uses). For the inner loop; `make test` stays the whole suite.
+# from the fixtures each test uses), and none marked slow (several seconds each: run workers in
+# processes of their own, a million-line plan). For the inner loop; `make test` stays the whole suite.
 test-fast: install
-	$(BIN)/python -m pytest -m "not engine and not server" -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
+	$(BIN)/python -m pytest -m "not engine and not server and not slow" -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 
 # From inside DAGSTER_HOME: started next to this checkout's dagster.yaml (the template copied into
 # DAGSTER_HOME), `dagster dev` warns that the file there is not the instance's. The storage defaults

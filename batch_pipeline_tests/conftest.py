@@ -127,7 +127,8 @@ SLOW_FILES = (
 )
 
 
-# The fast lane (`make test-fast`: -m "not engine and not server"): a test is marked by what it
+# The fast lane (`make test-fast`: -m "not engine and not server and not slow"; `slow` is set by hand
+# on tests of several seconds that need neither, e.g. run workers' own processes): a test is marked by what it
 # uses, so a new test that builds an engine or starts a server leaves the lane by itself. Every
 # fixture that loads a model (directly or through the fixtures built on it) ...
 # The tiny vision model's folder, and `cli_runs` (a `batch-pipeline run` in its own process, which

@@ -142,6 +142,7 @@ def test_cpu_kv_cache_default_is_1_gib_and_the_context_fits_it():
     assert "max_model_len" not in engine_kwargs(EngineSettings(), "/m", "m", "pooling")
 
 
+@pytest.mark.slow
 def test_partitions_start_from_the_environment_with_a_recent_default():
     import datetime as dt
     import os
@@ -167,6 +168,7 @@ def test_partitions_start_from_the_environment_with_a_recent_default():
     assert bad.returncode != 0 and "PARTITIONS_START='yesterday' is not a date (YYYY-MM-DD)" in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variable, read, sensor", [
     ("SENSOR_INTERVAL_SECONDS", "sensor_interval_from_env", "batch_pipeline.defs.sensors import batch_upload_sensor"),
     ("ALERT_INTERVAL_SECONDS", "alert_interval_from_env", "batch_pipeline.defs.alerts import run_failure_alert_sensor"),

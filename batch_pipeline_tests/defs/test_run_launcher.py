@@ -22,6 +22,9 @@ from batch_pipeline.defs.run_launcher import PID_TAG, ForkedRunLauncher
 from batch_pipeline_tests.support.launched_jobs import held_job, quick_job
 from batch_pipeline_tests.support.waiting import wait_for
 
+# Each test here starts Dagster run workers in processes of their own (3-11 s each): not in `make test-fast`.
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 FINISHED = {dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE, dg.DagsterRunStatus.CANCELED}
 

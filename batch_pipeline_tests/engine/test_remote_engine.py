@@ -197,6 +197,7 @@ def test_push_back_and_dropped_connections_are_waited_out_with_every_line_answer
     assert bodies[7] == "echo q7"
 
 
+@pytest.mark.slow
 def test_an_outranked_run_pulls_back_and_keeps_few_requests_in_flight_then_grows_back():
     """While `outranked()` names a more urgent run on the engine, at most YIELD_WINDOW of this run's
     requests are at the server: those in flight beyond the oldest YIELD_WINDOW are pulled back (their
@@ -375,6 +376,7 @@ print(result.success, sorted(m for m in ("torch", "vllm", "transformers") if m i
     assert server.posts == 3
 
 
+@pytest.mark.slow
 def test_batch_pipeline_run_on_a_warm_engine_imports_neither_torch_nor_vllm(tmp_path):
     """`batch-pipeline run` with ENGINE_URL is a light client too: its hardware check (GPUs counted
     through torch, 2.5 s of a run's start here) is for runs that load a model, so the command answers
@@ -492,6 +494,7 @@ def test_a_server_gone_longer_than_the_wait_fails_naming_its_url():
     assert "next run resumes" in str(gone.value) and 1.5 <= time.monotonic() - started < 15
 
 
+@pytest.mark.slow
 def test_a_hung_server_stops_the_run_a_slow_live_one_is_waited_for(monkeypatch):
     """Connections open but no answer: after STALL_CHECK_SECONDS without one the run asks the server
     for /health. A server silent there too for ENGINE_WAIT_SECONDS (hung) stops the run naming its

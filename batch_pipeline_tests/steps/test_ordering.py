@@ -145,6 +145,7 @@ def test_more_records_than_announced_are_refused():
         ordering.make_plan(((0, record(i, {"messages": []})) for i in range(2)), 1, None)
 
 
+@pytest.mark.slow
 def test_the_planner_holds_a_million_lines_in_little_memory():
     """1M chat lines planned in a fresh process: its peak memory grows by the keys (~40 bytes a
     line) and the sort, not by the prompts (about 200 MB of records pass through)."""

@@ -1021,6 +1021,7 @@ def test_env_example_leaves_secrets_empty():
     assert ".env" in (DEPLOY / ".gitignore").read_text().split()
 
 
+@pytest.mark.slow
 def test_definitions_load_from_an_installed_package_without_the_source_tree(tmp_path):
     """The image installs the package (no pyproject.toml beside it): load_from_defs_folder must still
     find the project, from the dg.toml shipped inside the package, and load every definition."""

@@ -14,10 +14,15 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from batch_pipeline_tests.support import wait_for
 from batch_pipeline_tests.support.orphan_watch import group_alive
 from batch_pipeline_tests.support.signals import as_from_a_terminal
 from batch_pipeline_tests.support.warm_engine import watch_group
+
+# Servers started, killed and waited out in processes of their own (2-4 s each): not in `make test-fast`.
+pytestmark = pytest.mark.slow
 
 
 def _server(*command: str) -> subprocess.Popen:
