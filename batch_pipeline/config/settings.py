@@ -154,6 +154,10 @@ class EngineSettings:
     # None: engine/remote.py's default
     engine_window: int | None = setting("ENGINE_WINDOW", None, low=1,
                                         doc="requests in flight on the warm engine; blank = twice BATCH_SIZE, else 64")
+    engine_start_window: int = setting(
+        "ENGINE_START_WINDOW", 8, low=1,
+        doc="requests a run sends the warm engine at first, and again after giving way to an urgent run; one "
+            "more per answer up to ENGINE_WINDOW")
     engine_wait_seconds: float = setting(
         "ENGINE_WAIT_SECONDS", 300.0, low=0, high=86400, note=" seconds",
         doc="how long a run waits for a warm engine that stopped answering")

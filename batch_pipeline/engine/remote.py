@@ -94,6 +94,15 @@ def window_size(settings: EngineSettings) -> int:
     return 2 * settings.batch_size if settings.batch_size else DEFAULT_WINDOW
 
 
+def start_window(settings: EngineSettings) -> int:
+    """ENGINE_START_WINDOW (never more than the window): what a run sends at first. The window then
+    grows by one per answer, so it doubles with each round of answers (TCP's slow start). The engine
+    never cuts short a step it has begun, and a whole window of prompts at once fills its steps with
+    prefill (up to 2,048 tokens a step on a CPU server): seconds each on a CPU core, which an urgent
+    batch arriving then waits through."""
+    return min(settings.engine_start_window, window_size(settings))
+
+
 def warm_routes(settings: EngineSettings, served_name: str) -> dict[str, str]:
     """{served model name: its warm engine's URL}: the default model and its LoRA adapters on
     ENGINE_URL, each MODELS_FILE entry (or version) with a `url` on that. Empty: no warm engine."""
@@ -145,17 +154,25 @@ def vllm_priority(batch_priority: int, rank: int = 0, sent: float | None = None)
 
 @dataclass
 class Window:
-    """Requests in flight: halved when the server pushes back, grown by one per answer (AIMD)."""
+    """Requests in flight: `start` at first (slow start), grown by one per answer up to the ceiling,
+    halved when the server pushes back (AIMD)."""
 
     ceiling: int
+    start: int | None = None  # None: the ceiling at once
     size: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
-        self.size = float(self.ceiling)
+        self.start = min(self.start or self.ceiling, self.ceiling)
+        self.size = float(self.start)
 
     def now(self) -> int:
         return max(1, int(self.size))
+
+    def restart(self) -> None:
+        """Back to the start (not above where it is): after a pause, ramp up again rather than burst."""
+        with self.lock:
+            self.size = min(self.size, float(self.start or self.ceiling))
 
     def shrink(self) -> None:
         with self.lock:
@@ -439,7 +456,7 @@ class RemoteEngines:
         self.batch_priority = int(priority)  # ours (higher sooner); each request's vLLM priority: vllm_priority
         self.log = log
         self.load_seconds = 0.0  # no model is loaded by the run
-        self.window = Window(window_size(settings))
+        self.window = Window(window_size(settings), start_window(settings))
         # ENGINE_API_KEY goes to every warm engine of the run (one key for the deployment's engines).
         self.clients = {url: EngineClient(url, settings.engine_api_key)
                         for url in {*self.routes.values(), *self.pooling.values()}}
@@ -476,13 +493,14 @@ class RemoteEngines:
                                   "EMBEDDING_ENGINE_URL / SCORE_ENGINE_URL): start it with this model, or point the "
                                   "URL at the server that has it")
             self.log(f"answering {', '.join(sorted(n for n, to in where.items() if to == url))} on the warm "
-                     f"engine at {url} (serves {', '.join(served[url])}; {self.window.ceiling} requests in flight, "
+                     f"engine at {url} (serves {', '.join(served[url])}; up to {self.window.ceiling} requests in flight, "
+                     f"{self.window.start} at first, "
                      f"batch priority {self.batch_priority}, then each request by its prompt prefix)")
         return served
 
     @property
     def takes_at_once(self) -> int:
-        """The longest stream sent all at once (the window): its order is then the server's, not a plan's."""
+        """The longest stream that fits the window: its order is then the server's, not a plan's."""
         return self.window.ceiling
 
     @property
@@ -589,8 +607,9 @@ class RemoteEngines:
                 for sent in later:
                     sent.pull_back()
             else:
+                self.window.restart()  # the held requests go again as the window grows, not all at once
                 self.log(f"no run of higher priority answers on the warm engine now: back to "
-                         f"{self.window.now()} requests in flight")
+                         f"{self.window.now()} requests in flight, one more per answer up to {self.window.ceiling}")
                 with self._turn:
                     self._turn.notify_all()
         self._yielding = outranked

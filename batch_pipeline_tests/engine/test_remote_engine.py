@@ -31,7 +31,8 @@ from batch_pipeline.config.settings import ConfigError, EngineSettings
 from batch_pipeline import contract
 from batch_pipeline.contract import prompts
 from batch_pipeline.engine.remote import (BATCH_SCALE, EPOCH_SECONDS, EngineUnavailable, RemoteEngines, Reply, Sent,
-                                          Window, answer_of, base_url, merged_completions, vllm_priority, window_size)
+                                          Window, answer_of, base_url, merged_completions, start_window, vllm_priority,
+                                          window_size)
 from batch_pipeline_tests.support.asset_runs import DATE, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.support import EMBED_NAME, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
 from batch_pipeline_tests.support.warm_engine import StandIn, chat_answer
@@ -70,6 +71,19 @@ def test_the_window_and_priority_follow_their_settings():
         EngineSettings(engine_url="localhost:8000")
     with pytest.raises(ConfigError, match="ENGINE_WINDOW=0 is out of range"):
         EngineSettings(engine_window=0)
+    assert start_window(EngineSettings()) == 8 and start_window(EngineSettings(engine_window=5)) == 5
+    assert start_window(EngineSettings(engine_start_window=3)) == 3
+    with pytest.raises(ConfigError, match="ENGINE_START_WINDOW=0 is out of range"):
+        EngineSettings(engine_start_window=0)
+    slow = Window(16, start=3)  # slow start: 3 at first, one more per answer, back to 3 after a pause
+    assert slow.now() == 3
+    for _ in range(20):
+        slow.grow()
+    assert slow.now() == 16
+    slow.restart()
+    assert slow.now() == 3
+    slow.shrink(), slow.shrink(), slow.restart()
+    assert slow.now() == 1  # a restart never raises it
     assert "secret-key" not in repr(EngineSettings(engine_url="http://h", engine_api_key="secret-key"))
 
 
@@ -195,6 +209,44 @@ def test_push_back_and_dropped_connections_are_waited_out_with_every_line_answer
     assert server.posts == 26 and any("sending it again" in m for m in logged), (server.posts, logged)
     bodies = {a.line: a.record["response"]["body"]["choices"][0]["message"]["content"] for a in answers}
     assert bodies[7] == "echo q7"
+
+
+def test_a_run_sends_its_start_window_first_and_grows_it_by_one_per_answer():
+    """ENGINE_START_WINDOW requests at first, not the whole window: the server holds the first three
+    unanswered, and no fourth comes; once they are answered the run has more in flight than its
+    start, growing towards ENGINE_WINDOW. Every line is answered once."""
+    lock, held, at_once, peaks = threading.Lock(), threading.Event(), [0], []
+
+    def script(n: int, body: dict[str, Any]) -> tuple[int, Any]:
+        with lock:
+            at_once[0] += 1
+            peaks.append(at_once[0])
+        if n <= 3:
+            held.wait(30)
+        else:
+            time.sleep(0.05)  # a request's time at the server, so that the window fills
+        with lock:
+            at_once[0] -= 1
+        return 200, chat_answer(body)
+
+    server = StandIn(script)
+    answers: list[Any] = []
+    try:
+        engines = engines_at(server.url, engine_window=16, engine_start_window=3)
+        runner = threading.Thread(target=lambda: answers.extend(
+            engines.stream("bulk", [request(i, f"q{i}") for i in range(1, 81)], created=1)))
+        runner.start()
+        wait_for("the first three requests at the server", lambda: server.posts >= 3, 30)
+        time.sleep(0.5)
+        assert server.posts == 3, "more than ENGINE_START_WINDOW requests went before any answer"
+        held.set()
+        runner.join(60)
+    finally:
+        held.set()
+        server.stop()
+    assert sorted(a.line for a in answers) == list(range(1, 81)) and all(a.kind == "output" for a in answers)
+    assert max(peaks) >= 10, peaks  # grown well past the start, towards the window's 16
+    assert max(peaks) <= 16
 
 
 @pytest.mark.slow
