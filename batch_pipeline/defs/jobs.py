@@ -17,6 +17,8 @@ from batch_pipeline.config.settings import (
 from batch_pipeline.defs.assets import BATCH_ASSETS
 from batch_pipeline.defs.batch_files import batch_files
 from batch_pipeline.defs.resources import answering_pool
+from batch_pipeline.defs.run_watch import WARM_ENGINE_TAG
+from batch_pipeline.engine.remote import base_url
 from batch_pipeline.io.model_aliases import resolved_pins
 from batch_pipeline.io.storage import StorageError
 
@@ -64,8 +66,18 @@ def engine_tag() -> str:
         return IN_PROCESS  # the run says what is wrong with the setting when it starts
 
 
-# Read once when the definitions load, as answering_pool() is; both jobs answer, so both carry it.
-RUN_POD_TAGS = run_pod_tags()
+def warm_engine_tags() -> dict[str, str]:
+    """{WARM_ENGINE_TAG: ENGINE_URL's server} when a warm engine answers the runs, else nothing: the
+    runs answering there see an urgent run coming from its start (defs/run_watch.py)."""
+    try:
+        url = engine_settings_from_env().engine_url
+    except ConfigError:
+        return {}  # the run says what is wrong with the setting when it starts
+    return {WARM_ENGINE_TAG: base_url(url)} if url else {}
+
+
+# Read once when the definitions load, as answering_pool() is; both jobs answer, so both carry them.
+RUN_POD_TAGS = {**run_pod_tags(), **warm_engine_tags()}
 
 batch_job = dg.define_asset_job(
     "batch_job",

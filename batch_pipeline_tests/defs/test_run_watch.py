@@ -19,7 +19,8 @@ import time
 import dagster as dg
 
 from batch_pipeline.defs import run_watch
-from batch_pipeline.defs.run_watch import ANSWERING_TAG, PRIORITY_POLL_SECONDS, CancelWatch, PriorityWatch
+from batch_pipeline.defs.run_watch import (ANSWERING_TAG, PRIORITY_POLL_SECONDS, WARM_ENGINE_TAG, CancelWatch,
+                                           PriorityWatch)
 from batch_pipeline.config.priority import priority_tags
 from batch_pipeline_tests.support.asset_runs import DATE, chat_line, materialize, read_jsonl, write_batch
 from batch_pipeline_tests.support import wait_for
@@ -119,6 +120,50 @@ def test_a_run_sees_a_more_urgent_run_answering_on_its_engine_and_only_that(tmp_
             instance.add_run_tags("urgent", {ANSWERING_TAG: ""})  # what its own watch does when it stops answering
             wait_for("the urgent run gone", lambda: watch.outranked() is None, timeout=10, interval=0.01)
         assert instance.get_run_by_id("bulk").tags[ANSWERING_TAG] == ""
+
+
+def test_a_more_urgent_run_counts_from_its_launch_until_it_answers_or_its_grace_ends(tmp_path, monkeypatch):
+    """A run launched to answer on the engine (WARM_ENGINE_TAG, as both jobs carry it) outranks the
+    bulk run from STARTING on, before it tags itself answering; one bound for another engine does
+    not, nor one that has finished answering, nor one started longer than STARTING_GRACE_SECONDS ago
+    that never began (its lines all elsewhere, a long validation). (A queued run is not read at all:
+    the look asks for STARTING and STARTED runs.)"""
+    url = "http://127.0.0.1:8000"
+    monkeypatch.setattr(run_watch, "STARTING_GRACE_SECONDS", 1.0)
+    with dg.DagsterInstance.local_temp(str(tmp_path)) as instance:
+        bulk = instance.add_run(dg.DagsterRun(job_name="batch_job", run_id="bulk", status=dg.DagsterRunStatus.STARTED,
+                                              tags={**priority_tags(0), WARM_ENGINE_TAG: url}))
+
+        def run(run_id: str, status: dg.DagsterRunStatus, **tags: str) -> None:
+            instance.add_run(dg.DagsterRun(job_name="batch_job", run_id=run_id, status=status,
+                                           tags={**priority_tags(10), **tags}))
+
+        watch = PriorityWatch(instance, bulk, url)
+        run("elsewhere", dg.DagsterRunStatus.STARTING, **{WARM_ENGINE_TAG: "http://127.0.0.1:8001"})
+        run("done-answering", dg.DagsterRunStatus.STARTED, **{WARM_ENGINE_TAG: url, ANSWERING_TAG: ""})
+        run("in-process", dg.DagsterRunStatus.STARTING)
+        assert watch.look() is None
+        run("urgent", dg.DagsterRunStatus.STARTING, **{WARM_ENGINE_TAG: url})
+        assert watch.look() == f"run urgent (priority 10, this run's 0) is starting on {url}"
+        instance.add_run_tags("urgent", {ANSWERING_TAG: url})  # its inference step began
+        assert watch.look() == f"run urgent (priority 10, this run's 0) is answering on {url}"
+        instance.add_run_tags("urgent", {ANSWERING_TAG: ""})  # and ended
+        assert watch.look() is None
+        run("slow-starter", dg.DagsterRunStatus.STARTING, **{WARM_ENGINE_TAG: url})
+        assert watch.look() == f"run slow-starter (priority 10, this run's 0) is starting on {url}"
+        time.sleep(1.5)  # past its grace without answering
+        assert watch.look() is None
+
+
+def test_both_jobs_tell_which_warm_engine_their_runs_answer_on(monkeypatch):
+    from batch_pipeline.defs.jobs import warm_engine_tags
+
+    monkeypatch.setenv("ENGINE_URL", "http://engine:8000/v1/")
+    assert warm_engine_tags() == {WARM_ENGINE_TAG: "http://engine:8000"}  # as the runs' watches name it
+    monkeypatch.setenv("ENGINE_URL", "engine:8000")  # refused when the run starts, saying why
+    assert warm_engine_tags() == {}
+    monkeypatch.delenv("ENGINE_URL")
+    assert warm_engine_tags() == {}
 
 
 def test_a_watch_among_many_runs_on_its_engine_looks_less_often(tmp_path):
