@@ -211,24 +211,32 @@ def test_push_back_and_dropped_connections_are_waited_out_with_every_line_answer
     assert bodies[7] == "echo q7"
 
 
+class AtOnce:
+    """A stand-in server's script that counts its requests being answered at once: each request
+    appends (moment(), how many, itself included) to `peaks` as it arrives, waits `hold(n)`, and is
+    answered."""
+
+    def __init__(self, hold: Any, moment: Any = lambda: None) -> None:
+        self.hold, self.moment = hold, moment
+        self.lock, self.now, self.peaks = threading.Lock(), 0, []
+
+    def __call__(self, n: int, body: dict[str, Any]) -> tuple[int, Any]:
+        with self.lock:
+            self.now += 1
+            self.peaks.append((self.moment(), self.now))
+        self.hold(n)
+        with self.lock:
+            self.now -= 1
+        return 200, chat_answer(body)
+
+
 def test_a_run_sends_its_start_window_first_and_grows_it_by_one_per_answer():
     """ENGINE_START_WINDOW requests at first, not the whole window: the server holds the first three
     unanswered, and no fourth comes; once they are answered the run has more in flight than its
     start, growing towards ENGINE_WINDOW. Every line is answered once."""
-    lock, held, at_once, peaks = threading.Lock(), threading.Event(), [0], []
-
-    def script(n: int, body: dict[str, Any]) -> tuple[int, Any]:
-        with lock:
-            at_once[0] += 1
-            peaks.append(at_once[0])
-        if n <= 3:
-            held.wait(30)
-        else:
-            time.sleep(0.05)  # a request's time at the server, so that the window fills
-        with lock:
-            at_once[0] -= 1
-        return 200, chat_answer(body)
-
+    held = threading.Event()
+    # the first three held until the test lets them go; then a request's time at the server
+    script = AtOnce(lambda n: held.wait(30) if n <= 3 else time.sleep(0.05))
     server = StandIn(script)
     answers: list[Any] = []
     try:
@@ -245,6 +253,7 @@ def test_a_run_sends_its_start_window_first_and_grows_it_by_one_per_answer():
         held.set()
         server.stop()
     assert sorted(a.line for a in answers) == list(range(1, 81)) and all(a.kind == "output" for a in answers)
+    peaks = [n for _, n in script.peaks]
     assert max(peaks) >= 10, peaks  # grown well past the start, towards the window's 16
     assert max(peaks) <= 16
 
@@ -257,19 +266,11 @@ def test_an_outranked_run_pulls_back_and_keeps_few_requests_in_flight_then_grows
     window is there. Every line is answered once all the same."""
     from batch_pipeline.engine.remote import YIELD_WINDOW
 
-    lock, at_once, peaks = threading.Lock(), [0], []
     urgent: dict[str, str | None] = {"who": None}
-
-    def script(n: int, body: dict[str, Any]) -> tuple[int, Any]:
-        with lock:
-            at_once[0] += 1
-            peaks.append((urgent["who"] is not None, at_once[0]))
-        time.sleep(0.15)  # a request's time at the server, so that the window fills
-        with lock:
-            at_once[0] -= 1
-        return 200, chat_answer(body)
-
+    # a request's time at the server, so that the window fills
+    script = AtOnce(lambda n: time.sleep(0.15), moment=lambda: urgent["who"] is not None)
     server = StandIn(script)
+    peaks = script.peaks
     logged: list[str] = []
     try:
         engines = engines_at(server.url, engine_window=8)
