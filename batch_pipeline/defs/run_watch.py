@@ -123,13 +123,13 @@ class PriorityWatch:
     def outranked(self) -> str | None:
         return self._above
 
-    def look(self) -> str | None:
+    def look(self, now: float | None = None) -> str | None:
         """The runs answering on this engine now, and those launched to answer there that have not begun
-        (for their first STARTING_GRACE_SECONDS): a sentence naming the most urgent one above this
-        run's priority, or None."""
+        (for their first STARTING_GRACE_SECONDS after their launch, reckoned from `now`, Unix time):
+        a sentence naming the most urgent one above this run's priority, or None."""
         records = self.instance.get_run_records(filters=dg.RunsFilter(
             statuses=[dg.DagsterRunStatus.STARTING, dg.DagsterRunStatus.STARTED]), limit=100)
-        now, above, answering = time.time(), [], 0
+        now, above, answering = time.time() if now is None else now, [], 0
         for record in records:
             run = record.dagster_run
             if run.tags.get(ANSWERING_TAG) == self.url:
@@ -179,7 +179,8 @@ class PriorityWatch:
 
 def _started_at(record: Any) -> float:
     """When a run started (Unix time): its start, or while STARTING its last update (the launch; a
-    run's creation may be long before, in the queue). Dagster's storage keeps naive UTC times."""
+    run's creation may be long before, in the queue). Dagster's storage keeps naive UTC times, the
+    update to the second on SQLite: well within STARTING_GRACE_SECONDS."""
     if record.start_time:
         return float(record.start_time)
     updated = record.update_timestamp
