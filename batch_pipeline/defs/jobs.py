@@ -69,11 +69,8 @@ def engine_tag() -> str:
 def warm_engine_tags() -> dict[str, str]:
     """{WARM_ENGINE_TAG: ENGINE_URL's server} when a warm engine answers the runs, else nothing: the
     runs answering there see an urgent run coming from its start (defs/run_watch.py)."""
-    try:
-        url = engine_settings_from_env().engine_url
-    except ConfigError:
-        return {}  # the run says what is wrong with the setting when it starts
-    return {WARM_ENGINE_TAG: base_url(url)} if url else {}
+    url = engine_tag()
+    return {} if url == IN_PROCESS else {WARM_ENGINE_TAG: base_url(url)}
 
 
 # Read once when the definitions load, as answering_pool() is; both jobs answer, so both carry them.

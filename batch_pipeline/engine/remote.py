@@ -158,7 +158,7 @@ class Window:
     halved when the server pushes back (AIMD)."""
 
     ceiling: int
-    start: int | None = None  # None: the ceiling at once
+    start: int = 0  # 0: the ceiling at once
     size: float = 0.0
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -172,7 +172,7 @@ class Window:
     def restart(self) -> None:
         """Back to the start (not above where it is): after a pause, ramp up again rather than burst."""
         with self.lock:
-            self.size = min(self.size, float(self.start or self.ceiling))
+            self.size = min(self.size, float(self.start))
 
     def shrink(self) -> None:
         with self.lock:
