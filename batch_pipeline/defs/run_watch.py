@@ -56,6 +56,10 @@ STARTING_GRACE_SECONDS = 30.0
 # inference step 1.8-2.0 s beside a bulk one against 2.1-3.0 s at 1 s; 0.9-1.0 s alone). It costs the
 # instance 4 looks a second per run up to the cap below (0.29 CPU-s/s at 8 runs against 0.09 at 1 s).
 PRIORITY_POLL_SECONDS = 0.25
+# A write to the run's tags tried this many times, this far apart: a throwaway instance's in-memory
+# tables (`batch-pipeline run` without DAGSTER_HOME) refuse a write at once ("database table is
+# locked") while another thread of the run reads them (a watch's look).
+WRITE_TRIES, WRITE_PAUSE_SECONDS = 20, 0.05
 # Every watch on one engine reads all the runs answering there, so K runs looking every second cost K^2
 # (bench/priority_watch_load.py on PostgreSQL, 2 cores: 0.05 CPU-s/s at 3 runs, 0.5 at 25, about 3 at
 # 100, where the looks fell behind). A watch seeing K runs looks every K / PRIORITY_LOOKS_PER_SECOND
@@ -106,6 +110,7 @@ class CancelWatch:
             yield self
         finally:
             self._done.set()
+            thread.join(timeout=10)  # no read of the instance left under the run's next writes
 
 
 class PriorityWatch:
@@ -164,17 +169,31 @@ class PriorityWatch:
     @contextmanager
     def answering(self) -> Iterator["PriorityWatch"]:
         """The tag and the watch thread, for the duration of the block."""
-        self.instance.add_run_tags(self.run_id, {ANSWERING_TAG: self.url})
+        tag_run(self.instance, self.run_id, {ANSWERING_TAG: self.url})
         thread = threading.Thread(target=self._watch, name="priority-watch", daemon=True)
         thread.start()
         try:
             yield self
         finally:
             self._done.set()
+            thread.join(timeout=10)
             try:
-                self.instance.add_run_tags(self.run_id, {ANSWERING_TAG: ""})
+                tag_run(self.instance, self.run_id, {ANSWERING_TAG: ""})
             except Exception:  # noqa: BLE001 - the run ends soon anyway: a started run's tag is what counts
                 pass
+
+
+def tag_run(instance: Any, run_id: str, tags: dict[str, str]) -> None:
+    """`add_run_tags`, tried again while the instance refuses the write for a moment (WRITE_TRIES);
+    the last refusal is raised."""
+    for attempt in range(WRITE_TRIES):
+        try:
+            instance.add_run_tags(run_id, tags)
+            return
+        except Exception:  # noqa: BLE001 - sqlalchemy's OperationalError, whatever the storage
+            if attempt == WRITE_TRIES - 1:
+                raise
+            time.sleep(WRITE_PAUSE_SECONDS)
 
 
 def _started_at(record: Any) -> float:
