@@ -122,8 +122,12 @@ def service(tiny_model_dir: Path, warm_engine_url: str, tmp_path_factory: pytest
         # then last some seconds (all at once, a warm engine answered 160 of them within a second).
         env = {**pg, **pipeline_env(tiny_model_dir, str(inbox), str(out), warm_engine_url, CHECKPOINT_SECONDS="1",
                                     ENGINE_WINDOW="4")}
+        # The monitoring daemon looks every 2 s rather than deploy/'s 10, and gives a dead run's pool
+        # slot back 3 s after its end rather than 15: the kill tests' retries wait on both.
+        quicker = {"run_monitoring": {"poll_interval_seconds": 2, "free_slots_after_run_end_seconds": 3}}
         server = start_dagster_dev(root / "home", env, root / "dagster-dev.log",
-                                   instance_yaml=REPO / "deploy" / "dagster.yaml" if pg else None)
+                                   instance_yaml=REPO / "deploy" / "dagster.yaml" if pg else None,
+                                   overrides=quicker if pg else None)
         stack.callback(server.stop)
         api = Serve(serve_env({**env, "DAGSTER_HOME": str(root / "home"), "DAGSTER_WEBSERVER_URL": server.url,
                                "BATCH_API_KEYS": f"team-a:{KEY_A},team-b:{KEY_B},team-c:{KEY_C}",

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from batch_pipeline_tests.support import REPO, TEST_KV_BYTES, TINY_MAX_MODEL_LEN, TINY_NAME, wait_for
 from batch_pipeline_tests.support.orphan_watch import group_alive
 from batch_pipeline_tests.support.signals import as_from_a_terminal
@@ -47,11 +49,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_home(home: Path, instance_yaml: Path | None = None) -> Path:
-    """DAGSTER_HOME with instance settings (default: the repo's dagster.yaml) and the UI's
-    first-visit modal dismissed."""
+def prepare_home(home: Path, instance_yaml: Path | None = None, overrides: Mapping[str, Any] | None = None) -> Path:
+    """DAGSTER_HOME with instance settings (default: the repo's dagster.yaml; `overrides` merged into
+    its sections, e.g. a test's quicker poll) and the UI's first-visit modal dismissed."""
     home.mkdir(parents=True, exist_ok=True)
     shutil.copy(instance_yaml or REPO / "dagster.yaml", home / "dagster.yaml")
+    if overrides:
+        settings = yaml.safe_load((home / "dagster.yaml").read_text()) or {}
+        for section, values in overrides.items():
+            settings[section] = {**(settings.get(section) or {}), **values}
+        (home / "dagster.yaml").write_text(yaml.safe_dump(settings, sort_keys=False))
     (home / ".nux").mkdir(exist_ok=True)
     (home / ".nux" / "nux.yaml").write_text("seen: 1\n")
     return home
@@ -194,12 +201,13 @@ def pipeline_env(tiny_model_dir: Path, input_path: str, output_path: str, engine
 
 
 def start_dagster_dev(home: Path, env: Mapping[str, str | None], log_path: Path, timeout: float = 180.0,
-                      instance_yaml: Path | None = None) -> DagsterDev:
+                      instance_yaml: Path | None = None, overrides: Mapping[str, Any] | None = None) -> DagsterDev:
     """`dagster dev -w workspace.yaml` on 127.0.0.1 with DAGSTER_HOME=home, `env` added (None: unset).
 
     `instance_yaml` is the dagster.yaml copied into `home` (default: the repo's SQLite one; pass
-    deploy/dagster.yaml, with DAGSTER_POSTGRES_* in `env`, for the production instance)."""
-    prepare_home(home, instance_yaml)
+    deploy/dagster.yaml, with DAGSTER_POSTGRES_* in `env`, for the production instance), with
+    `overrides` merged into its sections."""
+    prepare_home(home, instance_yaml, overrides)
     port = free_port()
     dagster = str(Path(sys.executable).with_name("dagster"))
     merged = {**os.environ, **env, "DAGSTER_HOME": str(home)}
