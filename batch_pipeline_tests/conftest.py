@@ -100,30 +100,36 @@ def smollm2_llm(bundled_model_dir, monkeypatch) -> SessionLLM:
 
 
 # Test files that start real servers and subprocesses (dagster dev, the Batch API, engine ranks,
-# Chromium), costliest first: seconds of test time each (setup, calls and teardown of its tests, from
-# --durations=0) in a full `make test` on 2 workers, a fresh clone on 2026-12-07 (1100 passed in 13:31).
-# `make test` hands out whole files in collection order (pytest-xdist --dist loadfile
+# Chromium). `make test` hands out whole files in collection order (pytest-xdist --dist loadfile
 # --no-loadscope-reorder), and these come first, so the run does not end on one of them while the
 # other worker has nothing left. (xdist's default order, most tests first, put the files with few
 # long tests last.) The other files follow in their usual order.
+#
+# They alternate between files that compute (vLLM imports and engines in their own processes) and
+# files that mostly wait (on dagster dev's daemons and queue), so the two workers' files at any moment
+# are one of each: two computing files side by side share the 2 cores and both slow down, two waiting
+# ones leave them idle. Figures: CPU-seconds of the file's processes / seconds of the file, in a whole
+# `make test` on 2 workers, 2026-12-07 (every process's CPU time read from /proc every 0.5 s, each
+# charged to the test running on the worker it descends from). In the order before this one the first
+# three minutes kept the cores 49-75% busy (two waiting files), the next three 83-99%.
 SLOW_FILES = (
-    "test_ui_walkthrough.py",  # 139 s: Chromium over dagster dev, a backfill of two dates and re-runs
-    "test_service_priority.py",  # 107 s: queued runs that must come up one after another (their order is the point)
-    "test_batch_api.py",  # 111 s
-    "test_remote_engine.py",  # 149 s: two vLLM servers started together, one restarted
-    "test_dagster_e2e.py",  # 147 s: four dagster devs, make dev's engine, the sensor, the SQS queue
-    "test_data_parallel.py",  # 174 s
-    "test_engine_multiprocess.py",  # 113 s
-    "test_service_model_versions.py",  # 48 s: three API batches in turn
-    "test_service_usage.py",  # 23 s: three real runs of two tenants
-    "test_cli.py",  # 52 s: real batch-pipeline processes, two at a time
-    "test_images_pipeline.py",  # 50 s
-    "test_model_versions.py",  # 30 s: two model verify processes at once
-    "test_alert_sensor_e2e.py",  # 18 s
-    "test_reliability.py",  # 36 s
-    "test_shards.py",  # 33 s
-    "test_service_cancel.py",  # 32 s
-    "test_service_audit.py",  # 31 s
+    "test_data_parallel.py",  # 138 CPU-s / 151 s: two runs of two engine ranks each, then a rank killed
+    "test_service_priority.py",  # 30 / 72: queued runs that must come up one after another (their order is the point)
+    "test_batch_api.py",  # 35 / 96: runs on the shared warm engine; waits for kills, retries and expiries
+    "test_engine_multiprocess.py",  # 132 / 141: three runs with engine-core processes, interrupted
+    "test_ui_walkthrough.py",  # 97 / 120: Chromium over dagster dev, a backfill of a date's files and re-runs
+    "test_remote_engine.py",  # 114 / 141: vLLM servers started together, one restarted
+    "test_dagster_e2e.py",  # 100 / 93: four dagster devs, make dev's engine, the sensor, the SQS queue
+    "test_alert_sensor_e2e.py",  # 14 / 26: the daemon's alert sensor posting to a webhook
+    "test_service_model_versions.py",  # 49 / 45: three API batches in turn, each run loading its version
+    "test_service_usage.py",  # 15 / 24: three real runs of two tenants
+    "test_cli.py",  # real batch-pipeline processes
+    "test_service_audit.py",  # 15 / 23
+    "test_images_pipeline.py",  # 41 / 51
+    "test_service_cancel.py",  # 13 / 17
+    "test_model_versions.py",  # 37 / 48: two model verify processes at once
+    "test_reliability.py",  # 37 / 38
+    "test_shards.py",  # 30 / 22
 )
 
 
