@@ -62,12 +62,6 @@ def ranks_env(tiny_model_dir: Path, ranks: int, **extra: str) -> dict[str, str]:
     return tiny_env(tiny_model_dir, DATA_PARALLEL_SIZE=str(ranks), **ALONE, **extra)
 
 
-def ranks_seen(run) -> list:
-    """Rank processes the run started (a rank's own short-lived children, forked before they exec
-    something else, carry its title for a moment: they are not ranks)."""
-    return [p for p in run.engine_processes() if run.parents[p.pid] == run.proc.pid]
-
-
 def choices(out: Path) -> dict[str, list]:
     outputs, errors, batch = read_results(out)
     assert errors == [] and batch["status"] == "completed", (errors[:3], batch["status"])
@@ -77,8 +71,8 @@ def choices(out: Path) -> dict[str, list]:
 def rank_cores(run) -> Future:
     """The two ranks and their CPU cores, read (in a thread) as soon as both are seen running."""
     def read() -> tuple[list, list[set[int]]]:
-        ranks = wait_for("two rank processes", lambda: len(ranks_seen(run)) == 2 and ranks_seen(run), 300, interval=0.1,
-                         on_timeout=run.tail)
+        ranks = wait_for("two rank processes", lambda: len(run.engine_children()) == 2 and run.engine_children(), 300,
+                         interval=0.1, on_timeout=run.tail)
         return ranks, [set(p.cpu_affinity()) for p in ranks]
 
     pool = ThreadPoolExecutor(1)
@@ -305,7 +299,7 @@ def test_two_ranks_answer_image_lines_as_one_engine_does(two_rank_runs):
     # One engine's answers, in this process (the same settings: ALONE's BATCH_SIZE=1).
     one_engine_run(images.model_dir, images.served, images.batch, folder / "one", **images.settings)
     assert run.wait(timeout=600) == 0, run.tail()
-    assert len(ranks_seen(run)) == 2
+    assert len(run.engine_children()) == 2
     assert_no_engine_process_left(run)
     results = {}
     for n, out in ((2, folder / "two"), (1, folder / "one")):  # 1: no rank, its engine built in this process
@@ -340,7 +334,7 @@ class LongRun(InterruptedRun):
 
 
 def kill_rank_1(long: LongRun) -> None:
-    long.first = {long.run.titles[p.pid]: p for p in ranks_seen(long.run)}
+    long.first = {long.run.titles[p.pid]: p for p in long.run.engine_children()}
     long.first[f"{RANK_TITLE}1"].kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
     long.run.stop_throttling()
     long.saved = sum(p.read_text().count("\n") for p in part_files(long.out))
@@ -394,7 +388,7 @@ def test_a_rank_killed_mid_batch_fails_the_step_and_the_retry_resumes(interrupte
     assert saved <= resumed < LONG_LINES, (saved, resumed)
     assert not first[f"{RANK_TITLE}0"].is_running() or first[f"{RANK_TITLE}0"].status() == "zombie", (
         "the surviving rank of the failed attempt was not stopped")
-    assert len(ranks_seen(run)) == 4, f"the retry starts two new ranks: {run.titles}"
+    assert len(run.engine_children()) == 4, f"the retry starts two new ranks: {run.titles}"
     assert_no_engine_process_left(run)
 
 
@@ -409,5 +403,5 @@ def test_ctrl_c_mid_batch_cancels_and_stops_every_rank(interrupted):
     assert batch["status"] == "cancelled"
     answered_once(outputs, errors, ids)
     assert outputs and {e["error"]["code"] for e in errors} == {"batch_cancelled"}
-    assert len(ranks_seen(run)) == 2, run.titles
+    assert len(run.engine_children()) == 2, run.titles
     assert_no_engine_process_left(run)

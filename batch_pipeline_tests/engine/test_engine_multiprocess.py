@@ -91,16 +91,11 @@ def sigint_process_group(long: LongRun) -> None:
     os.killpg(long.run.proc.pid, signal.SIGINT)
 
 
-def engine_cores(run: CliRun) -> list:
-    """The run's engine core processes: children of the CLI process titled VLLM::EngineCore. A process
-    the engine core forks carries its title until it sets its own (its workers; on a fresh clone, more
-    of them: 2 such processes were seen before the first answer, CI of f3146f1)."""
-    return [p for p in run.engine_processes(ENGINE_CORE) if run.parents.get(p.pid) == run.proc.pid]
-
-
 def sigkill_engine_core(long: LongRun) -> None:
-    # The engine core is seen (sampled every 0.1 s) by its first answer.
-    long.killed = wait_for("the engine core process", lambda: engine_cores(long.run), 10, interval=0.1,
+    # The engine core is seen (sampled every 0.1 s) by its first answer. Only the CLI process's own
+    # child: a process the engine core forks carries its title for a while (its workers; on a fresh
+    # clone 2 such processes were seen before the first answer, CI of f3146f1).
+    long.killed = wait_for("the engine core process", lambda: long.run.engine_children(ENGINE_CORE), 10, interval=0.1,
                            on_timeout=lambda: f"processes seen: {long.run.titles}")
     if len(long.killed) == 1:
         long.killed[0].kill()  # SIGKILL, as the OOM killer or a crashed driver ends it
@@ -189,7 +184,7 @@ def test_engine_core_killed_mid_batch_is_retried_and_resumes(interrupted):
         assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"]
     resumed = json.loads((out / "metrics.json").read_text())["resumed_requests"]
     assert saved <= resumed < LONG_LINES, (saved, resumed)
-    cores = engine_cores(run)  # children of the CLI process: the engine cores ran there
+    cores = run.engine_children(ENGINE_CORE)  # children of the CLI process: the engine cores ran there
     assert len(cores) == 2 and core in cores, f"the retry builds a second engine core: {run.titles}"
     assert_no_engine_process_left(run)
     assert_engine_shut_down_with_its_step(run, ENGINE_CORE)

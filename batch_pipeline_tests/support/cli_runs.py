@@ -208,6 +208,11 @@ class CliRun:
         title = self.engine_title if title is None else title
         return [self.processes[pid] for pid, t in list(self.titles.items()) if t.startswith(title)]
 
+    def engine_children(self, title: str | None = None) -> list[psutil.Process]:
+        """The engine processes this process started itself (ranks, engine cores). A process one of
+        them forks carries its title until it sets its own or execs something else: it is not one."""
+        return [p for p in self.engine_processes(title) if self.parents.get(p.pid) == self.proc.pid]
+
     def alive(self, title: str | None = None) -> list[str]:
         """Engine processes seen during the run that still exist (zombies count as gone)."""
         left = []
