@@ -235,8 +235,10 @@ def test_a_run_sends_its_start_window_first_and_grows_it_by_one_per_answer():
     unanswered, and no fourth comes; once they are answered the run has more in flight than its
     start, growing towards ENGINE_WINDOW. Every line is answered once."""
     held = threading.Event()
-    # the first three held until the test lets them go; then a request's time at the server
-    script = AtOnce(lambda n: held.wait(30) if n <= 3 else time.sleep(0.05))
+    # the first three held until the test lets them go; then a request's time at the server, long
+    # enough that answers overlap even when this process is starved (at 0.05 s the peak stayed at 9
+    # of 16 on a loaded machine: CI of 56707e4)
+    script = AtOnce(lambda n: held.wait(30) if n <= 3 else time.sleep(0.2))
     server = StandIn(script)
     answers: list[Any] = []
     try:
