@@ -37,6 +37,8 @@ from batch_pipeline.config.priority import PRIORITY_BOUND
 # ORDER's values (steps/ordering.py plans the "planned" one).
 ORDERS = ("input", "planned")
 DEFAULT_ORDER = "planned"
+# RANK_START_METHOD's values: multiprocessing's start methods that suit an engine rank.
+RANK_START_METHODS = ("forkserver", "spawn")
 
 
 def setting(var: str, default: Any = None, *, factory: Callable[[], Any] | None = None, low: float | None = None,
@@ -72,6 +74,10 @@ class EngineSettings:
     # ranks placed by engine/placement.py
     data_parallel_size: int = setting("DATA_PARALLEL_SIZE", 1, low=1,
                                       doc="engines (ranks), each on its own TENSOR_PARALLEL_SIZE GPUs")
+    # engine/ranks.py: forkserver imports vLLM once for every rank of the run
+    rank_start_method: str = setting("RANK_START_METHOD", "forkserver", choices=RANK_START_METHODS,
+                                     doc="how ranks start: forkserver (forked from a process that imported vLLM "
+                                         "once) or spawn (each a new interpreter importing it); blank = forkserver")
     max_model_len: int | None = setting("MAX_MODEL_LEN", None, low=16, per_model=True, doc="context length in tokens")
     batch_size: int | None = setting("BATCH_SIZE", None, low=1, per_model=True, doc="vLLM max_num_seqs")
     # auto: float32 on CPU (bfloat16 ran ~10x slower there), the model's dtype on GPU

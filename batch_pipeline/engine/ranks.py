@@ -53,6 +53,13 @@ STOP_SECONDS = 30.0
 # enough to keep its scheduler full, and little left on one rank when the others have run dry.
 RANK_QUEUE = (2, 8)
 RANK_TITLE = "batch-pipeline::rank"  # process title of rank N: RANK_TITLE + "N"
+# Ranks are forked from a server process that imported vLLM once (multiprocessing's forkserver,
+# preloading these modules): N ranks pay the import (10-30 s of CPU each) once instead of N times
+# side by side, and the ranks a step's retry starts again pay nothing. The server imports and never
+# builds an engine, so it holds no GPU context that a fork could carry (vLLM forks its own engine
+# processes after the same import). It ends when the run process does. RANK_START_METHOD=spawn, or
+# a platform without forkserver: each rank is a new interpreter that imports vLLM itself.
+RANK_PRELOAD = ["batch_pipeline.engine.ranks", "batch_pipeline.engine.rank_server"]
 
 
 class RankFailed(RuntimeError):
@@ -62,7 +69,8 @@ class RankFailed(RuntimeError):
 class _Rank:
     def __init__(self, plan: RankPlan, process: multiprocessing.process.BaseProcess, conn: Connection):
         self.plan, self.process, self.conn = plan, process, conn
-        self.load_seconds = 0.0
+        self.load_seconds = 0.0  # its engine's build, as the rank reports it
+        self.startup_seconds: float | None = None  # from the ranks' start to its first message
         self.peak_memory_mb = 0.0
         self.in_batch = False
         self.outstanding = 0  # requests handed to it and not answered yet (this batch)
@@ -171,6 +179,7 @@ class RankedEngines:
         self.models = (model_path, served_name, embedding_path, embedding_name)
         self.log = log
         self._ranks: list[_Rank] = []
+        self._started_at = 0.0
 
     @property
     def data_parallel_size(self) -> int:
@@ -182,13 +191,15 @@ class RankedEngines:
 
     @property
     def load_seconds(self) -> float:
-        """Model loading, which the ranks do side by side: the slowest rank's."""
-        return max((r.load_seconds for r in self._ranks), default=0.0)
+        """Model loading, which the ranks do side by side: the slowest rank's, counted from the ranks'
+        start (their processes' start and vLLM's import, wherever it happens, then the engine's build)."""
+        return max(((r.startup_seconds or 0.0) + r.load_seconds for r in self._ranks), default=0.0)
 
     def _start(self) -> None:
         if self._ranks:
             return
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: CUDA cannot be forked
+        context = rank_context(self.settings.rank_start_method)
+        self._started_at = time.monotonic()
         self.log("starting " + str(len(self.plans)) + " engine ranks: " + "; ".join(p.describe() for p in self.plans))
         for plan in self.plans:
             ours, theirs = context.Pipe(duplex=True)
@@ -224,6 +235,8 @@ class RankedEngines:
                     if rank.conn not in ready and rank.process.sentinel not in ready:
                         continue
                     for message in self._receive(rank):
+                        if rank.startup_seconds is None:
+                            rank.startup_seconds = time.monotonic() - self._started_at
                         kind = message[0]
                         if kind == "answer":
                             rank.outstanding -= 1
@@ -288,6 +301,16 @@ class RankedEngines:
             rank.conn.close()
 
 
+def rank_context(method: str = "forkserver") -> multiprocessing.context.BaseContext:
+    """How rank processes start (RANK_START_METHOD): forked from the ranks' server (see RANK_PRELOAD),
+    or spawned, each a new interpreter that imports vLLM itself (also where forkserver is not offered)."""
+    if method != "forkserver" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    return context
+
+
 # -- the rank process --------------------------------------------------------------------------
 
 
@@ -301,8 +324,9 @@ def _set_title(title: str) -> None:
         pass
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """SIGTERM this process when the run process dies, even by SIGKILL (Linux only)."""
+def _die_with_parent(run_pid: int) -> None:
+    """SIGTERM this process when its parent dies, even by SIGKILL (Linux only). The parent is the
+    ranks' server (or, spawned, the run process), and the server ends when the run process does."""
     try:
         import ctypes
 
@@ -310,7 +334,9 @@ def _die_with_parent(parent_pid: int) -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent_pid:  # the parent died before the call above
+    try:
+        os.kill(run_pid, 0)
+    except (ProcessLookupError, PermissionError):  # the run process died before the call above
         os.kill(os.getpid(), signal.SIGTERM)
 
 
@@ -381,10 +407,14 @@ def _requests(inbox: _Inbox, outbox: _Outbox) -> Iterator[Any]:
 
 
 def rank_main(plan: RankPlan, settings: EngineSettings, models: tuple[Any, ...], conn: Connection, parent_pid: int) -> None:
-    """Entry point of a rank process (spawned): place it, then answer batches until told to close."""
+    """Entry point of a rank process (see rank_context): place it, then answer batches until told to close."""
     _die_with_parent(parent_pid)
     _set_title(f"{RANK_TITLE}{plan.rank}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds into the engine shutdown below
+    if "batch_pipeline.engine.rank_server" in sys.modules:  # forked from the ranks' server
+        from batch_pipeline.engine.rank_server import restore_environment
+
+        restore_environment()
     os.environ.update(plan.env)
     if plan.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, plan.cpus)

@@ -36,7 +36,7 @@ from batch_pipeline.defs.jobs import run_batch
 from batch_pipeline.defs.resources import StorageResource
 from batch_pipeline.engine import placement
 from batch_pipeline.cli.doctor import run_checks
-from batch_pipeline.engine.ranks import RANK_TITLE
+from batch_pipeline.engine.ranks import RANK_PRELOAD, RANK_TITLE, rank_context
 from batch_pipeline.config.settings import ConfigError, EngineSettings, engine_settings_from_env
 from batch_pipeline_tests.support.cli_runs import (
     CLI,
@@ -151,6 +151,18 @@ def test_bad_data_parallel_size_names_the_variable(raw, expected):
     with pytest.raises(ConfigError) as caught:
         engine_settings_from_env({"DATA_PARALLEL_SIZE": raw})
     assert str(caught.value) == expected
+
+
+def test_ranks_are_forked_from_a_server_that_imports_vllm_unless_spawn_is_asked_for():
+    settings = engine_settings_from_env({})
+    assert settings.rank_start_method == "forkserver"
+    forked = rank_context(settings.rank_start_method)
+    assert forked.get_start_method() == "forkserver"
+    assert "batch_pipeline.engine.rank_server" in RANK_PRELOAD  # the module that imports vLLM there
+    spawned = rank_context(engine_settings_from_env({"RANK_START_METHOD": "spawn"}).rank_start_method)
+    assert spawned.get_start_method() == "spawn"
+    with pytest.raises(ConfigError, match="RANK_START_METHOD='fork'"):
+        engine_settings_from_env({"RANK_START_METHOD": "fork"})
 
 
 def test_too_many_ranks_fail_the_run_before_any_model_loads(tiny_model_dir, tmp_path):
@@ -274,6 +286,9 @@ def test_two_ranks_answer_every_line_once_each_on_its_own_core(two_rank_runs):
     assert two.wait(timeout=600) == 0, two.tail()
     assert cores[0] and cores[1] and not cores[0] & cores[1], f"ranks share cores: {cores}"
     assert sorted(two.titles[p.pid] for p in ranks) == [f"{RANK_TITLE}0", f"{RANK_TITLE}1"]
+    # RANK_START_METHOD's default: both forked from one server (it imported vLLM once), not by the run process
+    [server] = {two.parents[p.pid] for p in ranks}
+    assert server != two.proc.pid and two.parents[server] == two.proc.pid, two.titles
     assert_no_engine_process_left(two)
     assert_engine_shut_down_with_its_step(two, RANK_TITLE)
 
@@ -389,6 +404,8 @@ def test_a_rank_killed_mid_batch_fails_the_step_and_the_retry_resumes(interrupte
     assert not first[f"{RANK_TITLE}0"].is_running() or first[f"{RANK_TITLE}0"].status() == "zombie", (
         "the surviving rank of the failed attempt was not stopped")
     assert len(run.engine_children()) == 4, f"the retry starts two new ranks: {run.titles}"
+    # forked from the server the first two came from: the run imported vLLM once for its four ranks
+    assert len({run.parents[p.pid] for p in run.engine_children()}) == 1, (run.parents, run.titles)
     assert_no_engine_process_left(run)
 
 

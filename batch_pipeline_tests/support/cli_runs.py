@@ -209,9 +209,11 @@ class CliRun:
         return [self.processes[pid] for pid, t in list(self.titles.items()) if t.startswith(title)]
 
     def engine_children(self, title: str | None = None) -> list[psutil.Process]:
-        """The engine processes this process started itself (ranks, engine cores). A process one of
-        them forks carries its title until it sets its own or execs something else: it is not one."""
-        return [p for p in self.engine_processes(title) if self.parents.get(p.pid) == self.proc.pid]
+        """The engine processes the run started (ranks, engine cores): not those an engine process
+        forked, which carry its title until they set their own or exec something else. A rank's
+        parent is the ranks' fork server (engine/ranks.py), an engine core's the CLI process."""
+        engines = {p.pid for p in self.engine_processes(title)}
+        return [p for p in self.engine_processes(title) if self.parents.get(p.pid) not in engines]
 
     def alive(self, title: str | None = None) -> list[str]:
         """Engine processes seen during the run that still exist (zombies count as gone)."""

@@ -68,6 +68,8 @@ DIRECT_ENVIRON = {
     "cli/main.py": "quiets vLLM's log lines for `batch-pipeline run` (setdefault)",
     "cli/model_commands.py": "the same for `batch-pipeline model verify`",
     "engine/ranks.py": "sets a rank process's own environment (its devices) before vLLM loads",
+    "engine/rank_server.py": "keeps the run's OMP_NUM_THREADS while the ranks' fork server imports with one "
+                             "thread, and gives it back to each rank",
     "engine/server.py": "hands the whole environment to vLLM's server process",
     "cli/doctor.py": "lends DAGSTER_PG_PASSWORD (Helm's name) as DAGSTER_POSTGRES_PASSWORD while it loads "
                  "Dagster's instance, then takes it back",
