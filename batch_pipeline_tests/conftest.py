@@ -145,14 +145,22 @@ ENGINE_FIXTURES = {"tiny_model_dir", "bundled_model_dir", "thinking_model_dir", 
 SERVER_FIXTURES = {"moto_server", "history_server", "database", "warm_engine_url"}
 
 
+INSPECTION = pytest.StashKey["subprocess.Popen | None"]()  # support/model_inspection.py's process
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """The controller (or the only process) makes the folder the run's shared warm engine is kept in;
-    pytest-xdist's workers inherit it through the environment."""
+    pytest-xdist's workers inherit it through the environment. Unless only the fast lane runs, it
+    also has vLLM inspect the suite's model classes once, in the background (model_inspection.py)."""
     from batch_pipeline_tests.support.warm_engine import CONTROLLER_ENV, SHARED_ENV
 
     if not hasattr(config, "workerinput"):
         os.environ[SHARED_ENV] = tempfile.mkdtemp(prefix="batch-pipeline-tests-")
         os.environ[CONTROLLER_ENV] = str(os.getpid())  # the shared engine stops when this process is gone
+        if "not engine" not in (config.option.markexpr or ""):  # the fast lane builds no engine
+            from batch_pipeline_tests.support import model_inspection
+
+            config.stash[INSPECTION] = model_inspection.start(models.cache_root())
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -162,6 +170,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput") and SHARED_ENV in os.environ:
         stop_shared()
         shutil.rmtree(os.environ.pop(SHARED_ENV), ignore_errors=True)
+    inspection = config.stash.get(INSPECTION, None)
+    if inspection is not None and inspection.poll() is None:  # a run shorter than vLLM's import
+        inspection.kill()
+        inspection.wait()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -184,3 +184,30 @@ def test_a_tool_parser_request_carries_the_lines_tools():
     assert request.tool_choice == "auto"
     assert [t.function.name for t in request.tools] == ["get_weather"]
     assert request.tools[0].function.parameters["required"] == ["city"]
+
+
+
+def test_the_suites_model_inspection_writes_what_vllms_registry_reads_back(tiny_model_dir, tmp_path, monkeypatch):
+    """support/model_inspection.py fills vLLM's modelinfos cache through the registry's private
+    methods: every architecture it names is one vLLM registers, and vLLM's own inspection then reads
+    the answer from the cache (its subprocess is made to fail here) and gets what inspecting the
+    class gives. A vLLM upgrade that changes them fails here, not silently in the suite's timing."""
+    import dataclasses
+    import json
+
+    import vllm.model_executor.models.registry as registry
+
+    from batch_pipeline_tests.support import model_inspection
+
+    def normal(info) -> dict:  # as the cache's JSON holds it (tuples read back as lists)
+        return json.loads(json.dumps(dataclasses.asdict(info)))
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    assert model_inspection.inspect(tmp_path) == len(model_inspection.ARCHITECTURES)
+    monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: pytest.fail("vLLM missed the cache"))
+    for arch in model_inspection.ARCHITECTURES:
+        model = registry.ModelRegistry.models[arch]
+        assert isinstance(model, registry._LazyRegisteredModel), arch
+        expected = registry._ModelInfo.from_model_cls(model.load_model_cls())
+        assert normal(model.inspect_model_cls()) == normal(expected), arch
+    assert model_inspection.start(tmp_path) is None  # done: a later run starts nothing
