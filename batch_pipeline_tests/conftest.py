@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -171,9 +173,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         stop_shared()
         shutil.rmtree(os.environ.pop(SHARED_ENV), ignore_errors=True)
     inspection = config.stash.get(INSPECTION, None)
-    if inspection is not None and inspection.poll() is None:  # a run shorter than vLLM's import
-        inspection.kill()
-        inspection.wait()
+    if inspection is not None:  # done long ago in a full run; a short run waits for it (once: its marker)
+        try:
+            inspection.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(inspection.pid, signal.SIGKILL)
+            inspection.wait()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

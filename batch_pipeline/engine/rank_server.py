@@ -3,9 +3,10 @@ with Python's collector paused as a run's own import is (vllm_adapter.import_vll
 
 The server imports with one OpenMP thread (OMP_NUM_THREADS=1). Importing torch otherwise starts
 OpenMP's thread pool, and a pool started before fork() is not whole in the forked process: ranks
-forked from such a server answered 9 times slower (bench/data_parallel.py, 2 ranks on this 2-core
-machine). Each rank puts the run's own value back before its engine is built (restore_environment);
-vLLM sizes and binds the engine's threads itself (on CPU to the rank's cores, on a GPU to one).
+forked from such a server answered 9 times slower (bench/data_parallel.py, 2 ranks on a 2-core
+machine). Each rank puts the run's own value back, and torch's thread count as a new process on
+the rank's cores would have it, before its engine is built (restore_environment); vLLM then sizes
+and binds the engine's threads itself.
 
 An error in the import is not this server's to report: it is swallowed, and each rank then imports
 vLLM itself and reports the error as its own, naming its rank.
@@ -25,14 +26,20 @@ except Exception:  # noqa: BLE001 - see the module's docstring
 
 
 def restore_environment() -> None:
-    """In a rank forked from the server: the run's OMP_NUM_THREADS, in the environment and in torch."""
+    """In a rank forked from the server, once placed on its cores: the run's OMP_NUM_THREADS back, and
+    torch's threads as a new process there would have them (the run's value, else one per core the
+    rank may use; vLLM then sizes its engine's own from these)."""
     if RUN_OMP_NUM_THREADS is None:
         os.environ.pop("OMP_NUM_THREADS", None)
-        return
-    os.environ["OMP_NUM_THREADS"] = RUN_OMP_NUM_THREADS
+    else:
+        os.environ["OMP_NUM_THREADS"] = RUN_OMP_NUM_THREADS
+    try:
+        threads = int(RUN_OMP_NUM_THREADS) if RUN_OMP_NUM_THREADS else len(os.sched_getaffinity(0))
+    except ValueError:  # not a number: torch ignores such a value too
+        threads = len(os.sched_getaffinity(0))
     try:
         import torch
 
-        torch.set_num_threads(int(RUN_OMP_NUM_THREADS))
-    except (ImportError, ValueError):  # not a number: torch ignores such a value too
+        torch.set_num_threads(max(threads, 1))
+    except ImportError:  # the server's import failed: the rank imports vLLM itself, and reports it
         pass

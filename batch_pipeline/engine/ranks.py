@@ -11,8 +11,8 @@ exactly-once, resume and cancellation are unchanged. A rank that dies (killed, o
 crashed driver) fails the stream with its rank number and exit code, after every answer it sent
 before dying has been handed on; the other ranks are stopped, and the step's retry resumes from
 the checkpoints. No rank outlives the run: they are stopped when the run ends, fails or is
-cancelled, and each also ends itself when the run process disappears (PR_SET_PDEATHSIG, and the
-end of its pipe).
+cancelled, and each also ends itself when the run process disappears, even by SIGKILL (a pidfd on
+the run process, PR_SET_PDEATHSIG, and the end of its pipe).
 
 Messages, run process -> rank: ("batch", batch_id, created), ("requests", [BatchRequest]) or
 ("end",) answering each ("want", n), ("close",).
@@ -25,6 +25,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import select
 import signal
 import sys
 import threading
@@ -208,7 +209,13 @@ class RankedEngines:
                 args=(plan, self.settings, self.models, theirs, os.getpid()),
                 name=f"batch-pipeline-rank-{plan.rank}",
             )
-            process.start()
+            try:
+                process.start()  # the first start waits for the ranks' server to import vLLM
+            except BaseException:  # e.g. Ctrl-C meanwhile: the ranks started so far are stopped
+                ours.close()
+                theirs.close()
+                self.close(stop=True)
+                raise
             theirs.close()  # only the rank holds its end: its death reads as end-of-file here
             self._ranks.append(_Rank(plan, process, ours))
 
@@ -325,19 +332,44 @@ def _set_title(title: str) -> None:
 
 
 def _die_with_parent(run_pid: int) -> None:
-    """SIGTERM this process when its parent dies, even by SIGKILL (Linux only). The parent is the
-    ranks' server (or, spawned, the run process), and the server ends when the run process does."""
+    """SIGTERM this process when the run process dies, even by SIGKILL (Linux).
+
+    PR_SET_PDEATHSIG covers a spawned rank, whose parent is the run process. A forked rank's parent
+    is the ranks' server, which outlives the run process while any rank lives (each holds the end of
+    the pipe it watches), so the rank also watches the run process itself, through a pidfd."""
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        return
+        pass
     try:
-        os.kill(run_pid, 0)
-    except (ProcessLookupError, PermissionError):  # the run process died before the call above
+        pidfd = os.pidfd_open(run_pid)
+    except (ProcessLookupError, PermissionError):  # the run process died already
         os.kill(os.getpid(), signal.SIGTERM)
+        return
+    except (AttributeError, OSError):  # not Linux 5.3+: PR_SET_PDEATHSIG and the pipe's end remain
+        try:
+            os.kill(run_pid, 0)
+        except (ProcessLookupError, PermissionError):  # the run process died before the prctl above
+            os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])  # readable once the run process has ended
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="rank-run-watch", daemon=True).start()
+
+
+def _refuse_a_forked_cuda_context() -> None:
+    """A rank forked after its server initialised CUDA would fail at its first CUDA call, far from the
+    cause: say it at once. (vLLM's import does not initialise CUDA; a plugin or a changed build might.)"""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        raise RuntimeError("the ranks' fork server initialised CUDA while importing vLLM, and a forked process "
+                           "cannot use it: set RANK_START_METHOD=spawn")
 
 
 class _Inbox:
@@ -408,16 +440,17 @@ def _requests(inbox: _Inbox, outbox: _Outbox) -> Iterator[Any]:
 
 def rank_main(plan: RankPlan, settings: EngineSettings, models: tuple[Any, ...], conn: Connection, parent_pid: int) -> None:
     """Entry point of a rank process (see rank_context): place it, then answer batches until told to close."""
-    _die_with_parent(parent_pid)
     _set_title(f"{RANK_TITLE}{plan.rank}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds into the engine shutdown below
-    if "batch_pipeline.engine.rank_server" in sys.modules:  # forked from the ranks' server
-        from batch_pipeline.engine.rank_server import restore_environment
-
-        restore_environment()
+    _die_with_parent(parent_pid)
     os.environ.update(plan.env)
     if plan.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, plan.cpus)
+    forked = "batch_pipeline.engine.rank_server" in sys.modules  # from the ranks' server
+    if forked:
+        from batch_pipeline.engine.rank_server import restore_environment
+
+        restore_environment()  # after the placement: torch's threads fit the cores the rank has
     from batch_pipeline.engine.local import Engines
     from batch_pipeline.base.runtime import peak_memory_mb
     from batch_pipeline.base.runtime import exit_without_teardown
@@ -432,6 +465,8 @@ def rank_main(plan: RankPlan, settings: EngineSettings, models: tuple[Any, ...],
     engines = Engines(settings, *models, log=log, queue_factor=RANK_QUEUE[0], queue_floor=RANK_QUEUE[1])
     code = 0
     try:
+        if forked:
+            _refuse_a_forked_cuda_context()
         while True:
             message = inbox.messages.get()
             if message[0] != "batch":

@@ -21,11 +21,13 @@ its own process (cli_runs.py watches its process tree: ranks are titled batch-pi
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
 import signal
 import subprocess
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,7 +155,11 @@ def test_bad_data_parallel_size_names_the_variable(raw, expected):
     assert str(caught.value) == expected
 
 
-def test_ranks_are_forked_from_a_server_that_imports_vllm_unless_spawn_is_asked_for():
+def test_ranks_are_forked_from_a_server_that_imports_vllm_unless_spawn_is_asked_for(monkeypatch):
+    from multiprocessing import forkserver
+
+    # rank_context sets the process's one fork server's preload: this worker's is given back after
+    monkeypatch.setattr(forkserver._forkserver, "_preload_modules", list(forkserver._forkserver._preload_modules))
     settings = engine_settings_from_env({})
     assert settings.rank_start_method == "forkserver"
     forked = rank_context(settings.rank_start_method)
@@ -163,6 +169,65 @@ def test_ranks_are_forked_from_a_server_that_imports_vllm_unless_spawn_is_asked_
     assert spawned.get_start_method() == "spawn"
     with pytest.raises(ConfigError, match="RANK_START_METHOD='fork'"):
         engine_settings_from_env({"RANK_START_METHOD": "fork"})
+
+
+def test_a_rank_forked_after_its_server_initialised_cuda_says_to_spawn(monkeypatch):
+    """Failure injection: a torch whose CUDA the fork server initialised (vLLM's import does not)."""
+    import types
+
+    from batch_pipeline.engine import ranks
+
+    initialised = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))
+    monkeypatch.setitem(sys.modules, "torch", initialised)
+    with pytest.raises(RuntimeError, match="set RANK_START_METHOD=spawn"):
+        ranks._refuse_a_forked_cuda_context()
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: False)))
+    ranks._refuse_a_forked_cuda_context()
+
+
+RUN_STAND_IN = """
+import multiprocessing, os, sys, time
+from batch_pipeline.engine.ranks import _die_with_parent
+
+def rank(run_pid, ready):
+    _die_with_parent(run_pid)
+    open(ready, "w").close()
+    time.sleep(600)
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context(sys.argv[1])
+    process = context.Process(target=rank, args=(os.getpid(), sys.argv[2]))
+    process.start()
+    print(process.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow  # two processes of their own, each importing the package
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_rank_ends_when_its_run_process_is_killed(method, tmp_path):
+    """SIGKILL of the run process ends its ranks (no GPU held by an orphan while a retry starts).
+    A forked rank's parent is the ranks' server, which outlives the run process while a rank holds
+    its pipe: the rank watches the run process itself. A stand-in run process and rank, no engine."""
+    import psutil
+
+    script = tmp_path / "run.py"
+    script.write_text(RUN_STAND_IN)
+    ready = tmp_path / "ready"
+    run = subprocess.Popen([sys.executable, str(script), method, str(ready)], stdout=subprocess.PIPE, text=True,
+                           start_new_session=True)
+    try:
+        rank = psutil.Process(int(run.stdout.readline()))
+        wait_for("the rank past its _die_with_parent", ready.exists, 60, interval=0.1)
+        assert rank.is_running() and rank.status() != psutil.STATUS_ZOMBIE
+        run.kill()
+        run.wait(timeout=10)
+        wait_for("the rank's end after its run process was killed",
+                 lambda: not rank.is_running() or rank.status() == psutil.STATUS_ZOMBIE, 10, interval=0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(run.pid, signal.SIGKILL)
+        run.wait(timeout=10)
 
 
 def test_too_many_ranks_fail_the_run_before_any_model_loads(tiny_model_dir, tmp_path):

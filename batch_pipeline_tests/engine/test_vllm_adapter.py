@@ -202,7 +202,10 @@ def test_the_suites_model_inspection_writes_what_vllms_registry_reads_back(tiny_
     def normal(info) -> dict:  # as the cache's JSON holds it (tuples read back as lists)
         return json.loads(json.dumps(dataclasses.asdict(info)))
 
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm"))
+    # vLLM's cache folder, in tmp_path (VLLM_CACHE_ROOT would not do: a worker that built an engine
+    # reads vLLM's variables from a cache)
+    monkeypatch.setattr(registry._LazyRegisteredModel, "_get_cache_dir",
+                        staticmethod(lambda: tmp_path / "vllm" / "modelinfos"))
     assert model_inspection.inspect(tmp_path) == len(model_inspection.ARCHITECTURES)
     monkeypatch.setattr(registry, "_run_in_subprocess", lambda fn: pytest.fail("vLLM missed the cache"))
     for arch in model_inspection.ARCHITECTURES:
