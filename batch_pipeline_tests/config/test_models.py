@@ -66,6 +66,7 @@ def test_bundled_model_dir_uses_given_root(tmp_path):
 # ---------------------------------------------------------------------------------- tiny llama
 
 
+@pytest.mark.slow  # the tiny fixture builds a tiny Llama: 6 s of the fast lane
 def test_tiny_llama_second_build_is_a_no_op(tiny):
     marker = (tiny / models.MARKER_NAME).read_text()
     weights_mtime = (tiny / "model.safetensors").stat().st_mtime_ns
@@ -74,6 +75,7 @@ def test_tiny_llama_second_build_is_a_no_op(tiny):
     assert (tiny / "model.safetensors").stat().st_mtime_ns == weights_mtime
 
 
+@pytest.mark.slow  # the tiny fixture builds a tiny Llama: 6 s of the fast lane
 def test_tiny_llama_config_fits_vllm_cpu(tiny):
     config = json.loads((tiny / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -83,6 +85,7 @@ def test_tiny_llama_config_fits_vllm_cpu(tiny):
     assert all(_world_readable(p) for p in [tiny, *tiny.iterdir()])
 
 
+@pytest.mark.slow  # the tiny fixture builds a tiny Llama: 6 s of the fast lane
 def test_tiny_llama_tokenizer_renders_chatml_and_round_trips(tiny):
     from transformers import AutoTokenizer
 
@@ -102,6 +105,7 @@ def test_tiny_llama_tokenizer_renders_chatml_and_round_trips(tiny):
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
+@pytest.mark.slow  # the tiny fixture builds a tiny Llama: 6 s of the fast lane
 def test_tiny_llama_is_deterministic(tiny, tmp_path):
     again = build_tiny_llama(tmp_path / "tiny-llama")
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
@@ -109,6 +113,7 @@ def test_tiny_llama_is_deterministic(tiny, tmp_path):
     assert models.model_identity(again)["revision"] == models.model_identity(tiny)["revision"]
 
 
+@pytest.mark.slow  # the tiny fixture builds a tiny Llama: 6 s of the fast lane
 def test_tiny_llama_rebuilds_damaged_folder(tiny, tmp_path):
     copy = tmp_path / "tiny-llama"
     shutil.copytree(tiny, copy)
@@ -193,6 +198,7 @@ def test_embedding_model_dir_refuses_to_replace_a_real_folder(tmp_path):
 # -------------------------------------------------------------------------------- identity
 
 
+@pytest.mark.slow  # the tiny fixture builds a tiny Llama: 6 s of the fast lane
 def test_model_identity_is_stable_and_names_the_folder(tiny, bundled, tmp_path):
     embedding = models.embedding_model_dir(tmp_path)
     for folder in (tiny, bundled[0], embedding):
@@ -205,6 +211,7 @@ def test_model_identity_is_stable_and_names_the_folder(tiny, bundled, tmp_path):
     assert len(revisions) == 3
 
 
+@pytest.mark.slow  # the tiny fixture builds a tiny Llama: 6 s of the fast lane
 def test_model_identity_follows_config_changes(tiny, tmp_path):
     copy = tmp_path / "tiny-llama"
     shutil.copytree(tiny, copy)

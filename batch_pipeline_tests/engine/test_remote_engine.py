@@ -230,6 +230,7 @@ class AtOnce:
         return 200, chat_answer(body)
 
 
+@pytest.mark.slow  # 16 answers held 0.2 s each, some in a row: 3-4 s
 def test_a_run_sends_its_start_window_first_and_grows_it_by_one_per_answer():
     """ENGINE_START_WINDOW requests at first, not the whole window: the server holds the first three
     unanswered, and no fourth comes; once they are answered the run has more in flight than its
