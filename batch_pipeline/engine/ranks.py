@@ -440,12 +440,14 @@ def _requests(inbox: _Inbox, outbox: _Outbox) -> Iterator[Any]:
 
 def rank_main(plan: RankPlan, settings: EngineSettings, models: tuple[Any, ...], conn: Connection, parent_pid: int) -> None:
     """Entry point of a rank process (see rank_context): place it, then answer batches until told to close."""
-    _set_title(f"{RANK_TITLE}{plan.rank}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds into the engine shutdown below
-    _die_with_parent(parent_pid)
     os.environ.update(plan.env)
     if plan.cpus and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, plan.cpus)
+    # Titled once placed: a forked rank starts with its server's cores, and whoever finds it by its
+    # title (ps, a test) sees its own.
+    _set_title(f"{RANK_TITLE}{plan.rank}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds into the engine shutdown below
+    _die_with_parent(parent_pid)
     forked = "batch_pipeline.engine.rank_server" in sys.modules  # from the ranks' server
     if forked:
         from batch_pipeline.engine.rank_server import restore_environment
