@@ -58,7 +58,8 @@ RANK_TITLE = "batch-pipeline::rank"  # process title of rank N: RANK_TITLE + "N"
 # preloading these modules): N ranks pay the import (10-30 s of CPU each) once instead of N times
 # side by side, and the ranks a step's retry starts again pay nothing. The server imports and never
 # builds an engine, so it holds no GPU context that a fork could carry (vLLM forks its own engine
-# processes after the same import). It ends when the run process does. RANK_START_METHOD=spawn, or
+# processes after the same import). It ends after its last rank, and each rank ends with the run
+# process (_die_with_parent). RANK_START_METHOD=spawn, or
 # a platform without forkserver: each rank is a new interpreter that imports vLLM itself.
 RANK_PRELOAD = ["batch_pipeline.engine.ranks", "batch_pipeline.engine.rank_server"]
 
